@@ -1,0 +1,1 @@
+"""kvshelf.codecs (being built)."""

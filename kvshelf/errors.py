@@ -1,0 +1,61 @@
+"""The one error root of kvshelf.
+
+Every rejected call raises a subclass of :class:`KvShelfError`, named for what the
+caller can do about it.  Where a builtin already carries that meaning the class
+also derives from it (``SnapshotNotFound`` is a ``KeyError``, a bad shape is a
+``ValueError``), so generic ``except`` clauses in serving code keep working.
+A rejected call never leaves a cache or the store half-changed.
+"""
+
+from __future__ import annotations
+
+
+class KvShelfError(Exception):
+    """Root of every error kvshelf raises on purpose."""
+
+
+class InvalidCacheState(KvShelfError, ValueError):
+    """Bad shapes, dtypes, row indices, or batched rows where a serial row is needed."""
+
+
+class CacheRangeError(InvalidCacheState, IndexError):
+    """A position or row count outside what the cache holds (trim too far, maxTokens exceeded, row out of range)."""
+
+
+class IncompatibleFormat(KvShelfError, ValueError):
+    """An unknown provider id, cache kind or format version, or a header that contradicts its own geometry."""
+
+
+class CorruptData(KvShelfError):
+    """Stored bytes failed verification: a checksum, a truncated file, a header that does not decode."""
+
+
+class IdentityMismatch(KvShelfError):
+    """A snapshot was made under another model identity or namespace than the caller expects."""
+
+    def __init__(self, field: str, stored: object, expected: object, what: str = "snapshot") -> None:
+        self.field, self.stored, self.expected = field, stored, expected
+        super().__init__(f"{what} {field} mismatch: stored {stored!r}, expected {expected!r}")
+
+
+class SnapshotNotFound(KvShelfError, KeyError):
+    """No snapshot or session under that id (in this identity and namespace)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "snapshot not found"
+
+
+class StoreFull(KvShelfError, OSError):
+    """The disk (ENOSPC) or the byte budget cannot take a write; nothing was committed."""
+
+
+__all__ = [
+    "KvShelfError",
+    "InvalidCacheState",
+    "CacheRangeError",
+    "IncompatibleFormat",
+    "CorruptData",
+    "IdentityMismatch",
+    "SnapshotNotFound",
+    "StoreFull",
+]

@@ -1,0 +1,1 @@
+"""kvshelf.latent_legos (being built)."""

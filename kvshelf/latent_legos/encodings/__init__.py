@@ -1,0 +1,1 @@
+"""Family encodings of latent state: affine and TurboQuant."""

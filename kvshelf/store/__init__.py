@@ -1,0 +1,1 @@
+"""kvshelf.store (being built)."""

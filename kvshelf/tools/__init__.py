@@ -1,0 +1,1 @@
+"""kvshelf.tools (being built)."""
