@@ -1,0 +1,318 @@
+"""The ``kvshelf`` command line: argparse parses, :mod:`kvshelf.tools.render` prints, library functions do the work.
+
+Exit codes: 0 all is well, 1 problems found (corruption, orphans, a failed import, an error from the store),
+2 usage error (argparse's own exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import KvShelfError
+from .paths import ENV_VAR, default_store_path
+from .render import Printer, human_bytes, human_time, kv_table, rows_table, to_data
+
+OK, PROBLEMS, USAGE = 0, 1, 2
+
+
+def _duration(text: str, allow_zero: bool = False) -> float:
+    from .watcher import parse_duration
+
+    try:
+        return parse_duration(text, allow_zero=allow_zero)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"store directory (default: ${ENV_VAR}, else {default_store_path()})",
+    )
+    common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    return common
+
+
+def _identity_options(parser: argparse.ArgumentParser, *, required_note: str = "") -> None:
+    group = parser.add_argument_group("identity" + (f" ({required_note})" if required_note else ""))
+    group.add_argument("--model-id", default=None, help="model id the snapshots were made under")
+    group.add_argument("--config-fingerprint", default=None, help="model config fingerprint")
+    group.add_argument("--tokenizer-hash", default=None, help="tokenizer hash")
+    group.add_argument("--namespace", default=None, help="namespace (adapter/tenant); default: any / the file's")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="kvshelf",
+        description="Inspect, check, repair, shrink and move a kvshelf session store.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=help_text, description=help_text)
+
+    add("demo", "Run the synthetic-model demo on the store (save, restore, prefix reuse, batch restore).")
+    p = add("ls", "List stored sessions: namespace, identity, tokens, bytes, times, floor, kinds and formats.")
+    _identity_options(p, required_note="filters; default: every identity")
+    p = add("show", "Show the header of one snapshot (geometry, format, block table, chunks) without loading tensors.")
+    p.add_argument("target", metavar="SESSION|SNAPSHOT", help="a session id (its latest snapshot) or a snapshot id")
+    _identity_options(p, required_note="filters; default: every identity")
+    add("stats", "Totals, deduplication and compression ratios, budget use, chunk and orphan counts.")
+    p = add("verify", "Check headers and manifests against the blobs; exit 1 if anything is wrong.")
+    p.add_argument("--deep", action="store_true", help="also re-hash every chunk")
+    p = add("gc", "Remove orphan blobs and unreferenced chunks.")
+    p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    p = add("compact", "Recompress cold chunks, densify paged tables, merge small chunks, drop orphans, shrink LMDB.")
+    p.add_argument("--dry-run", action="store_true", help="print the plan only")
+    p.add_argument("--cold-after", type=lambda t: _duration(t, allow_zero=True), default=3600.0, metavar="DURATION",
+                   help="a chunk not used for this long is cold (default 1h; 0s: every chunk)")
+    p.add_argument("--level", type=int, default=3, help="zstd level for cold chunks (default 3)")
+    p = add("export", "Write a session's latest snapshot as one portable safetensors file.")
+    p.add_argument("session", help="session id")
+    p.add_argument("file", type=Path, help="output file (written atomically, mode 0600)")
+    _identity_options(p, required_note="default: the only identity holding the session")
+    p = add("import", "Verify portable snapshot files completely, then add them to the store (idempotent).")
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    p.add_argument("--session", default=None, help="session id (default: each file's name without suffix)")
+    _identity_options(p, required_note="expected identity; a file made under another is refused")
+    add("rebuild-index", "Rebuild the LMDB index from the blob directory alone.")
+    p = add("watch", "Ingest every portable snapshot file dropped into INBOX; done/ and failed/ hold the results.")
+    p.add_argument("inbox", type=Path, metavar="INBOX")
+    p.add_argument("--compact-every", type=_duration, default=None, metavar="DURATION",
+                   help="run compaction between ingests at most this often (e.g. 30m)")
+    p.add_argument("--settle", type=_duration, default=_duration("1s"), metavar="DURATION",
+                   help="a file must hold still this long before it is read (default 1s)")
+    p.add_argument("--exit-when-idle", type=_duration, default=None, metavar="DURATION",
+                   help="stop after nothing arrived for this long (for batch jobs and tests)")
+    _identity_options(p, required_note="expected identity; files made under another go to failed/")
+    return parser
+
+
+def _store_dir(args: argparse.Namespace) -> Path:
+    return args.store if args.store is not None else default_store_path()
+
+
+def _expect(args: argparse.Namespace) -> dict[str, str]:
+    fields = ("model_id", "config_fingerprint", "tokenizer_hash", "namespace")
+    return {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+
+
+# --- commands --------------------------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace, pr: Printer) -> int:
+    from .demo import run_demo
+
+    lines: list[str] = []
+    out = lines.append if args.json else (lambda text: pr.out.print(text))
+    result = run_demo(store_dir=_store_dir(args), out=out)
+    if args.json:
+        pr.emit(result, lambda _c: None)
+    return OK
+
+
+def cmd_ls(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    with admin.open_admin(_store_dir(args)) as store:
+        rows = admin.list_sessions(store, **_expect(args))
+
+    def human(console) -> None:
+        table_rows = [
+            (
+                r["namespace"] or "\"\"",
+                r["session_id"],
+                r["model_id"],
+                r["tokens"],
+                human_bytes(r["bytes_own"]),
+                human_bytes(r["bytes_shared"]),
+                human_time(r["created_at"]),
+                human_time(r["last_used_at"]),
+                r["minimum_reusable_offset"],
+                ",".join(r["kinds"]),
+                ",".join(r["formats"]),
+            )
+            for r in rows
+        ]
+        columns = ("namespace", "session", "model", "tokens", "own", "shared", "created", "last used", "floor",
+                   "kinds", "formats")
+        console.print(rows_table(f"{len(rows)} session(s)", columns, table_rows))
+
+    pr.emit({"sessions": rows}, human)
+    return OK
+
+
+def cmd_show(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    with admin.open_admin(_store_dir(args)) as store:
+        doc = admin.show(store, args.target, **_expect(args))
+
+    def human(console) -> None:
+        head = [(k, doc[k]) for k in ("snapshot_id", "session_id", "namespace", "model_id", "config_fingerprint",
+                                      "tokenizer_hash", "provider", "tokens", "created_at") if k in doc]
+        console.print(kv_table("snapshot", head))
+        layer_rows = []
+        for i, e in enumerate(doc["caches"]):
+            pages = e.get("pages")
+            table = "-" if not pages else f"bs={pages['block_size']} n={pages['num_blocks']} {pages['block_table']}"
+            fmt = admin.format_of(e)
+            geometry = f"{e.get('kv_lora_rank')}+{e.get('rope_head_dim')}" + (
+                f"+{e['index_head_dim']}" if e.get("index_head_dim") else "")
+            layer_rows.append((i, e["kind"], e["offset"], e["minimum_reusable_offset"], geometry, fmt,
+                               "yes" if e.get("shadow") else "no", table, len(e.get("tensors", []))))
+        console.print(rows_table("caches", ("layer", "kind", "offset", "floor", "geometry", "format", "shadow",
+                                            "pages", "tensors"), layer_rows))
+        chunk_rows = [(c.get("hash"), c.get("start"), c.get("stop"), human_bytes(c.get("nbytes")), c.get("encoding"))
+                      for c in doc.get("chunks", [])]
+        console.print(rows_table("chunks", ("hash", "start", "stop", "bytes", "encoding"), chunk_rows))
+
+    pr.emit(doc, human)
+    return OK
+
+
+def cmd_stats(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    with admin.open_admin(_store_dir(args)) as store:
+        doc = admin.stats(store)
+
+    def human(console) -> None:
+        console.print(kv_table("store", [(k, human_bytes(v) if k.endswith("bytes") else v) for k, v in doc.items()]))
+
+    pr.emit(doc, human)
+    return PROBLEMS if doc.get("orphan_count") else OK
+
+
+def cmd_verify(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    with admin.open_admin(_store_dir(args)) as store, pr.progress("verifying", None) as advance:
+        doc = admin.verify(store, deep=args.deep, progress=advance)
+
+    def human(console) -> None:
+        console.print(f"checked {doc['snapshots']} snapshot(s), {doc['chunks']} chunk(s)"
+                      f"{' (deep: re-hashed)' if doc['deep'] else ''}")
+        if doc["problems"]:
+            console.print(rows_table(f"{len(doc['problems'])} problem(s)", ("session", "snapshot", "what"),
+                                     [(p.get("session_id"), p.get("snapshot_id"), p.get("message"))
+                                      for p in doc["problems"]]))
+        else:
+            console.print("no problems found")
+
+    pr.emit(doc, human)
+    return PROBLEMS if doc["problems"] else OK
+
+
+def cmd_gc(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    with admin.open_admin(_store_dir(args)) as store:
+        doc = admin.gc(store, dry_run=args.dry_run)
+
+    def human(console) -> None:
+        verb = "would remove" if args.dry_run else "removed"
+        console.print(f"{verb} {doc['blobs']} blob(s), {human_bytes(doc['bytes'])}")
+
+    pr.emit(doc, human)
+    return OK
+
+
+def cmd_compact(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+    from .compaction import compact
+
+    with admin.open_admin(_store_dir(args)) as store:
+        report = compact(store, cold_after=args.cold_after, dry_run=args.dry_run, level=args.level)
+    doc = to_data(report)
+
+    def human(console) -> None:
+        title = "compaction plan (dry run)" if args.dry_run else "compaction"
+        console.print(rows_table(title, ("step", "count", "bytes before", "bytes after"),
+                                 [(s["name"], s["count"], human_bytes(s["bytes_before"]),
+                                   human_bytes(s["bytes_after"])) for s in doc["steps"]]))
+        console.print(f"total {human_bytes(doc['bytes_before'])} -> {human_bytes(doc['bytes_after'])}"
+                      f" (ratio {doc['ratio']:.3f}) in {doc['seconds']:.2f}s; skipped (leased) {doc['skipped_leased']}")
+
+    pr.emit(doc, human)
+    return OK
+
+
+def cmd_export(args: argparse.Namespace, pr: Printer) -> int:
+    from .transfer import export_session
+
+    doc = export_session(_store_dir(args), args.session, args.file, **_expect(args))
+    pr.emit(doc, lambda c: c.print(f"exported {doc['session_id']} ({doc['tokens']} tokens) to {doc['file']}"))
+    return OK
+
+
+def cmd_import(args: argparse.Namespace, pr: Printer) -> int:
+    from .transfer import import_files
+
+    if args.session is not None and len(args.files) > 1:
+        pr.error("--session names one session; give one FILE with it")
+        return USAGE
+    with pr.progress("importing", len(args.files)) as advance:
+        results = import_files(_store_dir(args), args.files, session_id=args.session, progress=advance,
+                               **_expect(args))
+    failed = [r for r in results if r["status"] == "failed"]
+
+    def human(console) -> None:
+        console.print(rows_table("import", ("file", "status", "session", "detail"),
+                                 [(r["file"], r["status"], r.get("session_id"), r.get("detail", "")) for r in results]))
+
+    pr.emit({"results": results, "failed": len(failed)}, human)
+    return PROBLEMS if failed else OK
+
+
+def cmd_rebuild_index(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    doc = admin.rebuild_index(_store_dir(args))
+    pr.emit(doc, lambda c: c.print(kv_table("rebuilt index", list(to_data(doc).items()))))
+    return OK
+
+
+def cmd_watch(args: argparse.Namespace, pr: Printer) -> int:
+    from .transfer import watch_inbox
+
+    stats = watch_inbox(_store_dir(args), args.inbox, settle=args.settle, compact_every=args.compact_every,
+                        until_idle=args.exit_when_idle, log=pr.message, **_expect(args))
+    doc = {"done": stats.done, "failed": stats.failed, "compactions": stats.compactions,
+           "files": [to_data(o) | {"result": None} for o in stats.outcomes]}
+    pr.emit(doc, lambda c: c.print(f"watch stopped: {stats.done} ingested, {stats.failed} failed"))
+    return OK
+
+
+COMMANDS = {
+    "demo": cmd_demo, "ls": cmd_ls, "show": cmd_show, "stats": cmd_stats, "verify": cmd_verify, "gc": cmd_gc,
+    "compact": cmd_compact, "export": cmd_export, "import": cmd_import, "rebuild-index": cmd_rebuild_index,
+    "watch": cmd_watch,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    pr = Printer(as_json=args.json)
+    try:
+        return COMMANDS[args.command](args, pr)
+    except KvShelfError as exc:
+        pr.error(f"{type(exc).__name__}: {exc}")
+        if args.json:
+            pr.emit({"error": type(exc).__name__, "message": str(exc)}, lambda _c: None)
+        return PROBLEMS
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+        pr.error(str(exc))
+        return PROBLEMS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
