@@ -1,0 +1,147 @@
+"""Durability: a worker process saving sessions is killed with SIGKILL at random moments, again and again.
+
+After every kill the store must open, ``verify(deep=True)`` must find nothing wrong, every indexed session must
+restore bit-exact to what the worker fed it (recomputed here from ``(session, length)``), every save the worker saw
+return must be there, and ``gc()`` must leave no orphan behind while every snapshot still restores.
+
+The randomness is replayable: the seed is printed; set ``KVSHELF_TEST_SEED`` to rerun the same kill schedule.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import store_workers as sw
+
+WORKER = Path(__file__).with_name("store_workers.py")
+KILLS = 50  # kill points that hit a live worker
+KILLS_PER_STORE = 10  # then start a fresh store, so each check stays cheap
+
+
+def _seed() -> int:
+    return int(os.environ.get("KVSHELF_TEST_SEED", random.SystemRandom().randrange(2**32)))
+
+
+def _read_log(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _wait_ready(log: Path, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while "ready" not in _read_log(log):
+        if proc.poll() is not None:
+            raise AssertionError(f"worker exited with {proc.returncode} before opening the store: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            raise AssertionError("worker did not open the store within 30 s")
+        time.sleep(0.005)
+
+
+def blob_files(store_dir: Path) -> set[str]:
+    """Every chunk blob on disk (content-addressed files under ``blobs/ab/``), by name."""
+    return {p.name for p in (store_dir / "blobs").glob("??/*") if p.is_file()}
+
+
+def problems_of(report) -> list:
+    """The problems a verify report lists (a report object with ``problems``, or a plain list)."""
+    return list(report.problems) if hasattr(report, "problems") else list(report)
+
+
+def check_store(store_dir: Path, committed: dict[str, int], plans: dict[str, list[int]]) -> tuple[int, int]:
+    """Every invariant of a store a killed worker left behind; returns (sessions checked, blobs gc removed)."""
+    with sw.open_test_store(store_dir) as store:
+        assert problems_of(store.verify(deep=True)) == []
+        ids = sw.session_ids(store)
+        missing = sorted(set(committed) - set(ids))
+        assert missing == [], f"saves that returned before the kill are gone: {missing}"
+        unplanned = sorted(set(ids) - set(plans))
+        assert unplanned == [], f"sessions nobody saved: {unplanned}"
+
+        def check_all() -> None:
+            for session in ids:
+                r = store.restore(session)
+                lengths = plans[session]
+                if session in committed:
+                    last = lengths.index(committed[session])
+                    allowed = lengths[last : last + 2]  # the logged save, or the next one if it committed unlogged
+                else:
+                    allowed = lengths[:1]
+                assert r.length in allowed, f"{session}: restored length {r.length}, expected one of {allowed}"
+                assert list(r.tokens) == sw.session_tokens(session, r.length)
+                assert sw.mismatch(r.caches, session, r.length) is None
+
+        check_all()
+        before = blob_files(store_dir)
+        store.gc(dry_run=False)
+        after = blob_files(store_dir)
+        assert store.gc(dry_run=True).removed_blobs == 0, "gc left reclaimable blobs behind"
+        assert problems_of(store.verify(deep=True)) == []
+        check_all()
+        referenced = store.stats().blobs
+        assert len(after) == referenced, f"{len(after)} blob files on disk, {referenced} referenced"
+    tmp = store_dir / "tmp"
+    assert not tmp.exists() or list(tmp.iterdir()) == [], f"in-flight residue left in {tmp}"
+    return len(ids), len(before - after)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_at_random_moments_leaves_a_consistent_store(tmp_path: Path) -> None:
+    seed = _seed()
+    print(f"\ncrash test seed {seed} (set KVSHELF_TEST_SEED={seed} to replay)")
+    rng = random.Random(seed)
+    kills = runs = reclaimed = checked = 0
+    progress: list[int] = []  # saves completed by each killed run
+    started = time.monotonic()
+    while kills < KILLS:
+        store_dir = tmp_path / f"store{kills // KILLS_PER_STORE}"
+        if not store_dir.exists():
+            committed: dict[str, int] = {}
+            plans: dict[str, list[int]] = {}
+        run_seed = rng.randrange(2**31)
+        plans.update(sw.planned_lengths(run_seed))
+        log = tmp_path / f"run{runs}.log"
+        runs += 1
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "crash", "--store", str(store_dir), "--seed", str(run_seed), "--log", str(log)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            if rng.random() < 0.15:
+                time.sleep(rng.uniform(0.0, 0.6))  # anywhere from start-up through open into the first saves
+            else:
+                _wait_ready(log, proc)
+                time.sleep(rng.uniform(0.0, 1.2))
+            alive = proc.poll() is None
+            if alive:
+                os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.wait(timeout=30)
+        err = proc.stderr.read()
+        proc.stderr.close()
+        if alive:
+            assert proc.returncode == -signal.SIGKILL, f"worker ended with {proc.returncode}: {err}"
+            kills += 1
+        else:
+            assert proc.returncode == 0, f"worker failed (seed {run_seed}): {err}"
+        lines = _read_log(log)
+        saved = [line.split() for line in lines if line.startswith("saved ")]
+        progress.append(len(saved))
+        for _, session, length in saved:
+            committed[session] = int(length)
+        n, removed = check_store(store_dir, committed, plans)
+        checked += n
+        reclaimed += removed
+    elapsed = time.monotonic() - started
+    print(
+        f"{kills} kills in {runs} runs, {elapsed:.1f} s; saves completed per run {progress}; "
+        f"{checked} session restores checked; gc reclaimed {reclaimed} orphan blobs"
+    )
+    assert kills == KILLS
