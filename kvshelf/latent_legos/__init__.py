@@ -1,1 +1,62 @@
-"""kvshelf.latent_legos (being built)."""
+"""kvshelf.latent_legos: the latent (compressed MLA) caches and their row contract. No I/O.
+
+``SyntheticMLAModel`` and the encoded legos load on first use, so importing the package stays cheap.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from .contracts import (
+    BatchableCache,
+    Cache,
+    LatentAttentionCache,
+    LatentAttentionState,
+    PaddedPrefillCache,
+    PrefillPadding,
+    SpeculativeTransaction,
+)
+from .formats import AffineFormat, TurboFormat, format_key
+from .geometry import LatentGeometry
+from .mla import MLACache, MLARowState
+from .pages import LatentPages
+from .paged import PagedLatentCache
+
+_LAZY = {
+    "EncodedLatentCache": ".encoded",
+    "EncodedRowState": ".encoded",
+    "KvScheme": ".scheme",
+    "latent_format_of": ".scheme",
+    "composed_latent_cache": ".scheme",
+    "SyntheticMLAModel": ".synthetic_model",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(
+    [
+        "AffineFormat",
+        "BatchableCache",
+        "Cache",
+        "LatentAttentionCache",
+        "LatentAttentionState",
+        "LatentGeometry",
+        "LatentPages",
+        "MLACache",
+        "MLARowState",
+        "PaddedPrefillCache",
+        "PagedLatentCache",
+        "PrefillPadding",
+        "SpeculativeTransaction",
+        "TurboFormat",
+        "format_key",
+        *_LAZY,
+    ]
+)

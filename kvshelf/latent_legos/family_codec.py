@@ -1,0 +1,68 @@
+"""Encode and decode the latent families (latent, rope[, index]) of one geometry under one format.
+
+``None`` stores plain float32 (one plane per family, the input itself). The encodings come from
+``encodings.family_encoding`` (imported on first use so the f32 legos never need them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from .formats import AffineFormat, LatentFormat, TurboFormat
+from ..errors import InvalidCacheState
+
+
+class FamilyCodec:
+    """Per family its encoding; flat plane lists are family-major (every plane of family 0, then family 1, ...)."""
+
+    def __init__(self, widths: Sequence[int], fmt: LatentFormat | None) -> None:
+        if fmt is not None and not isinstance(fmt, (AffineFormat, TurboFormat)):
+            raise InvalidCacheState(f"latent format must be AffineFormat, TurboFormat or None (got {fmt!r})")
+        self.widths = tuple(widths)
+        self.format = fmt
+        if fmt is None:
+            self.encodings = None
+            self.plane_counts = [1] * len(self.widths)
+        else:
+            from .encodings.family import family_encoding
+
+            self.encodings = [family_encoding(fmt, w) for w in self.widths]
+            self.plane_counts = [e.planes for e in self.encodings]
+        self._bytes_per_token: int | None = None
+
+    @property
+    def total_planes(self) -> int:
+        return sum(self.plane_counts)
+
+    def encode(self, families: Sequence[mx.array]) -> list[mx.array]:
+        """f32 ``[B, L, W_f]`` per family -> the flat plane list."""
+        if self.encodings is None:
+            return list(families)
+        return [plane for enc, values in zip(self.encodings, families) for plane in enc.encode(values)]
+
+    def split(self, planes: Sequence[mx.array]) -> list[list[mx.array]]:
+        """The flat plane list grouped per family."""
+        out, at = [], 0
+        for count in self.plane_counts:
+            out.append(list(planes[at : at + count]))
+            at += count
+        return out
+
+    def decode(self, planes: Sequence[mx.array], families: int | None = None) -> list[mx.array]:
+        """The flat plane list -> f32 ``[B, L, W_f]`` per family (the first ``families`` only, if given)."""
+        groups = self.split(planes)[: families if families is not None else len(self.widths)]
+        if self.encodings is None:
+            return [g[0] for g in groups]
+        return [enc.decode(g) for enc, g in zip(self.encodings, groups)]
+
+    def bytes_per_token(self) -> int:
+        """Stored bytes of one position: the encoded planes of one token, or 4 bytes a value in f32."""
+        if self._bytes_per_token is None:
+            if self.encodings is None:
+                self._bytes_per_token = 4 * sum(self.widths)
+            else:
+                probe = self.encode([mx.zeros((1, 1, w), dtype=mx.float32) for w in self.widths])
+                self._bytes_per_token = sum(p.nbytes for p in probe)
+        return self._bytes_per_token

@@ -1,0 +1,205 @@
+"""The right-justified row layout shared by ``MLACache`` and ``EncodedLatentCache``.
+
+Every held array is ``[B, width, w]``; row b occupies columns ``[width - row_offsets[b], width)`` and every
+column before that is padding holding zeros. A subclass says which arrays it holds (``_stored``/``_publish``)
+and what per-row metadata follows a row (``_select_rows``); the row bookkeeping, trim, speculative rollback,
+prefill padding and filtering live here. Each operation validates, stages new arrays, then publishes, so a
+rejected call leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from ..errors import CacheRangeError, InvalidCacheState
+from .contracts import PrefillPadding
+from .geometry import LatentGeometry
+from .rows import check_keep, non_negative, roll_rows_right, take_rows, zero_leading
+
+
+def check_keep_counts(keep: int | Sequence[int], appended: Sequence[int]) -> list[int]:
+    """Validate a rollback's ``keep`` (one count or one per row) against what each row appended since begin."""
+    if isinstance(keep, int) and not isinstance(keep, bool):
+        counts = [keep] * len(appended)
+    else:
+        counts = list(keep)
+        if len(counts) != len(appended):
+            raise InvalidCacheState(f"rollback keep has {len(counts)} rows, the cache has {len(appended)}")
+    for row, (k, a) in enumerate(zip(counts, appended)):
+        non_negative(k, "rollback keep")
+        if k > a:
+            raise CacheRangeError(f"rollback keeps {k} positions of row {row}, which appended only {a} this round")
+    return counts
+
+
+class RightJustifiedRows:
+    """Row bookkeeping for right-justified caches (see the module docstring)."""
+
+    geometry: LatentGeometry
+
+    def __init__(self, geometry: LatentGeometry) -> None:
+        if not isinstance(geometry, LatentGeometry):
+            raise InvalidCacheState(f"geometry must be a LatentGeometry (got {type(geometry).__name__})")
+        self.geometry = geometry
+        self._reset_rows()
+
+    def _reset_rows(self) -> None:
+        self._batch: int | None = None
+        self._offsets: list[int] = []
+        self._width = 0
+        self._ends: list[int] | None = None
+        self._prefill_pending = False
+        self._round: list[int] | None = None
+
+    # -- subclass hooks ------------------------------------------------------------------------------------------
+    def _stored(self) -> list[mx.array]:
+        """Every held array ``[B, width, w]`` (``[]`` while width is 0)."""
+        raise NotImplementedError
+
+    def _publish(self, arrays: list[mx.array]) -> None:
+        """Replace the held arrays with ``arrays`` (same order as ``_stored``; ``[]`` when width becomes 0)."""
+        raise NotImplementedError
+
+    def _create_rows(self, batch: int) -> None:
+        """Per-row metadata for ``batch`` fresh rows."""
+
+    def _select_rows(self, keep: list[int]) -> None:
+        """Per-row metadata follows ``filter_rows``."""
+
+    # -- row layout ----------------------------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        """The physical width: every row ends at this column."""
+        return self._width
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._batch
+
+    @property
+    def row_offsets(self) -> list[int]:
+        return list(self._offsets)
+
+    @property
+    def left_pad(self) -> list[int]:
+        return [self._width - o for o in self._offsets]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def _require_serial_rows(self, what: str) -> None:
+        if self._prefill_pending:
+            raise InvalidCacheState(f"{what} needs a finalized prefill; call finalize_prefill() first")
+
+    def _begin_rows(self, batch: int) -> None:
+        self._batch, self._offsets, self._width = batch, [0] * batch, 0
+        self._create_rows(batch)
+
+    # -- trim and the speculative transaction ------------------------------------------------------------------
+    def trim(self, n: int) -> int:
+        non_negative(n, "trim count")
+        if n == 0:
+            return 0
+        shortest = min(self._offsets) if self._offsets else 0
+        if n > shortest:
+            raise CacheRangeError(f"cannot trim {n} positions: the shortest row holds {shortest}")
+        keep = self._width - n
+        self._publish([a[:, :keep, :] for a in self._stored()] if keep else [])
+        self._width = keep
+        self._offsets = [o - n for o in self._offsets]
+        return n
+
+    def spec_round_begin(self) -> None:
+        self._round = list(self._offsets)
+
+    def spec_round_commit(self) -> None:
+        self._round = None
+
+    def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
+        """Keep ``keep`` of the positions each row appended since begin; the rest never read again."""
+        if self._round is None:
+            raise InvalidCacheState("spec_round_rollback without spec_round_begin")
+        before = self._round
+        counts = check_keep_counts(keep, [o - b for o, b in zip(self._offsets, before)])
+        rejected = [o - b - k for o, b, k in zip(self._offsets, before, counts)]
+        if len(set(rejected)) <= 1:
+            self.trim(rejected[0] if rejected else 0)
+        else:
+            self._relayout(rejected)
+        self._round = None
+
+    def _relayout(self, shifts: Sequence[int]) -> None:
+        """Each row drops its last ``shifts[b]`` positions; padding is zeroed and common padding removed."""
+        offsets = [o - s for o, s in zip(self._offsets, shifts)]
+        pads = [self._width - o for o in offsets]
+        drop = min(max(0, min(pads, default=0)), self._width)
+        arrays = self._stored()
+        if arrays:
+            arrays = zero_leading(roll_rows_right(arrays, shifts), pads)
+            arrays = [a[:, drop:, :] for a in arrays] if drop < self._width else []
+        self._publish(arrays)
+        self._width -= drop
+        self._offsets = offsets
+
+    # -- prefill padding -------------------------------------------------------------------------------------------
+    def prepare_prefill(self, padding: PrefillPadding) -> None:
+        if not isinstance(padding, PrefillPadding):
+            raise InvalidCacheState(f"prepare_prefill takes a PrefillPadding (got {type(padding).__name__})")
+        rows = len(padding.lengths)
+        if self._batch is not None and rows != self._batch:
+            raise InvalidCacheState(f"prefill padding names {rows} rows, the cache has {self._batch}")
+        left = padding.left_padding or [0] * rows
+        if any(left) and self._width > 0:
+            raise InvalidCacheState("left padding can only be added to a cache with no stored positions")
+        if self._batch is None:
+            self._begin_rows(rows)
+        self._offsets = [o - p for o, p in zip(self._offsets, left)]
+        right = padding.right_padding
+        self._ends = [o + n for o, n in zip(self._offsets, padding.lengths)] if right and any(right) else None
+        self._prefill_pending = True
+
+    def finalize_prefill(self) -> None:
+        """Trailing padding rolls to the front (as zeros) and padding common to every row is dropped."""
+        if not self._prefill_pending:
+            return
+        ends = self._ends
+        shifts = [max(0, o - e) for o, e in zip(self._offsets, ends)] if ends else [0] * len(self._offsets)
+        self._relayout(shifts)
+        self._ends, self._prefill_pending = None, False
+
+    # -- rows leaving --------------------------------------------------------------------------------------------
+    def filter_rows(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` in that order; padding columns common to the survivors are removed."""
+        keep = check_keep(keep, self._batch)
+        pads = self.left_pad
+        drop = min(max(0, min(pads[k] for k in keep)), self._width)
+        width = self._width - drop
+        arrays = take_rows(self._stored(), keep, drop) if width else []
+        self._publish(arrays)
+        self._batch, self._width = len(keep), width
+        self._offsets = [self._offsets[k] for k in keep]
+        if self._ends is not None:
+            self._ends = [self._ends[k] for k in keep]
+        if self._round is not None:
+            self._round = [self._round[k] for k in keep]
+        self._select_rows(keep)
+
+    def _check_merge_sources(self, rows: Sequence[object]) -> list[object]:
+        if self._batch is not None:
+            raise InvalidCacheState("merge_rows needs an empty destination cache (make_empty_batch())")
+        rows = list(rows)
+        if not rows:
+            raise InvalidCacheState("merge_rows needs at least one source cache")
+        for source in rows:
+            if type(source) is not type(self) or source.signature() != self.signature():
+                got = source.signature() if hasattr(source, "signature") else type(source).__name__
+                raise InvalidCacheState(f"cannot merge {got} into {self.signature()}")
+            if source.geometry != self.geometry:
+                raise InvalidCacheState(f"cannot merge geometry {source.geometry} into {self.geometry}")
+            source._require_serial_rows("merge_rows")
+        return rows
+
+    def signature(self) -> str:
+        raise NotImplementedError

@@ -1,0 +1,183 @@
+"""``MLACache``: the float32 latent lego, the checkpoint-native compressed-MLA state stored as computed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import CacheRangeError, InvalidCacheState
+from .contracts import LatentAttentionState
+from .geometry import LatentGeometry
+from .justified import RightJustifiedRows
+from .rows import (
+    append_inputs,
+    check_f32,
+    check_row,
+    check_token_room,
+    non_negative,
+    owned,
+    pad_left,
+    prefill_leads,
+    zero_prefill_leads,
+)
+
+
+@dataclass
+class MLARowState:
+    """One row's state with its padding removed: per family (latent, rope[, index]) an owned ``[1, T, w]``."""
+
+    arrays: list[mx.array]
+    offset: int
+    minimum_reusable_offset: int = 0
+
+
+class MLACache(RightJustifiedRows):
+    """float32 latent ``[B, T, kv_lora_rank]``, RoPE key ``[B, T, rope_head_dim]`` and optional DSA index keys.
+
+    Rows are right-justified with zero left padding. Reads are the stored bits, so every other latent lego is
+    measured against this one.
+    """
+
+    def __init__(self, geometry: LatentGeometry) -> None:
+        super().__init__(geometry)
+        self._families: list[mx.array] = []
+        self._minimum = 0
+
+    # -- identity and accounting -----------------------------------------------------------------------------------
+    def signature(self) -> str:
+        return "kv:mla:target:dsa" if self.geometry.has_index else "kv:mla:target"
+
+    @property
+    def state(self) -> list[mx.array]:
+        return list(self._families)
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        return self._minimum
+
+    @minimum_reusable_offset.setter
+    def minimum_reusable_offset(self, value: int) -> None:
+        self._minimum = non_negative(value, "minimum_reusable_offset")
+
+    def bytes_per_token(self) -> int:
+        return self.geometry.f32_bytes_per_token()
+
+    def projected_bytes(self, tokens: int) -> int:
+        return non_negative(tokens, "tokens") * self.geometry.f32_bytes_per_token()
+
+    # -- layout hooks ----------------------------------------------------------------------------------------------
+    def _stored(self) -> list[mx.array]:
+        return list(self._families)
+
+    def _publish(self, arrays: list[mx.array]) -> None:
+        self._families = arrays
+
+    # -- the latent contract ---------------------------------------------------------------------------------------
+    def append_latent(
+        self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None
+    ) -> LatentAttentionState:
+        families = append_inputs(self.geometry, latent, rope, index_keys, self._batch)
+        batch, length = latent.shape[0], latent.shape[1]
+        check_token_room(self.geometry, self._offsets, length)
+        if self._batch is None:
+            self._begin_rows(batch)
+        families = zero_prefill_leads(families, prefill_leads(self._offsets))
+        if self._families:
+            families = [mx.concatenate([old, new], axis=1) for old, new in zip(self._families, families)]
+        self._families = families
+        self._width += length
+        self._offsets = [o + length for o in self._offsets]
+        return self._read()
+
+    def _read(self) -> LatentAttentionState:
+        reads = [owned(a) for a in self._families]
+        return LatentAttentionState(reads[0], reads[1], reads[2] if len(reads) > 2 else None)
+
+    def read_latent(self) -> LatentAttentionState:
+        """Reads of every stored position without appending (what the last append returned)."""
+        if not self._families:
+            batch = self._batch or 0
+            zeros = [mx.zeros((batch, 0, w), dtype=mx.float32) for w in self.geometry.widths]
+            return LatentAttentionState(zeros[0], zeros[1], zeros[2] if len(zeros) > 2 else None)
+        return self._read()
+
+    def stored_index_keys(self) -> mx.array | None:
+        if not self.geometry.has_index or not self._families:
+            return None
+        return owned(self._families[2])
+
+    # -- rows joining and leaving ------------------------------------------------------------------------------------
+    def make_empty_batch(self) -> MLACache:
+        return MLACache(self.geometry)
+
+    def row_state(self, row: int) -> MLARowState:
+        """Owned copies of row ``row`` with its padding removed."""
+        row = check_row(row, self._batch)
+        self._require_serial_rows("row_state")
+        start = self._width - self._offsets[row]
+        if self._families:
+            arrays = [owned(a[row : row + 1, start:, :]) for a in self._families]
+        else:
+            arrays = [mx.zeros((1, 0, w), dtype=mx.float32) for w in self.geometry.widths]
+        return MLARowState(arrays, self._offsets[row], self._minimum)
+
+    def _check_state(self, state: MLARowState) -> None:
+        if not isinstance(state, MLARowState):
+            raise InvalidCacheState(f"expected an MLARowState (got {type(state).__name__})")
+        offset = non_negative(state.offset, "row state offset")
+        non_negative(state.minimum_reusable_offset, "row state minimum_reusable_offset")
+        widths = self.geometry.widths
+        if len(state.arrays) != len(widths):
+            raise InvalidCacheState(f"row state has {len(state.arrays)} families, geometry has {len(widths)}")
+        for name, array, width in zip(("latent", "rope key", "index keys"), state.arrays, widths):
+            check_f32(f"row state {name}", array, (1, offset, width))
+        if offset > self.geometry.token_limit:
+            raise CacheRangeError(f"row of {offset} positions exceeds max_tokens {self.geometry.max_tokens}")
+
+    def merge_row_states(self, states: Sequence[MLARowState]) -> None:
+        """Fill this EMPTY cache with ``states`` as rows (right-justified, zero left padding)."""
+        if self._batch is not None:
+            raise InvalidCacheState("merge_row_states needs an empty destination cache")
+        states = list(states)
+        if not states:
+            raise InvalidCacheState("merge needs at least one row")
+        for state in states:
+            self._check_state(state)
+        width = max(s.offset for s in states)
+        families = []
+        if width:
+            for f in range(len(self.geometry.widths)):
+                families.append(mx.concatenate([pad_left(s.arrays[f], width - s.offset) for s in states], axis=0))
+        self._begin_rows(len(states))
+        self._families, self._width = families, width
+        self._offsets = [s.offset for s in states]
+        self._minimum = max(s.minimum_reusable_offset for s in states)
+
+    def restore_row(self, state: MLARowState) -> None:
+        """Replace this cache's contents with one row (the codecs' load path)."""
+        self._check_state(state)
+        self.dispose()
+        self.merge_row_states([state])
+
+    def merge_rows(self, rows: Sequence[MLACache]) -> None:
+        """Rows of every source, in order (an empty source contributes one zero-length row); sources unchanged."""
+        sources = self._check_merge_sources(rows)
+        states = []
+        for source in sources:
+            if source.batch_size is None:
+                states.append(MLARowState([mx.zeros((1, 0, w)) for w in self.geometry.widths], 0, 0))
+            else:
+                states.extend(source.row_state(r) for r in range(source.batch_size))
+        self.merge_row_states(states)
+
+    def extract_row(self, row: int) -> MLACache:
+        out = self.make_empty_batch()
+        out.merge_row_states([self.row_state(row)])
+        return out
+
+    def dispose(self) -> None:
+        self._reset_rows()
+        self._families = []
+        self._minimum = 0
