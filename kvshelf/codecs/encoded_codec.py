@@ -1,0 +1,152 @@
+"""``EncodedLatentCache`` <-> entries of kind ``latent-encoded``.
+
+Tensors: every family's encoded planes in family order (``latent.0``, ``latent.1``, ... ``rope.0``, ...), then,
+while the row has not converted (``shadow``), one f32 shadow per family (``latent.shadow``, ...). All are
+``[1, T, w]`` with positions on axis 1. ``quantized_kv_start`` and the floor travel in the header, so the restored
+row converts (or stays converted) exactly as the original would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from . import validate
+from .dtypes import mlx_dtype
+from .header import CacheEntry
+from .latent_common import (
+    check_prefix,
+    family_layouts,
+    family_names,
+    format_fields,
+    format_of,
+    geometry_fields,
+    geometry_of,
+    make_slots,
+    plane_layout,
+    prefix_tensors,
+    replace_entry,
+    require_serial,
+    same_layout,
+)
+from .validate import SlotSpec
+
+KIND = "latent-encoded"
+
+
+def _legos():
+    """The encoded lego's module, imported on first use (the codec table must not need every lego to import)."""
+    from ..latent_legos import encoded
+
+    return encoded
+
+
+class EncodedCodec:
+    kind = KIND
+
+    def __repr__(self) -> str:
+        return "EncodedCodec()"
+
+    def matches(self, cache: object) -> bool:
+        try:
+            cls = _legos().EncodedLatentCache
+        except ImportError:  # the lego is not part of this build: no cache can be one
+            return False
+        return isinstance(cache, cls)
+
+    def snapshot(self, cache: Any) -> tuple[CacheEntry, list[mx.array]]:
+        require_serial(cache)
+        geometry, fmt = cache.geometry, cache.format
+        layouts = [plane_layout(fmt, w) for w in geometry.widths]
+        empty_planes = [[mx.zeros((1, 0, w), dtype=mlx_dtype(d)) for d, w in layout] for layout in layouts]
+        empty_shadow = [mx.zeros((1, 0, w), dtype=mx.float32) for w in geometry.widths]
+        if cache.batch_size is None:  # never appended to: an unconverted row at offset 0
+            planes, shadow, offset, floor = empty_planes, empty_shadow, 0, cache.minimum_reusable_offset
+        else:
+            state = cache.row_state(0)
+            offset, floor = state.offset, state.minimum_reusable_offset
+            planes = [list(family) for family in state.planes] if state.planes else empty_planes
+            shadow = None if state.shadow is None else (list(state.shadow) if state.shadow else empty_shadow)
+        names = family_names(geometry)
+        named = [(f"{name}.{i}", plane, 1) for name, family in zip(names, planes) for i, plane in enumerate(family)]
+        if shadow is not None:
+            named += [(f"{name}.shadow", values, 1) for name, values in zip(names, shadow)]
+        entry = CacheEntry(
+            kind=KIND,
+            offset=offset,
+            minimum_reusable_offset=floor,
+            quantized_kv_start=cache.start,
+            shadow=shadow is not None,
+            tensors=make_slots(named),
+            **geometry_fields(geometry),
+            **format_fields(fmt),
+        )
+        self.validate(entry)
+        return entry, [array for _, array, _ in named]
+
+    def specs(self, entry: CacheEntry, index: int | None = None) -> list[SlotSpec]:
+        geometry = geometry_of(entry, index)
+        fmt = format_of(entry, index)
+        if fmt is None:
+            raise validate.incompatible(entry, index, "bits/k_bits", "an encoded entry needs a format")
+        names = family_names(geometry)
+        specs = [
+            SlotSpec(f"{name}.{i}", dtype, (1, entry.offset, width), 1)
+            for name, layout in zip(names, family_layouts(entry, index, geometry, fmt))
+            for i, (dtype, width) in enumerate(layout)
+        ]
+        if entry.shadow:
+            specs += [SlotSpec(f"{name}.shadow", "float32", (1, entry.offset, w), 1) for name, w in zip(names, geometry.widths)]
+        return specs
+
+    def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        if entry.kind != KIND:
+            raise validate.incompatible(entry, index, "kind", f"expected {KIND!r}")
+        if entry.pages is not None:
+            raise validate.incompatible(entry, index, "pages", "an encoded (unpaged) entry has no pages")
+        specs = self.specs(entry, index)
+        validate.check_positions(entry, index, entry.max_tokens)
+        validate.check_slots(entry, index, specs)
+
+    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> Any:
+        self.validate(entry, index)
+        validate.check_arrays(entry, index, arrays, verify)
+        geometry = geometry_of(entry, index)
+        layouts = family_layouts(entry, index, geometry, format_of(entry, index))
+        planes, at = [], 0
+        for layout in layouts:
+            planes.append(list(arrays[at : at + len(layout)]))
+            at += len(layout)
+        shadow = list(arrays[at:]) if entry.shadow else None
+        return _legos().EncodedRowState(
+            planes=planes, shadow=shadow, offset=entry.offset, minimum_reusable_offset=entry.minimum_reusable_offset
+        )
+
+    def _empty(self, entry: CacheEntry, index: int | None) -> Any:
+        return _legos().EncodedLatentCache(geometry_of(entry, index), format_of(entry, index), entry.quantized_kv_start)
+
+    def load(
+        self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None
+    ) -> Any:
+        state = self._row_state(entry, arrays, verify, index)
+        cache = self._empty(entry, index)
+        cache.restore_row(state)
+        return cache
+
+    def load_batch(
+        self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *, verify: bool = True
+    ) -> Any:
+        same_layout(entries, arrays_per_row, KIND)
+        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
+        cache = self._empty(entries[0], 0)
+        cache.merge_row_states(states)
+        return cache
+
+    def header_trimmable(self, entry: CacheEntry) -> bool:
+        return True
+
+    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
+        check_prefix(entry, p)
+        return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p))

@@ -1,0 +1,14 @@
+"""The default codec provider: every latent lego, under the versioned id ``kvshelf-cache-v1``."""
+
+from __future__ import annotations
+
+from .codec import CodecProvider
+from .encoded_codec import EncodedCodec
+from .mla_codec import MLACodec
+from .paged_codec import PagedCodec
+
+DEFAULT_PROVIDER_ID = "kvshelf-cache-v1"
+
+default_provider = CodecProvider(DEFAULT_PROVIDER_ID, [MLACodec(dsa=False), MLACodec(dsa=True), EncodedCodec(), PagedCodec()])
+
+__all__ = ["DEFAULT_PROVIDER_ID", "default_provider"]

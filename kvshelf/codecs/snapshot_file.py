@@ -1,0 +1,325 @@
+"""The portable single-file snapshot: one safetensors file whose metadata carries the msgspec header.
+
+Written with MLX's own safetensors writer (it handles bfloat16), atomically: a 0600 temporary file in the target
+directory, fsync, rename, fsync of the directory, so a reader sees the old file or the whole new one. Read back
+with our own small parser of the safetensors framing, so the header is checked (its own checksum, provider id,
+kinds, layouts, identity) and every tensor's place in the file is bounds-checked before a tensor byte is read;
+each tensor's checksum is verified on the raw bytes before MLX sees them. The file still opens in ordinary
+safetensors tools: tensors are named ``<cache index>.<slot name>``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, BinaryIO
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+
+from ..errors import CorruptData, IdentityMismatch, InvalidCacheState, StoreFull
+from . import dtypes
+from .checksum import checksum_bytes
+from .codec import CodecProvider
+from .header import IDENTITY_FIELDS, SnapshotHeader, decode_header_json, encode_header_json
+from .provider import default_provider
+
+HEADER_KEY = "kvshelf.header"
+HEADER_CHECKSUM_KEY = "kvshelf.header_xxh3"
+FORMAT_KEY = "format"
+FORMAT_VALUE = "kvshelf-snapshot"
+MAX_HEADER_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What ``load_snapshot`` returns: the tokens the caches encode, the caches in layer order, the header."""
+
+    tokens: list[int]
+    caches: list[Any]
+    header: SnapshotHeader
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tokens and identity
+
+
+def normalize_tokens(tokens: Any) -> list[int]:
+    """A token sequence (list, tuple, 1-D numpy or MLX integer array) as a list of non-negative ints."""
+    if isinstance(tokens, mx.array):
+        tokens = np.array(tokens)
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise InvalidCacheState(f"tokens must be a 1-D integer array (got {tokens.dtype} {list(tokens.shape)})")
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise InvalidCacheState(f"tokens must be a sequence of ints (got {type(tokens).__name__})")
+    out = []
+    for i, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0 or token > 2**62:
+            raise InvalidCacheState(f"tokens[{i}] must be a non-negative int (got {token!r})")
+        out.append(int(token))
+    return out
+
+
+def identity_fields(identity: Any, what: str = "identity") -> dict[str, str]:
+    """The identity fields given: from None, a mapping, or an object with those attributes (the store's Identity).
+
+    Only fields that are present and not None are returned; unknown mapping keys are refused.
+    """
+    if identity is None:
+        return {}
+    if isinstance(identity, Mapping):
+        unknown = sorted(set(identity) - set(IDENTITY_FIELDS))
+        if unknown:
+            raise InvalidCacheState(f"{what} has unknown fields {unknown} (known: {', '.join(IDENTITY_FIELDS)})")
+        values = {field: identity.get(field) for field in IDENTITY_FIELDS}
+    else:
+        values = {field: getattr(identity, field, None) for field in IDENTITY_FIELDS}
+    out = {}
+    for field, value in values.items():
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidCacheState(f"{what} field {field} must be a string (got {type(value).__name__})")
+        out[field] = value
+    return out
+
+
+def check_identity(header: SnapshotHeader, expect: Any) -> None:
+    """Every identity field the caller expects must equal the header's (``IdentityMismatch`` names it)."""
+    for field, expected in identity_fields(expect, "expected identity").items():
+        stored = getattr(header, field)
+        if stored != expected:
+            raise IdentityMismatch(field, stored, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _build(tokens: Any, caches: Sequence[Any], identity: Any, provider: CodecProvider):
+    tokens = normalize_tokens(tokens)
+    if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
+        raise InvalidCacheState(f"caches must be a sequence of caches (got {type(caches).__name__})")
+    entries, tensors = [], {}
+    for index, cache in enumerate(caches):
+        entry, arrays = provider.snapshot(cache)
+        if entry.offset != len(tokens):
+            raise InvalidCacheState(
+                f"cache {index} ({entry.kind}) holds {entry.offset} positions but {len(tokens)} tokens were given; "
+                "a snapshot's caches must encode exactly its tokens"
+            )
+        entries.append(entry)
+        for slot, array in zip(entry.tensors, arrays):
+            tensors[f"{index}.{slot.name}"] = array
+    header = SnapshotHeader(
+        provider=provider.id, created_at=time.time(), tokens=tokens, caches=entries, **identity_fields(identity)
+    )
+    return header, tensors
+
+
+def save_snapshot(
+    path: str | os.PathLike[str],
+    tokens: Any,
+    caches: Sequence[Any],
+    identity: Any = None,
+    *,
+    provider: CodecProvider = default_provider,
+) -> SnapshotHeader:
+    """Write ``caches`` (serial rows, layer order) and the ``tokens`` they encode to one safetensors file.
+
+    ``identity``: None, a mapping or an object with ``model_id``, ``config_fingerprint``, ``tokenizer_hash``,
+    ``namespace``. Atomic (old file or new file, never a mix); mode 0600. Returns the header written.
+    """
+    header, tensors = _build(tokens, caches, identity, provider)
+    text = encode_header_json(header).decode("utf-8")
+    metadata = {FORMAT_KEY: FORMAT_VALUE, HEADER_KEY: text, HEADER_CHECKSUM_KEY: checksum_bytes(text.encode("utf-8"))}
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp.safetensors", dir=directory)
+    os.close(fd)  # mkstemp made it 0600; MLX truncates and writes it in place
+    try:
+        mx.save_safetensors(tmp, tensors, metadata=metadata)
+        os.chmod(tmp, 0o600)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(directory)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFull(f"no space to write snapshot {target}: {exc}") from exc
+        raise
+    return header
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading
+
+
+class _TableTensor(msgspec.Struct, forbid_unknown_fields=True):
+    dtype: str
+    shape: list[Annotated[int, msgspec.Meta(ge=0, le=2**40)]]
+    data_offsets: tuple[Annotated[int, msgspec.Meta(ge=0, le=2**62)], Annotated[int, msgspec.Meta(ge=0, le=2**62)]]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    header: SnapshotHeader
+    table: dict[str, _TableTensor]
+    data_start: int
+    data_size: int
+
+
+_RAW_TABLE = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_TABLE_TENSOR = msgspec.json.Decoder(_TableTensor)
+_METADATA = msgspec.json.Decoder(dict[str, str])
+
+
+def _read_layout(handle: BinaryIO, path: Path) -> _Layout:
+    size = os.fstat(handle.fileno()).st_size
+    prefix = handle.read(8)
+    if len(prefix) != 8:
+        raise CorruptData(f"{path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)")
+    length = int.from_bytes(prefix, "little")
+    if length > MAX_HEADER_BYTES or length > size - 8:
+        raise CorruptData(f"{path}: header length {length} does not fit (file has {size} bytes; limit {MAX_HEADER_BYTES})")
+    raw = handle.read(length)
+    if len(raw) != length:
+        raise CorruptData(f"{path}: truncated inside the safetensors header")
+    try:
+        parts = _RAW_TABLE.decode(raw)
+        metadata = _METADATA.decode(parts.pop("__metadata__")) if "__metadata__" in parts else {}
+        table = {name: _TABLE_TENSOR.decode(value) for name, value in parts.items()}
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptData(f"{path}: safetensors header does not decode ({exc})") from None
+    text = metadata.get(HEADER_KEY)
+    if text is None:
+        raise CorruptData(f"{path}: not a kvshelf snapshot (no {HEADER_KEY!r} in the safetensors metadata)")
+    stored = metadata.get(HEADER_CHECKSUM_KEY)
+    encoded = text.encode("utf-8", "surrogatepass")
+    computed = checksum_bytes(encoded)
+    if stored != computed:
+        raise CorruptData(f"{path}: header checksum mismatch (stored {stored!r}, computed {computed})")
+    header = decode_header_json(encoded)
+    return _Layout(header, table, 8 + length, size - 8 - length)
+
+
+def read_header(path: str | os.PathLike[str]) -> SnapshotHeader:
+    """The snapshot's header alone (no tensor byte is read); a damaged header is ``CorruptData``."""
+    target = Path(path)
+    with open(target, "rb") as handle:
+        return _read_layout(handle, target).header
+
+
+def _check_table(layout: _Layout, path: Path) -> list[list[tuple[str, int, int]]]:
+    """Each slot's place in the file: present, same dtype and shape, inside the data, nothing extra."""
+    header, table = layout.header, layout.table
+    places: list[list[tuple[str, int, int]]] = []
+    expected_names = set()
+    for index, entry in enumerate(header.caches):
+        row = []
+        for i, slot in enumerate(entry.tensors):
+            name = f"{index}.{slot.name}"
+            expected_names.add(name)
+            where = f"{path}: entry {index} ({entry.kind}) field tensors[{i}] ({name})"
+            found = table.get(name)
+            if found is None:
+                raise CorruptData(f"{where}: missing from the file's tensor table")
+            if found.dtype != dtypes.safetensors_code(slot.dtype) or list(found.shape) != list(slot.shape):
+                raise CorruptData(
+                    f"{where}: header says {slot.dtype} {list(slot.shape)}, file has {found.dtype} {list(found.shape)}"
+                )
+            begin, end = found.data_offsets
+            if end - begin != slot.nbytes or begin > end:
+                raise CorruptData(f"{where}: file holds {end - begin} bytes, header says {slot.nbytes}")
+            if end > layout.data_size:
+                raise CorruptData(f"{where}: truncated file (tensor ends at {end}, data has {layout.data_size} bytes)")
+            row.append((slot.dtype, begin, end))
+        places.append(row)
+    extra = sorted(set(table) - expected_names)
+    if extra:
+        raise CorruptData(f"{path}: tensors {extra[:5]} are not named by the header")
+    return places
+
+
+def _read_tensor(handle: BinaryIO, layout: _Layout, begin: int, end: int) -> np.ndarray:
+    """The tensor's raw bytes, read straight into a fresh host buffer."""
+    host = np.empty(end - begin, dtype=np.uint8)
+    handle.seek(layout.data_start + begin)
+    got = handle.readinto(memoryview(host)) if end > begin else 0
+    if got != end - begin:
+        raise CorruptData(f"truncated file: expected {end - begin} tensor bytes, read {got}")
+    return host
+
+
+def _to_mlx(host: np.ndarray, dtype: str, shape: list[int]) -> mx.array:
+    values = host.view(dtypes.numpy_dtype(dtype)).reshape(shape)
+    array = mx.array(values)
+    if dtype == "bfloat16":
+        array = array.view(mx.bfloat16)
+    return array
+
+
+def load_snapshot(
+    path: str | os.PathLike[str],
+    expect: Any = None,
+    verify: bool = True,
+    *,
+    provider: CodecProvider = default_provider,
+) -> Snapshot:
+    """Read a snapshot file back into serial caches, checking everything before it is trusted.
+
+    Order: header checksum and schema, provider id, kinds and layouts, ``expect`` identity fields (None, a mapping
+    or an object; every field given must match), each tensor's place in the file, then per tensor its checksum
+    (``verify``) before the codec builds the cache. Any failure raises and returns nothing.
+    """
+    target = Path(path)
+    with open(target, "rb") as handle:
+        layout = _read_layout(handle, target)
+        header = layout.header
+        provider.validate_header(header)
+        check_identity(header, expect)
+        for index, entry in enumerate(header.caches):
+            if entry.offset != len(header.tokens):
+                raise CorruptData(
+                    f"{target}: entry {index} ({entry.kind}) field offset: {entry.offset}, "
+                    f"but the header has {len(header.tokens)} tokens"
+                )
+        places = _check_table(layout, target)
+        caches = []
+        for index, (entry, row) in enumerate(zip(header.caches, places)):
+            arrays = []
+            for i, (slot, (dtype, begin, end)) in enumerate(zip(entry.tensors, row)):
+                host = _read_tensor(handle, layout, begin, end)
+                if verify and slot.checksum:
+                    computed = checksum_bytes(memoryview(host))
+                    if computed != slot.checksum:
+                        raise CorruptData(
+                            f"{target}: entry {index} ({entry.kind}) field tensors[{i}].checksum: {slot.name} "
+                            f"stored {slot.checksum}, computed {computed}"
+                        )
+                arrays.append(_to_mlx(host, dtype, slot.shape))
+            caches.append(provider.load(entry, arrays, verify=False, index=index))
+    return Snapshot(tokens=list(header.tokens), caches=caches, header=header)
+
+
+__all__ = ["Snapshot", "save_snapshot", "load_snapshot", "read_header", "normalize_tokens", "identity_fields", "check_identity"]

@@ -1,0 +1,122 @@
+"""Load-time validation: an entry against its kind's layout, then arrays against their slots.
+
+Split from the codecs so every kind checks the same way and words failures alike: "entry 2 (latent-encoded)
+field tensors[1].shape: expected [1, 5, 16], got [1, 5, 8]". A header that contradicts its kind or geometry is an
+``IncompatibleFormat``; positions, pages, arrays or checksums that contradict the header are ``CorruptData``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import CorruptData, IncompatibleFormat
+from . import dtypes
+from .checksum import checksum
+from .header import CacheEntry
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSpec:
+    """What a kind expects of one tensor slot, derived from the entry's geometry, format and offset."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    token_axis: int | None
+
+
+def where(entry: CacheEntry, index: int | None) -> str:
+    return f"entry {index if index is not None else '?'} ({entry.kind})"
+
+
+def incompatible(entry: CacheEntry, index: int | None, field: str, message: str) -> IncompatibleFormat:
+    return IncompatibleFormat(f"{where(entry, index)} field {field}: {message}")
+
+
+def corrupt(entry: CacheEntry, index: int | None, field: str, message: str) -> CorruptData:
+    return CorruptData(f"{where(entry, index)} field {field}: {message}")
+
+
+def check_positions(entry: CacheEntry, index: int | None, max_tokens: int | None) -> None:
+    """``0 <= minimum_reusable_offset <= offset <= max_tokens``."""
+    if entry.minimum_reusable_offset > entry.offset:
+        raise corrupt(
+            entry, index, "minimum_reusable_offset",
+            f"{entry.minimum_reusable_offset} is above the offset {entry.offset}",
+        )
+    if max_tokens is not None and entry.offset > max_tokens:
+        raise corrupt(entry, index, "offset", f"{entry.offset} exceeds max_tokens {max_tokens}")
+
+
+def check_pages(entry: CacheEntry, index: int | None) -> None:
+    """Block table entries unique and below ``num_blocks``; the table has exactly the blocks the offset covers."""
+    pages = entry.pages
+    if pages is None:
+        raise incompatible(entry, index, "pages", "missing (a paged kind needs block_size, block_table, num_blocks)")
+    seen: set[int] = set()
+    for i, block in enumerate(pages.block_table):
+        if block >= pages.num_blocks:
+            raise corrupt(entry, index, f"pages.block_table[{i}]", f"block {block} is out of range (num_blocks {pages.num_blocks})")
+        if block in seen:
+            raise corrupt(entry, index, f"pages.block_table[{i}]", f"block {block} appears twice")
+        seen.add(block)
+    needed = -(-entry.offset // pages.block_size)
+    if len(pages.block_table) != needed:
+        raise corrupt(
+            entry, index, "pages.block_table",
+            f"{len(pages.block_table)} blocks of {pages.block_size} for offset {entry.offset}; expected exactly {needed}",
+        )
+
+
+def check_slots(entry: CacheEntry, index: int | None, specs: Sequence[SlotSpec]) -> None:
+    """The entry's tensor slots are exactly ``specs`` (count, names, dtypes, shapes, token axes, byte lengths)."""
+    if len(entry.tensors) != len(specs):
+        raise incompatible(
+            entry, index, "tensors",
+            f"expected {len(specs)} tensors ({', '.join(s.name for s in specs)}), got {len(entry.tensors)}",
+        )
+    for i, (slot, spec) in enumerate(zip(entry.tensors, specs)):
+        field = f"tensors[{i}]"
+        if slot.name != spec.name:
+            raise incompatible(entry, index, f"{field}.name", f"expected {spec.name!r}, got {slot.name!r}")
+        if slot.dtype != spec.dtype:
+            raise incompatible(entry, index, f"{field}.dtype", f"{slot.name}: expected {spec.dtype}, got {slot.dtype}")
+        if tuple(slot.shape) != spec.shape:
+            raise incompatible(
+                entry, index, f"{field}.shape", f"{slot.name}: expected {list(spec.shape)}, got {list(slot.shape)}"
+            )
+        if slot.token_axis != spec.token_axis:
+            raise incompatible(
+                entry, index, f"{field}.token_axis", f"{slot.name}: expected {spec.token_axis}, got {slot.token_axis}"
+            )
+        expected = dtypes.nbytes_of(slot.dtype, slot.shape)
+        if slot.nbytes != expected:
+            raise corrupt(entry, index, f"{field}.nbytes", f"{slot.name}: expected {expected}, got {slot.nbytes}")
+        if slot.checksum and len(slot.checksum) != 32:
+            raise corrupt(entry, index, f"{field}.checksum", f"{slot.name}: not an xxh3-128 hex digest ({slot.checksum!r})")
+
+
+def check_arrays(entry: CacheEntry, index: int | None, arrays: Sequence[mx.array], verify: bool) -> None:
+    """Every array matches its slot's dtype and shape, and (when verifying) its checksum."""
+    if len(arrays) != len(entry.tensors):
+        raise corrupt(entry, index, "tensors", f"{len(entry.tensors)} slots but {len(arrays)} arrays were given")
+    for i, (slot, array) in enumerate(zip(entry.tensors, arrays)):
+        field = f"tensors[{i}]"
+        if not isinstance(array, mx.array):
+            raise corrupt(entry, index, field, f"{slot.name}: expected an mlx array, got {type(array).__name__}")
+        if array.dtype != dtypes.mlx_dtype(slot.dtype) or tuple(array.shape) != tuple(slot.shape):
+            raise corrupt(
+                entry, index, field,
+                f"{slot.name}: slot says {slot.dtype} {list(slot.shape)}, array is {str(array.dtype).removeprefix('mlx.core.')} "
+                f"{list(array.shape)}",
+            )
+        if verify and slot.checksum:
+            got = checksum(array)
+            if got != slot.checksum:
+                raise corrupt(entry, index, f"{field}.checksum", f"{slot.name}: stored {slot.checksum}, computed {got}")
+
+
+__all__ = ["SlotSpec", "where", "incompatible", "corrupt", "check_positions", "check_pages", "check_slots", "check_arrays"]
