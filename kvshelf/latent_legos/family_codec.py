@@ -50,12 +50,28 @@ class FamilyCodec:
             at += count
         return out
 
+    @staticmethod
+    def split_flat(groups: Sequence[Sequence[mx.array]]) -> list[mx.array]:
+        """Per-family plane groups flattened (the inverse of ``split``)."""
+        return [plane for group in groups for plane in group]
+
     def decode(self, planes: Sequence[mx.array], families: int | None = None) -> list[mx.array]:
         """The flat plane list -> f32 ``[B, L, W_f]`` per family (the first ``families`` only, if given)."""
         groups = self.split(planes)[: families if families is not None else len(self.widths)]
         if self.encodings is None:
             return [g[0] for g in groups]
         return [enc.decode(g) for enc, g in zip(self.encodings, groups)]
+
+    def plane_shapes(self) -> list[tuple[tuple[int, ...], list[mx.Dtype]]]:
+        """Per family, its planes' widths and dtypes."""
+        if self.encodings is None:
+            return [((w,), [mx.float32]) for w in self.widths]
+        return [(tuple(e.plane_widths()), list(e.plane_dtypes())) for e in self.encodings]
+
+    def empty_planes(self, batch: int) -> list[list[mx.array]]:
+        """Per family, zero-length planes ``[batch, 0, w_i]``."""
+        return [[mx.zeros((batch, 0, w), dtype=d) for w, d in zip(widths, dtypes)]
+                for widths, dtypes in self.plane_shapes()]
 
     def bytes_per_token(self) -> int:
         """Stored bytes of one position: the encoded planes of one token, or 4 bytes a value in f32."""

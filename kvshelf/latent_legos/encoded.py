@@ -1,0 +1,293 @@
+"""``EncodedLatentCache``: the latent state stored affine- or TurboQuant-encoded, float32 first.
+
+Every append encodes its positions into each family's planes. A row reads its float32 shadow through the append
+that leaves it holding at least ``start`` positions (its first append when ``start`` is 0), then converts, for
+good: trimming or rolling back below ``start`` keeps it converted. A conversion at a nonzero ``start`` records
+the row's offset as its ``minimum_reusable_offset`` (shorter prefixes were never stored encoded-only). The
+shadow ``[B, T, W]`` per family exists only while some row is unconverted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import CacheRangeError, InvalidCacheState
+from .contracts import LatentAttentionState
+from .family_codec import FamilyCodec
+from .formats import LatentFormat, format_key
+from .geometry import LatentGeometry
+from .justified import RightJustifiedRows
+from .rows import (
+    append_inputs,
+    check_f32,
+    check_row,
+    check_token_room,
+    non_negative,
+    owned,
+    pad_left,
+    pick_rows,
+    prefill_leads,
+    transition_due,
+    zero_leading,
+    zero_prefill_leads,
+)
+
+
+@dataclass
+class EncodedRowState:
+    """One row with its padding removed: per family its planes ``[1, T, w_i]``; the f32 shadow per family
+    ``[1, T, W]`` while the row is unconverted (``None`` once converted)."""
+
+    planes: list[list[mx.array]]
+    shadow: list[mx.array] | None
+    offset: int
+    minimum_reusable_offset: int = 0
+
+
+class EncodedLatentCache(RightJustifiedRows):
+    """Encoded latent state, right-justified rows like ``MLACache`` (see the module docstring)."""
+
+    def __init__(self, geometry: LatentGeometry, format: LatentFormat, start: int = 0) -> None:
+        super().__init__(geometry)
+        if format is None:
+            raise InvalidCacheState("EncodedLatentCache needs a format (use MLACache for float32)")
+        self.format = format
+        self.start = non_negative(start, "quantized_kv_start")
+        self._codec = FamilyCodec(geometry.widths, format)
+        self._planes: list[mx.array] = []  # flat, family-major; [] while width is 0
+        self._shadow: list[mx.array] | None = None
+        self._converted: list[bool] = []
+        self._minimum: list[int] = []
+        self._unrowed_minimum = 0
+
+    # -- identity and accounting -----------------------------------------------------------------------------------
+    def signature(self) -> str:
+        dsa = "dsa:" if self.geometry.has_index else ""
+        return f"kv:latent:{dsa}{format_key(self.format)}:{self.start}"
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self._stored()
+
+    @property
+    def converted(self) -> list[bool]:
+        """Per row, whether it reads its encoded planes (True) or still its f32 shadow."""
+        return list(self._converted)
+
+    @property
+    def minimum_reusable_offset(self) -> int:
+        return max(self._minimum, default=self._unrowed_minimum)
+
+    @minimum_reusable_offset.setter
+    def minimum_reusable_offset(self, value: int) -> None:
+        value = non_negative(value, "minimum_reusable_offset")
+        self._minimum = [value] * len(self._minimum)
+        self._unrowed_minimum = value
+
+    def bytes_per_token(self) -> int:
+        """Encoded bytes of one position (the shadow is transient and not counted)."""
+        return self._codec.bytes_per_token()
+
+    def projected_bytes(self, tokens: int) -> int:
+        """Admission estimate: float32 (conservative, the shadow may be held as well)."""
+        return non_negative(tokens, "tokens") * self.geometry.f32_bytes_per_token()
+
+    # -- layout hooks ----------------------------------------------------------------------------------------------
+    def _stored(self) -> list[mx.array]:
+        return [*self._planes, *(self._shadow or [])]
+
+    def _publish(self, arrays: list[mx.array]) -> None:
+        count = self._codec.total_planes
+        self._planes = arrays[:count]
+        self._shadow = arrays[count:] if len(arrays) > count else None
+
+    def _create_rows(self, batch: int) -> None:
+        self._converted = [False] * batch
+        self._minimum = [self._unrowed_minimum] * batch
+
+    def _select_rows(self, keep: list[int]) -> None:
+        self._converted = [self._converted[k] for k in keep]
+        self._minimum = [self._minimum[k] for k in keep]
+        self._drop_shadow_if_converted()
+
+    def _drop_shadow_if_converted(self) -> None:
+        if self._shadow is not None and all(self._converted):
+            self._shadow = None
+
+    # -- the latent contract ---------------------------------------------------------------------------------------
+    def append_latent(
+        self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None
+    ) -> LatentAttentionState:
+        families = append_inputs(self.geometry, latent, rope, index_keys, self._batch)
+        batch, length = latent.shape[0], latent.shape[1]
+        check_token_room(self.geometry, self._offsets, length)
+        offsets = self._offsets if self._batch is not None else [0] * batch
+        converted = self._converted if self._batch is not None else [False] * batch
+        families = zero_prefill_leads(families, prefill_leads(offsets))
+        planes = self._codec.encode(families)
+        if self._planes:
+            planes = [mx.concatenate([old, new], axis=1) for old, new in zip(self._planes, planes)]
+        shadow = None
+        if not all(converted):
+            if self._shadow is not None:
+                shadow = [mx.concatenate([old, new], axis=1) for old, new in zip(self._shadow, families)]
+            else:
+                shadow = [pad_left(new, self._width) for new in families]
+        new_offsets = [o + length for o in offsets]
+        reads = self._read(planes, shadow, converted, [self._width + length - o for o in new_offsets])
+        # Publish: nothing below can fail.
+        if self._batch is None:
+            self._begin_rows(batch)
+        self._planes, self._shadow = planes, shadow
+        self._width += length
+        self._offsets = new_offsets
+        for row, offset in enumerate(new_offsets):
+            if not self._converted[row] and transition_due(offset, self.start):
+                self._converted[row] = True
+                if self.start > 0:
+                    self._minimum[row] = offset
+        self._drop_shadow_if_converted()
+        return LatentAttentionState(reads[0], reads[1], reads[2] if len(reads) > 2 else None)
+
+    def _read(
+        self,
+        planes: list[mx.array],
+        shadow: list[mx.array] | None,
+        converted: Sequence[bool],
+        pads: Sequence[int],
+        families: int | None = None,
+    ) -> list[mx.array]:
+        """Per family ``[B, T, W]``: decoded planes for converted rows, the shadow for the rest, zeros in padding."""
+        decoded = self._codec.decode(planes, families)
+        if shadow is not None:
+            decoded = [pick_rows(converted, d, s) for d, s in zip(decoded, shadow)]
+        return zero_leading(decoded, pads)
+
+    def read_latent(self) -> LatentAttentionState:
+        """Reads of every stored position without appending (what the last append returned)."""
+        if not self._planes:
+            batch = self._batch or 0
+            zeros = [mx.zeros((batch, 0, w), dtype=mx.float32) for w in self.geometry.widths]
+            return LatentAttentionState(zeros[0], zeros[1], zeros[2] if len(zeros) > 2 else None)
+        reads = self._read(self._planes, self._shadow, self._converted, self.left_pad)
+        return LatentAttentionState(reads[0], reads[1], reads[2] if len(reads) > 2 else None)
+
+    def stored_index_keys(self) -> mx.array | None:
+        if not self.geometry.has_index or not self._planes:
+            return None
+        return self.read_latent().index_keys
+
+    # -- rows joining and leaving ------------------------------------------------------------------------------------
+    def make_empty_batch(self) -> EncodedLatentCache:
+        return EncodedLatentCache(self.geometry, self.format, self.start)
+
+    def row_state(self, row: int) -> EncodedRowState:
+        """Owned copies of row ``row`` with its padding removed."""
+        row = check_row(row, self._batch)
+        self._require_serial_rows("row_state")
+        start, offset = self._width - self._offsets[row], self._offsets[row]
+        if self._planes:
+            planes = self._codec.split([owned(p[row : row + 1, start:, :]) for p in self._planes])
+        else:
+            planes = self._codec.empty_planes(1)
+        shadow = None
+        if not self._converted[row]:
+            if self._shadow is not None:
+                shadow = [owned(s[row : row + 1, start:, :]) for s in self._shadow]
+            else:
+                shadow = [mx.zeros((1, 0, w), dtype=mx.float32) for w in self.geometry.widths]
+        return EncodedRowState(planes, shadow, offset, self._minimum[row])
+
+    def _check_state(self, state: EncodedRowState) -> None:
+        if not isinstance(state, EncodedRowState):
+            raise InvalidCacheState(f"expected an EncodedRowState (got {type(state).__name__})")
+        offset = non_negative(state.offset, "row state offset")
+        non_negative(state.minimum_reusable_offset, "row state minimum_reusable_offset")
+        if offset > self.geometry.token_limit:
+            raise CacheRangeError(f"row of {offset} positions exceeds max_tokens {self.geometry.max_tokens}")
+        shapes = self._codec.plane_shapes()
+        if not (offset == 0 and not state.planes):
+            if len(state.planes) != len(shapes):
+                raise InvalidCacheState(f"row state has {len(state.planes)} families, geometry has {len(shapes)}")
+            for family, (group, (widths, dtypes)) in enumerate(zip(state.planes, shapes)):
+                if len(group) != len(widths):
+                    raise InvalidCacheState(f"family {family} has {len(group)} planes, {self.signature()} "
+                                            f"stores {len(widths)}")
+                for plane, width, dtype in zip(group, widths, dtypes):
+                    if not isinstance(plane, mx.array) or tuple(plane.shape) != (1, offset, width):
+                        got = tuple(plane.shape) if isinstance(plane, mx.array) else type(plane).__name__
+                        raise InvalidCacheState(f"family {family} plane shape {got} != {(1, offset, width)}")
+                    if plane.dtype != dtype:
+                        raise InvalidCacheState(f"family {family} plane dtype {plane.dtype} != {dtype}")
+        if state.shadow is not None and not (offset == 0 and not state.shadow):
+            if len(state.shadow) != len(self.geometry.widths):
+                raise InvalidCacheState(f"row state shadow has {len(state.shadow)} families, "
+                                        f"geometry has {len(self.geometry.widths)}")
+            for family, (values, width) in enumerate(zip(state.shadow, self.geometry.widths)):
+                check_f32(f"shadow family {family}", values, (1, offset, width))
+
+    def merge_row_states(self, states: Sequence[EncodedRowState]) -> None:
+        """Fill this EMPTY cache with ``states`` as rows (right-justified, zero left padding); the shadow is kept
+        iff some row is unconverted, converted rows' shadow holding zeros."""
+        if self._batch is not None:
+            raise InvalidCacheState("merge_row_states needs an empty destination cache")
+        states = list(states)
+        if not states:
+            raise InvalidCacheState("merge needs at least one row")
+        for state in states:
+            self._check_state(state)
+        width = max(s.offset for s in states)
+        converted = [s.shadow is None for s in states]
+        planes, shadow = [], None
+        if width:
+            flat_shapes = [(w, d) for widths, dtypes in self._codec.plane_shapes() for w, d in zip(widths, dtypes)]
+            for i, (w, dtype) in enumerate(flat_shapes):
+                rows = []
+                for s in states:
+                    if s.offset:
+                        rows.append(pad_left(self._codec.split_flat(s.planes)[i], width - s.offset))
+                    else:
+                        rows.append(mx.zeros((1, width, w), dtype=dtype))
+                planes.append(mx.concatenate(rows, axis=0))
+            if not all(converted):
+                shadow = []
+                for f, w in enumerate(self.geometry.widths):
+                    rows = [pad_left(s.shadow[f], width - s.offset) if s.shadow and s.offset
+                            else mx.zeros((1, width, w), dtype=mx.float32) for s in states]
+                    shadow.append(mx.concatenate(rows, axis=0))
+        self._begin_rows(len(states))
+        self._planes, self._shadow, self._width = planes, shadow, width
+        self._offsets = [s.offset for s in states]
+        self._converted = converted
+        self._minimum = [s.minimum_reusable_offset for s in states]
+
+    def restore_row(self, state: EncodedRowState) -> None:
+        """Replace this cache's contents with one row, adopting its arrays (the codecs' load path)."""
+        self._check_state(state)
+        self.dispose()
+        self.merge_row_states([state])
+
+    def merge_rows(self, rows: Sequence[EncodedLatentCache]) -> None:
+        """Rows of every source, in order (an empty source contributes one zero-length unconverted row)."""
+        sources = self._check_merge_sources(rows)
+        states = []
+        for source in sources:
+            if source.batch_size is None:
+                empty = [mx.zeros((1, 0, w), dtype=mx.float32) for w in self.geometry.widths]
+                states.append(EncodedRowState(self._codec.empty_planes(1), empty, 0, source._unrowed_minimum))
+            else:
+                states.extend(source.row_state(r) for r in range(source.batch_size))
+        self.merge_row_states(states)
+
+    def extract_row(self, row: int) -> EncodedLatentCache:
+        out = self.make_empty_batch()
+        out.merge_row_states([self.row_state(row)])
+        return out
+
+    def dispose(self) -> None:
+        self._reset_rows()
+        self._planes, self._shadow = [], None
+        self._converted, self._minimum, self._unrowed_minimum = [], [], 0
