@@ -34,7 +34,7 @@ def _stream_pack(codes: list[int], bits: int) -> list[int]:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_pack_unpack_round_trip_matches_bit_stream(bits, lead, chunks, seed):
-    width = 8 * chunks  # always whole bytes for every width
+    width = (8 // math.gcd(bits, 8)) * chunks  # the smallest whole-byte row for this width, times chunks
     codes = np.random.default_rng(seed).integers(0, 2**bits, size=(*lead, width), dtype=np.uint8)
     packed = tq.pack_bits(mx.array(codes), bits)
     assert packed.dtype == mx.uint8
