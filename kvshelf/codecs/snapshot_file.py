@@ -191,7 +191,7 @@ class _Layout:
 
 _RAW_TABLE = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _TABLE_TENSOR = msgspec.json.Decoder(_TableTensor)
-_METADATA = msgspec.json.Decoder(dict[str, str])
+_METADATA = msgspec.json.Decoder(dict[str, str] | None)
 
 
 def _read_layout(handle: BinaryIO, path: Path) -> _Layout:
@@ -207,7 +207,7 @@ def _read_layout(handle: BinaryIO, path: Path) -> _Layout:
         raise CorruptData(f"{path}: truncated inside the safetensors header")
     try:
         parts = _RAW_TABLE.decode(raw)
-        metadata = _METADATA.decode(parts.pop("__metadata__")) if "__metadata__" in parts else {}
+        metadata = (_METADATA.decode(parts.pop("__metadata__")) if "__metadata__" in parts else None) or {}
         table = {name: _TABLE_TENSOR.decode(value) for name, value in parts.items()}
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptData(f"{path}: safetensors header does not decode ({exc})") from None
