@@ -1,0 +1,88 @@
+"""``python -m benchmarks``: run the measure groups, print one table, write ``results/latest.json``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+import traceback
+from pathlib import Path
+
+from . import data
+from .context import Context
+from .harness import (Row, Scratch, machine_info, package_versions, render_machine, render_table, unavailable,
+                      write_json)
+
+# measure group module -> the measure numbers it produces
+GROUPS: dict[str, tuple[str, ...]] = {
+    "save": ("1", "2", "3"),
+    "restore": ("4", "5", "6", "11"),
+    "lookup": ("7",),
+    "disk": ("8",),
+    "compaction": ("9",),
+    "memory": ("10",),
+}
+ALL = tuple(sorted({m for ms in GROUPS.values() for m in ms}, key=int))
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    p.add_argument("--only", default=",".join(ALL), help="comma-separated measure numbers (default: all 1-11)")
+    p.add_argument("--size", choices=sorted(data.SIZES), default="L",
+                   help="workload: L (4096 tokens, 176 MiB; default), L-large (16,384 tokens, 704 MiB) or small "
+                        "(a tiny smoke-test size)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per figure after one warm-up (default 5)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results path (default {DEFAULT_OUT})")
+    args = p.parse_args(argv)
+    only = {m.strip() for m in args.only.split(",") if m.strip()}
+    bad = only - set(ALL)
+    if bad:
+        p.error(f"--only: unknown measure(s) {sorted(bad)}; choose from {', '.join(ALL)}")
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
+    args.only = only
+    return args
+
+
+def run(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    workload, large = data.SIZES[args.size]
+    machine, versions = machine_info(), package_versions()
+    print(render_machine(machine, versions), flush=True)
+    print(f"workload {workload.describe()}; large {large.describe()}; reps {args.reps} (+1 warm-up)", flush=True)
+    rows: list[Row] = []
+    with Scratch("run") as scratch:
+        ctx = Context(workload, large, args.reps, scratch)
+        ctx.facts.update({"workload": workload.describe(), "large": large.describe()})
+        for group, measures in GROUPS.items():
+            wanted = set(measures) & args.only
+            if not wanted:
+                continue
+            t0 = time.perf_counter()
+            print(f"… measures {', '.join(sorted(wanted, key=int))} ({group})", flush=True)
+            try:
+                module = importlib.import_module(f"benchmarks.{group}")
+                rows += module.run(ctx, wanted)
+            except Exception as exc:  # noqa: BLE001 - one failing group must not hide the others' figures
+                traceback.print_exc()
+                rows += [unavailable(m, f"measure {m} ({group})", f"{type(exc).__name__}: {exc}")
+                         for m in sorted(wanted, key=int)]
+            ctx.facts[f"{group}_elapsed_s"] = round(time.perf_counter() - t0, 2)
+        ctx.drop()
+    rows.sort(key=lambda r: int(r.measure))
+    elapsed = time.perf_counter() - started
+    print()
+    print(render_table(rows))
+    print(f"\n(times: min / median of {args.reps} after a warm-up; ratio = kvshelf median ÷ baseline median; "
+          f"{elapsed:.0f} s in all)")
+    write_json(args.out, args={"only": sorted(args.only, key=int), "size": args.size, "reps": args.reps},
+               machine=machine, versions=versions, rows=rows, facts=ctx.facts, elapsed_s=elapsed)
+    print(f"wrote {args.out}")
+    return {"rows": rows, "out": args.out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0

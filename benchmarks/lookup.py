@@ -1,0 +1,153 @@
+"""Measure 7: ``lookup`` of a 32k-token prompt among 10,000 indexed snapshots, against mlx-lm's prompt trie.
+
+Lookup reads no blobs, so the index is built cheaply from tiny caches (one layer, latent 16 + RoPE 8). The
+snapshots share prefixes the way chat traffic does: ``trunks`` system prompts, each continued by many short
+user turns, plus long sessions that share a 30,720-token document. No snapshot's tokens are a prefix of
+another's (mlx-lm's ``LRUPromptCache`` drops stored prefixes of a trimmable entry, and we want both sides to hold
+the same 10,000 entries). The hit prompt is one long session plus 1,024 new tokens (32,768 in all); the miss
+prompt is 32,768 tokens that begin no stored snapshot.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import data
+from .context import Context
+from .harness import Row, Sample, remove, time_reps, unavailable
+
+
+@dataclass(frozen=True)
+class LookupShape:
+    trunks: int
+    branches: int
+    trunk_len: int
+    tail_len: int
+    long_sessions: int
+    long_shared: int
+    long_own: int
+    prompt_len: int
+
+    @property
+    def snapshots(self) -> int:
+        return self.trunks * self.branches + self.long_sessions
+
+
+SHAPES = {
+    "small": LookupShape(trunks=10, branches=19, trunk_len=512, tail_len=32, long_sessions=10, long_shared=3072,
+                         long_own=512, prompt_len=4096),
+    "L": LookupShape(trunks=100, branches=99, trunk_len=512, tail_len=32, long_sessions=100, long_shared=30720,
+                     long_own=1024, prompt_len=32768),
+}
+
+
+def snapshot_tokens(shape: LookupShape) -> tuple[list[list[int]], list[int], int, list[int]]:
+    """(every snapshot's tokens, the hit prompt, the hit's expected length, the miss prompt)."""
+    snaps = []
+    for t in range(shape.trunks):
+        trunk = data.token_ids(shape.trunk_len, seed=10_000 + t, high=100_000)
+        for b in range(shape.branches):
+            snaps.append(trunk + data.token_ids(shape.tail_len, seed=(t + 1) * 1_000_003 + b, high=100_000))
+    doc = data.token_ids(shape.long_shared, seed=77, high=100_000)
+    longs = [doc + data.token_ids(shape.long_own, seed=500 + i, high=100_000) for i in range(shape.long_sessions)]
+    snaps += longs
+    hit_base = longs[3]
+    hit = hit_base + data.token_ids(shape.prompt_len - len(hit_base), seed=999, high=100_000)
+    miss = data.token_ids(shape.prompt_len, seed=4242, low=200_000, high=300_000)
+    return snaps, hit, len(hit_base), miss
+
+
+def tiny_cache_factory():
+    from kvshelf.latent_legos import KvScheme, LatentGeometry, composed_latent_cache
+
+    g = LatentGeometry(kv_lora_rank=16, rope_head_dim=8)
+
+    def make(n: int, seed: int):
+        c = composed_latent_cache(KvScheme.bf16(), None, 0, g)
+        key = mx.random.key(seed)
+        k1, k2 = mx.random.split(key)
+        c.append_latent(mx.random.normal((1, n, 16), key=k1), mx.random.normal((1, n, 8), key=k2))
+        mx.eval(c.state)
+        return [c]
+
+    return make
+
+
+def _mlx_lm_side(ctx: Context, snaps, hit, hit_len, miss) -> tuple[Sample, Sample, float]:
+    from mlx_lm.models.cache import KVCache, LRUPromptCache
+
+    lru = LRUPromptCache(max_size=10**9)
+    tiny = KVCache()
+    tiny.update_and_fetch(mx.zeros((1, 1, 1, 8)), mx.zeros((1, 1, 1, 8)))
+    t0 = time.perf_counter()
+    for toks in snaps:
+        lru.insert_cache("bench-model", toks, [tiny])
+    build = time.perf_counter() - t0
+    if len(lru) != len(snaps):
+        raise RuntimeError(f"LRUPromptCache holds {len(lru)} entries, expected {len(snaps)}")
+    cache, rest = lru.fetch_nearest_cache("bench-model", hit)
+    if cache is None or len(hit) - len(rest) != hit_len:
+        raise RuntimeError(f"mlx-lm hit reused {len(hit) - len(rest)} tokens, expected {hit_len}")
+    if lru.fetch_nearest_cache("bench-model", miss)[0] is not None:
+        raise RuntimeError("mlx-lm found a prefix for the miss prompt")
+    reps = max(ctx.reps, 20)
+    hit_s = time_reps(lambda _: lru.fetch_nearest_cache("bench-model", hit), reps)
+    miss_s = time_reps(lambda _: lru.fetch_nearest_cache("bench-model", miss), reps)
+    return hit_s, miss_s, build
+
+
+def _store_kwargs_fast(open_store) -> dict:
+    """Build the throwaway index without per-snapshot fsyncs when the store offers a switch for it."""
+    params = inspect.signature(open_store).parameters
+    for name in ("durable", "sync", "fsync"):
+        if name in params:
+            return {name: False}
+    return {}
+
+
+def run(ctx: Context, only: set[str]) -> list[Row]:
+    shape = SHAPES["small" if ctx.workload.name.startswith("small") else "L"]
+    snaps, hit, hit_len, miss = snapshot_tokens(shape)
+    hit_name = f"lookup hit: {len(hit)}-token prompt, {shape.snapshots:,} snapshots indexed"
+    miss_name = f"lookup miss: {len(miss)}-token prompt, {shape.snapshots:,} snapshots indexed"
+    mlx_hit, mlx_miss, mlx_build = _mlx_lm_side(ctx, snaps, hit, hit_len, miss)
+    ctx.facts["lookup_mlx_lm_build_s"] = mlx_build
+    base_name = "mlx-lm LRUPromptCache.fetch_nearest_cache"
+    missing = data.kvshelf_missing(*data.LEGOS, *data.STORE)
+    if missing:
+        return [unavailable("7", hit_name, missing, baseline=mlx_hit, baseline_name=base_name, target="≤ 2 ms"),
+                unavailable("7", miss_name, missing, baseline=mlx_miss, baseline_name=base_name, target="≤ 0.5 ms")]
+    from kvshelf.store import open_store
+
+    path = ctx.scratch.fresh("store-lookup")
+    try:
+        store = ctx.open_store(path, **_store_kwargs_fast(open_store))
+    except Exception as exc:  # noqa: BLE001
+        return [unavailable("7", n, f"{type(exc).__name__}: {exc}") for n in (hit_name, miss_name)]
+    try:
+        make = tiny_cache_factory()
+        t0 = time.perf_counter()
+        for i, toks in enumerate(snaps):
+            caches = make(len(toks), i)
+            store.save(f"lk-{i}", toks, caches)
+        ctx.facts["lookup_kvshelf_build_s"] = time.perf_counter() - t0
+        got = store.lookup(hit)
+        if got is None or got.length != hit_len:
+            raise RuntimeError(f"kvshelf hit length {getattr(got, 'length', None)}, expected {hit_len}")
+        if store.lookup(miss) is not None:
+            raise RuntimeError("kvshelf found a prefix for the miss prompt")
+        reps = max(ctx.reps, 20)
+        hit_s = time_reps(lambda _: store.lookup(hit), reps)
+        miss_s = time_reps(lambda _: store.lookup(miss), reps)
+    except Exception as exc:  # noqa: BLE001
+        return [unavailable("7", n, f"{type(exc).__name__}: {exc}", target=t)
+                for n, t in ((hit_name, "≤ 2 ms"), (miss_name, "≤ 0.5 ms"))]
+    finally:
+        store.close()
+        remove(path)
+    return [Row("7", hit_name, hit_s, mlx_hit, base_name, "≤ 2 ms", 2.0, check="value"),
+            Row("7", miss_name, miss_s, mlx_miss, base_name, "≤ 0.5 ms", 0.5, check="value")]

@@ -1,0 +1,76 @@
+"""Measure 10: peak RSS of a save and of a restore of the large workload, each in its own process.
+
+The figure is the process's peak resident memory over the operation minus its resident memory after imports
+(before any cache data existed): for a save that is the cache itself plus whatever the save adds, for a restore
+the restored cache plus whatever the restore adds. The target allows the cache's size plus 64 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from . import data
+from .context import Context
+from .harness import MiB, Row, Sample, remove, unavailable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _worker(op: str, path: Path, size: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rss_worker", op, str(path), size], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"worker {op} exited {proc.returncode}: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _mib(doc: dict) -> float:
+    return (doc["peak"] - doc["rss_start"]) / MiB
+
+
+def run(ctx: Context, only: set[str]) -> list[Row]:
+    ctx.drop()
+    size = next(k for k, v in data.SIZES.items() if v[1] == ctx.large)
+    w = ctx.large
+    limit = w.nbytes / MiB + 64
+    target = f"≤ {w.name} + 64 MiB ({limit:.0f} MiB)"
+    rows = []
+    mlx_path = ctx.scratch.fresh("rss-mlxlm").with_suffix(".safetensors")
+    try:
+        mlx_save = _worker("mlx-save", mlx_path, size)
+        mlx_load = _worker("mlx-load", mlx_path, size)
+        base_save = Sample("MiB", [_mib(mlx_save)])
+        base_load = Sample("MiB", [_mib(mlx_load)])
+    finally:
+        remove(mlx_path)
+    missing = data.kvshelf_missing(*data.LEGOS, *data.STORE)
+    names = (f"peak RSS of save ({w.name}, {w.nbytes / MiB:.0f} MiB), own process",
+             f"peak RSS of restore + eval ({w.name}), own process")
+    if missing:
+        return [unavailable("10", names[0], missing, baseline=base_save, baseline_name="mlx-lm save_prompt_cache",
+                            target=target),
+                unavailable("10", names[1], missing, baseline=base_load,
+                            baseline_name="mlx-lm load_prompt_cache + eval", target=target)]
+    store_path = ctx.scratch.fresh("rss-store")
+    try:
+        for name, op, base, base_name in ((names[0], "save", base_save, "mlx-lm save_prompt_cache"),
+                                          (names[1], "restore", base_load, "mlx-lm load_prompt_cache + eval")):
+            try:
+                doc = _worker(op, store_path, size)
+            except Exception as exc:  # noqa: BLE001
+                rows.append(unavailable("10", name, str(exc), baseline=base, baseline_name=base_name,
+                                        target=target))
+                continue
+            rows.append(Row("10", name, Sample("MiB", [_mib(doc)]), base, base_name, target, limit, check="value",
+                            notes=f"peak {doc['peak'] / MiB:.0f} MiB − {doc['rss_start'] / MiB:.0f} MiB after "
+                                  f"imports",
+                            extra={"worker": doc}))
+    finally:
+        remove(store_path)
+    return rows
