@@ -1,1 +1,30 @@
-"""kvshelf.store (being built)."""
+"""kvshelf.store: the session store — an LMDB index over content-addressed safetensors chunk blobs.
+
+``open_store(path, identity=Identity(model_id, ...))`` gives a :class:`Store` with ``save``/``save_async``/``flush``,
+``restore``/``restore_prefix``/``restore_batch``, ``lookup``, ``sessions``/``delete``, ``stats``/``verify``/``gc``/
+``rebuild_index`` and ``close``. The layout and the guarantees are described in docs/ARCHITECTURE.md §3.
+"""
+
+from .blobs import BlobStore, LocalBlobStore
+from .identity import Identity
+from .manifest import BlobRef, ChunkMeta, Manifest
+from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
+from .store import Store, open_store
+
+__all__ = [
+    "BlobRef",
+    "BlobStore",
+    "ChunkMeta",
+    "Finding",
+    "GcReport",
+    "Identity",
+    "LocalBlobStore",
+    "Manifest",
+    "PrefixHit",
+    "Restored",
+    "RestoredBatch",
+    "SessionInfo",
+    "SnapshotInfo",
+    "Store",
+    "open_store",
+]

@@ -1,0 +1,255 @@
+"""The chunk blob format: a standard safetensors file we frame ourselves, or its zstd-compressed twin (``.kvz``).
+
+A blob is named by its *content hash*: xxh3-128 over a msgpack descriptor of its tensors (name, dtype, shape, in file
+order) followed by the tensors' bytes. The hash covers the logical content, not the file, so a compressed blob keeps
+its name and manifests never change when a blob is recompressed.
+
+Raw form: ``u64 header length | JSON header (padded with spaces to 8 bytes) | tensor bytes`` — readable by any
+safetensors reader (``mx.load`` included). We write it with ``os.writev`` over zero-copy views of the MLX arrays and
+read tensor bytes with ``preadv`` straight into the caller's destination buffers, hashing from there.
+
+Compressed form (``.kvz``): ``b"KVSHZ01\\n" | u64 header length | the same JSON header | one zstd frame`` whose
+content is the tensor bytes with float tensors byte-shuffled (plane k holds byte k of every element), which is what
+makes KV floats compress (baseline §4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import xxhash
+import zstandard
+
+from ..errors import CorruptData
+
+KVZ_MAGIC = b"KVSHZ01\n"
+MAX_HEADER = 64 << 20
+_IO_MAX = 0x7FFFF000
+
+# mlx dtype name -> (safetensors code, numpy storage dtype)
+DTYPES: dict[str, tuple[str, np.dtype]] = {
+    "float32": ("F32", np.dtype("<f4")), "float16": ("F16", np.dtype("<f2")), "bfloat16": ("BF16", np.dtype("<u2")),
+    "float64": ("F64", np.dtype("<f8")), "uint8": ("U8", np.dtype("u1")), "uint16": ("U16", np.dtype("<u2")),
+    "uint32": ("U32", np.dtype("<u4")), "uint64": ("U64", np.dtype("<u8")), "int8": ("I8", np.dtype("i1")),
+    "int16": ("I16", np.dtype("<i2")), "int32": ("I32", np.dtype("<i4")), "int64": ("I64", np.dtype("<i8")),
+    "bool": ("BOOL", np.dtype("?")),
+}
+_FROM_CODE = {code: name for name, (code, _) in DTYPES.items()}
+_SHUFFLED = {"float32", "float16", "bfloat16", "float64"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a blob: logical name, mlx dtype name, shape, byte range within the tensor data."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A tensor to be written: name, mlx dtype name, shape, and its C-order bytes (a zero-copy view)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    try:
+        return DTYPES[dtype][1]
+    except KeyError:
+        raise CorruptData(f"unsupported tensor dtype {dtype!r}") from None
+
+
+def descriptor(items) -> bytes:
+    return msgspec.msgpack.encode([[t.name, t.dtype, list(t.shape)] for t in items])
+
+
+def content_hash(pieces: list[Piece]) -> str:
+    """The blob's name: xxh3-128 over the descriptor and then every tensor's bytes, in order."""
+    h = xxhash.xxh3_128(descriptor(pieces))
+    for p in pieces:
+        h.update(p.data)
+    return h.hexdigest()
+
+
+def frame_header(pieces: list[Piece], metadata: dict[str, str]) -> bytes:
+    """The safetensors JSON header (8-byte aligned) for ``pieces`` laid out back to back in order."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for p in pieces:
+        n = p.data.nbytes
+        header[p.name] = {"dtype": DTYPES[p.dtype][0], "shape": list(p.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+def raw_buffers(pieces: list[Piece], metadata: dict[str, str]) -> list[memoryview | bytes]:
+    header = frame_header(pieces, metadata)
+    return [struct.pack("<Q", len(header)), header, *(p.data for p in pieces if p.data.nbytes)]
+
+
+def _shuffle(data: memoryview, dtype: str) -> memoryview | bytes:
+    item = storage_dtype(dtype).itemsize
+    if dtype not in _SHUFFLED or item == 1 or data.nbytes == 0:
+        return data
+    planes = np.frombuffer(data, np.uint8).reshape(-1, item).T
+    return np.ascontiguousarray(planes).data
+
+
+def _unshuffle_into(src: memoryview, dst: memoryview, dtype: str) -> None:
+    item = storage_dtype(dtype).itemsize
+    out = np.frombuffer(dst, np.uint8)
+    if dtype not in _SHUFFLED or item == 1 or src.nbytes == 0:
+        out[:] = np.frombuffer(src, np.uint8)
+        return
+    out.reshape(-1, item)[:] = np.frombuffer(src, np.uint8).reshape(item, -1).T
+
+
+def kvz_buffers(pieces: list[Piece], metadata: dict[str, str], level: int = 3) -> list[bytes]:
+    header = frame_header(pieces, metadata)
+    total = sum(p.data.nbytes for p in pieces)
+    compressor = zstandard.ZstdCompressor(level=level)
+    chunker = compressor.chunker(size=total, chunk_size=1 << 20)
+    out = [KVZ_MAGIC, struct.pack("<Q", len(header)), header]
+    for p in pieces:
+        out.extend(chunker.compress(_shuffle(p.data, p.dtype)))
+    out.extend(chunker.finish())
+    return out
+
+
+def _parse_header(raw: bytes, where: str) -> tuple[list[TensorInfo], dict[str, str]]:
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+        metadata = header.pop("__metadata__", {}) or {}
+        infos = []
+        for name, spec in header.items():
+            code, shape, (start, stop) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
+            dtype = _FROM_CODE[code]
+            if int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1].itemsize != stop - start or start < 0:
+                raise ValueError(f"tensor {name!r} byte range does not match its shape")
+            infos.append(TensorInfo(name, dtype, shape, int(start), int(stop)))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptData(f"blob {where}: safetensors header is malformed ({exc})") from None
+    infos.sort(key=lambda t: t.start)
+    expected = 0
+    for t in infos:
+        if t.start != expected:
+            raise CorruptData(f"blob {where}: tensor {t.name!r} does not follow the previous one")
+        expected = t.stop
+    return infos, metadata
+
+
+class BlobReader:
+    """An open blob: its tensors, and ``read_into`` that fills caller buffers and checks the content hash."""
+
+    def __init__(self, path: str, expect_hash: str | None = None):
+        self.path, self.expect_hash = path, expect_hash
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptData(f"blob {os.path.basename(path)} is missing") from None
+        try:
+            self._open()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _open(self) -> None:
+        where = os.path.basename(self.path)
+        head = os.pread(self._fd, 16, 0)
+        self.compressed = head[:8] == KVZ_MAGIC
+        base = 8 if self.compressed else 0
+        if len(head) < base + 8:
+            raise CorruptData(f"blob {where} is truncated ({len(head)} bytes)")
+        (hlen,) = struct.unpack("<Q", head[base:base + 8])
+        if hlen > MAX_HEADER:
+            raise CorruptData(f"blob {where}: header length {hlen} is implausible")
+        raw = os.pread(self._fd, hlen, base + 8)
+        if len(raw) != hlen:
+            raise CorruptData(f"blob {where} is truncated inside its header")
+        self.tensors, self.metadata = _parse_header(raw, where)
+        self.data_start = base + 8 + hlen
+        self.data_bytes = self.tensors[-1].stop if self.tensors else 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "BlobReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def read_into(self, dests: list[memoryview | None]) -> list[memoryview]:
+        """Fill one buffer per tensor (None: a fresh one is made) and verify the content hash over them."""
+        where = os.path.basename(self.path)
+        if len(dests) != len(self.tensors):
+            raise CorruptData(f"blob {where} holds {len(self.tensors)} tensors, expected {len(dests)}")
+        bufs = []
+        for t, d in zip(self.tensors, dests):
+            d = memoryview(bytearray(t.nbytes)) if d is None else d.cast("B")
+            if d.nbytes != t.nbytes:
+                raise CorruptData(f"blob {where}: tensor {t.name!r} holds {t.nbytes} bytes, expected {d.nbytes}")
+            bufs.append(d)
+        if self.compressed:
+            self._decompress_into(bufs, where)
+        else:
+            self._pread_into(bufs, where)
+        if self.expect_hash is not None:
+            h = xxhash.xxh3_128(descriptor(self.tensors))
+            for b in bufs:
+                h.update(b)
+            got = h.hexdigest()
+            if got != self.expect_hash:
+                raise CorruptData(f"blob {where}: content hash {got} does not match its name {self.expect_hash}")
+        return bufs
+
+    def _pread_into(self, bufs: list[memoryview], where: str) -> None:
+        offset = self.data_start
+        for b in bufs:
+            done = 0
+            while done < b.nbytes:
+                n = os.preadv(self._fd, [b[done:done + _IO_MAX]], offset + done)
+                if n <= 0:
+                    raise CorruptData(f"blob {where} is truncated (tensor data ends early)")
+                done += n
+            offset += b.nbytes
+
+    def _decompress_into(self, bufs: list[memoryview], where: str) -> None:
+        size = os.fstat(self._fd).st_size - self.data_start
+        frame = bytearray(size)
+        if os.preadv(self._fd, [frame], self.data_start) != size:
+            raise CorruptData(f"blob {where} is truncated (compressed data ends early)")
+        try:
+            payload = zstandard.ZstdDecompressor().decompress(bytes(frame), max_output_size=self.data_bytes)
+        except zstandard.ZstdError as exc:
+            raise CorruptData(f"blob {where}: compressed data does not decode ({exc})") from None
+        if len(payload) != self.data_bytes:
+            raise CorruptData(f"blob {where}: compressed data holds {len(payload)} bytes, expected {self.data_bytes}")
+        view = memoryview(payload)
+        for t, b in zip(self.tensors, bufs):
+            _unshuffle_into(view[t.start:t.stop], b, t.dtype)
+
+
+__all__ = ["TensorInfo", "Piece", "BlobReader", "content_hash", "descriptor", "raw_buffers", "kvz_buffers",
+           "storage_dtype", "DTYPES", "KVZ_MAGIC"]

@@ -1,0 +1,96 @@
+"""The LMDB index: one environment, named sub-databases, one write transaction per logical change.
+
+Sub-databases (keys are raw bytes; ``sid`` = 16-byte snapshot id, ``idk``/``nsk`` = 16-byte identity / namespace keys):
+
+=============  ==========================================  ==============================================
+name           key                                         value
+=============  ==========================================  ==============================================
+meta           ascii name                                  format version, block size, total stored bytes
+manifests      sid                                         ``Manifest`` (msgpack)
+summaries      sid                                         ``Summary`` (msgpack, small: what lookups read)
+tokens         sid                                         the snapshot's tokens as little-endian int64
+sessions       idk + nsk + session id (utf-8)              sid of the session's latest snapshot
+prefix         16-byte boundary hash (dupsort)             sid of every snapshot holding that boundary
+chunks         16-byte blob hash                           ``ChunkMeta`` (refcount, sizes, encoding, last use)
+lru            idk + be64 last-used ns + sid               empty (eviction order per identity)
+leases         be64 pid + be64 counter                     ``Lease``
+quarantine     idk + nsk + session id                      sid hex + reason (msgpack)
+=============  ==========================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import lmdb
+
+from ..errors import IncompatibleFormat, KvShelfError
+from .blobs import ensure_dir
+
+INDEX_FORMAT = 1
+_T = TypeVar("_T")
+DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "lru", "leases", "quarantine")
+
+
+class Index:
+    """An LMDB environment with the store's sub-databases; ``write(fn)`` retries after growing a full map."""
+
+    def __init__(self, path: str, map_size: int = 64 << 30, readonly: bool = False):
+        ensure_dir(path)
+        self.path = path
+        self.pid = os.getpid()
+        self.env = lmdb.open(path, map_size=map_size, max_dbs=16, subdir=True, lock=True, sync=True,
+                             metasync=True, readahead=False, mode=0o600, max_readers=256, max_spare_txns=4)
+        for name in ("data.mdb", "lock.mdb"):
+            p = os.path.join(path, name)
+            if os.path.exists(p):
+                os.chmod(p, 0o600)
+        self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
+        self.db["prefix"] = self.env.open_db(b"prefix", dupsort=True)
+        self._lock = threading.RLock()
+        self._check_format()
+
+    def _check_format(self) -> None:
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(b"format", db=self.db["meta"])
+            if raw is None:
+                txn.put(b"format", struct.pack("<Q", INDEX_FORMAT), db=self.db["meta"])
+            elif struct.unpack("<Q", raw)[0] != INDEX_FORMAT:
+                raise IncompatibleFormat(f"index at {self.path} has format {struct.unpack('<Q', raw)[0]}, "
+                                         f"this kvshelf reads format {INDEX_FORMAT}")
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self.pid:
+            raise KvShelfError("a Store cannot be used across fork(); open it again in the child process")
+
+    def read(self) -> lmdb.Transaction:
+        self._check_pid()
+        return self.env.begin(buffers=False)
+
+    def write(self, fn: Callable[[lmdb.Transaction], _T]) -> _T:
+        """Run ``fn`` in one write transaction; a full map is grown (doubled) and ``fn`` re-run from scratch."""
+        self._check_pid()
+        with self._lock:
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    def meta_int(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
+        raw = txn.get(name, db=self.db["meta"])
+        return default if raw is None else struct.unpack("<q", raw)[0]
+
+    def set_meta_int(self, txn: lmdb.Transaction, name: bytes, value: int) -> None:
+        txn.put(name, struct.pack("<q", value), db=self.db["meta"])
+
+    def close(self) -> None:
+        self.env.close()
+
+
+__all__ = ["Index", "INDEX_FORMAT", "DB_NAMES"]

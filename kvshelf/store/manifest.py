@@ -1,0 +1,119 @@
+"""What the index keeps about each snapshot and chunk: msgspec Structs, stored as msgpack.
+
+The full ``Manifest`` is also written next to the blobs (``blobs/manifests/<id>.msgpack``) so that the index can be
+rebuilt from the blob directory alone. ``Summary`` is the small per-snapshot record lookups and eviction read; the
+manifest proper (with every cache entry) is decoded only on restore.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+from ..codecs.header import CacheEntry
+from ..errors import CorruptData, IncompatibleFormat
+
+MANIFEST_VERSION = 1
+NonNeg = Annotated[int, Meta(ge=0, le=2**62)]
+HexId = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
+
+
+class BlobRef(Struct, frozen=True, array_like=True):
+    """One blob a snapshot reads: content hash, the token range it covers ([0, 0) for untokened tensors), bytes."""
+
+    hash: HexId
+    start: NonNeg
+    stop: NonNeg
+    nbytes: NonNeg
+
+
+class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything needed to restore a snapshot and to re-index it after the index is lost."""
+
+    format_version: int = MANIFEST_VERSION
+    snapshot_id: HexId
+    session_id: Annotated[str, Meta(max_length=1024)]
+    namespace: Annotated[str, Meta(max_length=1024)] = ""
+    model_id: str
+    config_fingerprint: str = ""
+    tokenizer_hash: str = ""
+    provider: str
+    tokens: list[NonNeg]
+    entries: list[CacheEntry]
+    chunk_tokens: Annotated[int, Meta(ge=1)]
+    chunks: list[BlobRef]
+    own: list[BlobRef] = []
+    created_at: float = 0.0
+    minimum_reusable_offset: NonNeg = 0
+    trimmable: bool = True
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def blobs(self) -> list[BlobRef]:
+        return [*self.chunks, *self.own]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blobs)
+
+
+class Summary(Struct, frozen=True, array_like=True):
+    """The small per-snapshot record: scope, session, length, reuse floor, trimmability, bytes, times."""
+
+    id_key: bytes
+    ns_key: bytes
+    session_id: str
+    namespace: str
+    length: int
+    minimum_reusable_offset: int
+    trimmable: bool
+    nbytes: int
+    created_at: float
+    last_used_ns: int
+
+
+class ChunkMeta(Struct, frozen=True, array_like=True):
+    """Per blob: how many manifests reference it, payload bytes, bytes on disk, encoding, last use."""
+
+    refs: int
+    nbytes: int
+    stored_bytes: int
+    encoding: str
+    last_used_ns: int
+
+
+class Lease(Struct, frozen=True, array_like=True):
+    """A reader's claim: these blobs must not be unlinked before ``expires`` while ``pid`` is alive."""
+
+    pid: int
+    expires: float
+    snapshot_id: str
+    hashes: list[str]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(obj: Struct) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode(data: bytes | memoryview, kind: type, what: str):
+    decoder = _decoders.get(kind) or _decoders.setdefault(kind, msgspec.msgpack.Decoder(kind))
+    try:
+        obj = decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise CorruptData(f"{what} does not decode as a {kind.__name__}: {exc}") from None
+    if kind is Manifest and obj.format_version != MANIFEST_VERSION:
+        raise IncompatibleFormat(f"{what}: manifest format_version {obj.format_version} is not supported "
+                                 f"(expected {MANIFEST_VERSION})")
+    return obj
+
+
+__all__ = ["BlobRef", "Manifest", "Summary", "ChunkMeta", "Lease", "encode", "decode", "MANIFEST_VERSION"]

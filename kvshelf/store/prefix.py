@@ -1,0 +1,65 @@
+"""Prefix keys: a hash per block boundary of a token sequence, scoped by identity and namespace.
+
+Boundary ``i`` of tokens ``t`` is ``xxh3_128(nsk || int64le(t[: i * block]))``. Saving computes every boundary with one
+streaming hash (O(T)); a lookup computes single boundaries directly (a prefix of 32k tokens is 256 KiB: ~20 µs), so it
+can binary-search the deepest stored boundary with O(log T) index gets. Every snapshot stores all its boundaries, so the
+stored set is prefix-closed and the search is exact. Hashes only nominate candidates; tokens are always compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from ..errors import InvalidCacheState
+
+BLOCK_TOKENS = 16
+
+
+def tokens_array(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.ndarray:
+    """Tokens as a C-contiguous little-endian int64 array (lists, tuples, numpy or MLX 1-D arrays)."""
+    if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray):
+        tokens = np.array(tokens.tolist())
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as exc:
+        raise InvalidCacheState(f"{what} must be a sequence of ints ({exc})") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i8")
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidCacheState(f"{what} must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype="<i8")
+    if arr.min() < 0:
+        raise InvalidCacheState(f"{what} must be non-negative token ids (found {int(arr.min())})")
+    return arr
+
+
+def boundary_hash(nsk: bytes, tokens: np.ndarray, i: int, block: int = BLOCK_TOKENS) -> bytes:
+    h = xxhash.xxh3_128(nsk)
+    h.update(memoryview(tokens)[: i * block])
+    return h.digest()
+
+
+def all_boundaries(nsk: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[bytes]:
+    """Boundaries 1..len // block of ``tokens`` (one streaming pass). Snapshots shorter than a block get boundary 0."""
+    n = len(tokens) // block
+    if n == 0:
+        return [boundary_hash(nsk, tokens, 0, block)]
+    h = xxhash.xxh3_128(nsk)
+    view = memoryview(tokens)
+    out = []
+    for i in range(n):
+        h.update(view[i * block:(i + 1) * block])
+        out.append(h.digest())
+    return out
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+__all__ = ["BLOCK_TOKENS", "tokens_array", "boundary_hash", "all_boundaries", "common_prefix"]

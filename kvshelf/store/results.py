@@ -1,0 +1,94 @@
+"""What store calls return: small frozen dataclasses (plain data, no handles)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A committed save: ``bytes_written`` were new chunk bytes, ``bytes_reused`` already stored (deduplicated)."""
+
+    snapshot_id: str
+    session_id: str
+    length: int
+    bytes_written: int
+    bytes_reused: int
+    minimum_reusable_offset: int
+    namespace: str = ""
+    blobs_written: int = 0
+    blobs_reused: int = 0
+    seconds: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return self.snapshot_id
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Caches rebuilt for ``tokens`` (``length`` of them); a prefix restore holds the usable prefix only."""
+
+    tokens: list[int]
+    caches: list[Any]
+    length: int
+    session_id: str = ""
+    snapshot_id: str = ""
+    namespace: str = ""
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest usable stored prefix of a prompt: restore it with ``restore_prefix`` or ``restore_batch``."""
+
+    session_id: str
+    snapshot_id: str
+    length: int
+    namespace: str = ""
+    snapshot_length: int = 0
+
+
+@dataclass(frozen=True)
+class RestoredBatch:
+    """One batched cache per layer, rows in request order (left zero padding, ``row_offsets`` set)."""
+
+    caches: list[Any]
+    lengths: list[int]
+    tokens: list[list[int]]
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    namespace: str
+    snapshot_id: str
+    length: int
+    nbytes: int
+    created_at: float
+    last_used: float
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One inconsistency ``verify`` found: ``kind`` (e.g. ``missing-blob``), where, and what is wrong."""
+
+    kind: str
+    where: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What ``gc`` removed (or, with ``dry_run``, would remove)."""
+
+    dry_run: bool
+    orphan_blobs: list[str] = field(default_factory=list)
+    orphan_manifests: list[str] = field(default_factory=list)
+    tmp_files: list[str] = field(default_factory=list)
+    expired_leases: int = 0
+    bytes: int = 0
+    skipped: str = ""
+
+
+__all__ = ["SnapshotInfo", "Restored", "PrefixHit", "RestoredBatch", "SessionInfo", "Finding", "GcReport"]

@@ -1,0 +1,838 @@
+"""The session store: saves, restores and prefix reuse over an LMDB index and content-addressed chunk blobs.
+
+Commit order (durability): every blob of a snapshot is written, fsynced and renamed first, then its manifest file,
+then ONE LMDB write transaction adds manifest, summary, tokens, prefix records, session pointer and chunk refcounts.
+Blobs whose last reference was dropped are unlinked only in a *later* write transaction that re-checks the refcount
+and the live leases while holding LMDB's writer lock, so a concurrent saver can never commit a reference to a blob
+that is being unlinked. A crash therefore leaves at most orphan blobs, manifest files and tmp files (``gc``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+import mlx.core as mx
+import msgspec
+import numpy as np
+
+from ..codecs import CacheEntry, CodecProvider, default_provider
+from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
+                      StoreFull)
+from . import manifest as mf
+from .blobfile import BlobReader, content_hash
+from .blobs import LocalBlobStore, ensure_dir
+from .identity import Identity, namespace_key
+from .index import Index
+from .layout import BlobPlan, Destinations, fill_from_blob, plan_blobs
+from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
+from .prefix import BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, tokens_array
+from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
+from .writer import BackgroundWriter
+
+LOOKUP_LEVELS = 4          # boundaries examined below the deepest stored one
+LOOKUP_CANDIDATES = 32     # snapshots token-compared per lookup at most
+_NOT_FOUND = object()
+
+
+class _MissingBlobs(Exception):
+    def __init__(self, hashes: list[str]):
+        self.hashes = hashes
+
+
+class _Gone(Exception):
+    pass
+
+
+@dataclass
+class _Capture:
+    """A snapshot taken from live caches: evaluated arrays plus everything the writer needs."""
+
+    session_id: str
+    namespace: str
+    tokens: np.ndarray
+    entries: list[CacheEntry]
+    arrays: list[list[mx.array]]
+    nbytes: int
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+def _be64(n: int) -> bytes:
+    return struct.pack(">Q", n)
+
+
+class Store:
+    """One store directory opened under one ``Identity``. Thread-safe; several processes may open it at once."""
+
+    def __init__(self, path: str | os.PathLike, identity: Identity, *, max_bytes: int | None = None,
+                 chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
+                 map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0):
+        if not isinstance(identity, Identity):
+            raise TypeError(f"identity must be a kvshelf Identity, got {type(identity).__name__}")
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
+        self.root = os.path.abspath(os.fspath(path))
+        ensure_dir(self.root)
+        os.chmod(self.root, 0o700)
+        self.identity, self.max_bytes, self.chunk_tokens = identity, max_bytes, chunk_tokens
+        self.verify_reads, self.provider, self.lease_seconds = verify, provider or default_provider, lease_seconds
+        self.id_key = identity.key
+        self.blobs = LocalBlobStore(self.root)
+        self.blobs.reap_tmp()
+        self.index = Index(os.path.join(self.root, "index"), map_size=map_size)
+        self.block = BLOCK_TOKENS
+        lock_dir = os.path.join(self.root, "locks")
+        ensure_dir(lock_dir)
+        self._gate_path = os.path.join(lock_dir, "save.lock")
+        os.close(os.open(self._gate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        self._lease_counter = 0
+        self._lock = threading.Lock()
+        self._writer = BackgroundWriter(max_pending_bytes)
+        self.counters = {"blobs_read": 0, "bytes_read": 0, "blobs_written": 0, "bytes_written": 0,
+                         "bytes_reused": 0, "lookups": 0, "hits": 0, "quarantined": 0, "evicted": 0}
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for queued async saves (errors are not raised here: call ``flush`` first), then close the index."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.close()
+        self.index.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KvShelfError(f"store {self.root} is closed")
+
+    @contextmanager
+    def _save_gate(self, exclusive: bool = False, timeout: float = 30.0):
+        """Saves hold this shared between writing blobs and committing; orphan sweeps hold it exclusively."""
+        fd = os.open(self._gate_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("save lock busy") from None
+                    time.sleep(0.005)
+            yield
+        finally:
+            os.close(fd)  # closing the description releases the lock
+
+    def _ns_key(self, namespace: str) -> bytes:
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+        return namespace_key(self.id_key, namespace)
+
+    def _session_key(self, session_id: str, namespace: str) -> bytes:
+        if not isinstance(session_id, str) or not session_id or len(session_id) > 1024:
+            raise ValueError(f"session_id must be a non-empty str of at most 1024 characters, got {session_id!r}")
+        return self.id_key + self._ns_key(namespace) + session_id.encode("utf-8", "surrogatepass")
+
+    # ------------------------------------------------------------------ saving
+    def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
+        """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written)."""
+        self._check_open()
+        return self._write(self._capture(session_id, tokens, caches, namespace))
+
+    def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
+                   namespace: str = "") -> Future:
+        """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures."""
+        self._check_open()
+        capture = self._capture(session_id, tokens, caches, namespace)
+        return self._writer.submit(lambda: self._write(capture), capture.nbytes)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def _capture(self, session_id: str, tokens, caches, namespace: str) -> _Capture:
+        self._session_key(session_id, namespace)
+        toks = tokens_array(tokens)
+        if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence) or not caches:
+            raise InvalidCacheState("caches must be a non-empty sequence of caches (one per layer)")
+        entries, arrays = [], []
+        for i, cache in enumerate(caches):
+            entry, arrs = self.provider.for_cache(cache).snapshot(cache)
+            if entry.offset != len(toks):
+                raise InvalidCacheState(f"cache {i} holds {entry.offset} positions but {len(toks)} tokens were given")
+            entries.append(entry)
+            arrays.append(list(arrs))
+        mx.eval([a for row in arrays for a in row])
+        nbytes = sum(a.nbytes for row in arrays for a in row)
+        return _Capture(session_id, namespace, toks, entries, arrays, nbytes)
+
+    def _write(self, cap: _Capture) -> SnapshotInfo:
+        t0 = time.perf_counter()
+        plans = plan_blobs(cap.entries, cap.arrays, self.chunk_tokens)
+        by_hash: dict[str, BlobPlan] = {}
+        chunks, own = [], []
+        for plan in plans:
+            h = content_hash(plan.pieces)
+            by_hash[h] = plan
+            ref = BlobRef(h, plan.start, plan.stop, sum(p.data.nbytes for p in plan.pieces))
+            (own if plan.stop == 0 else chunks).append(ref)
+        sid = uuid.uuid4().hex
+        manifest = Manifest(
+            snapshot_id=sid, session_id=cap.session_id, namespace=cap.namespace,
+            model_id=self.identity.model_id, config_fingerprint=self.identity.config_fingerprint,
+            tokenizer_hash=self.identity.tokenizer_hash, provider=self.provider.id, tokens=cap.tokens.tolist(),
+            entries=cap.entries, chunk_tokens=self.chunk_tokens, chunks=chunks, own=own, created_at=time.time(),
+            minimum_reusable_offset=max((e.minimum_reusable_offset for e in cap.entries), default=0),
+            trimmable=all(self.provider.for_entry(e).header_trimmable(e) for e in cap.entries))
+        unique = {r.hash: r for r in manifest.blobs}
+        if self.max_bytes is not None and sum(r.nbytes for r in unique.values()) > self.max_bytes:
+            raise StoreFull(f"snapshot of session {cap.session_id!r} needs {sum(r.nbytes for r in unique.values())} "
+                            f"bytes, more than the store budget max_bytes={self.max_bytes}; nothing was written")
+        written = reused = n_written = 0
+        with self._save_gate():
+            todo = list(unique.values())
+            for attempt in range(5):
+                for ref in todo:
+                    if self.blobs.has(ref.hash) is None:
+                        self.blobs.put(ref.hash, by_hash[ref.hash].pieces, self._blob_metadata(ref))
+                        written += ref.nbytes
+                        n_written += 1
+                    else:
+                        reused += ref.nbytes
+                if attempt == 0:
+                    self.blobs.put_manifest(sid, mf.encode(manifest))
+                try:
+                    old, freed = self.index.write(lambda txn: self._commit(txn, manifest, replaces=None))
+                    break
+                except _MissingBlobs as missing:  # unlinked by a concurrent eviction between our check and commit
+                    todo = [unique[h] for h in missing.hashes]
+                    reused -= sum(unique[h].nbytes for h in missing.hashes)
+            else:  # pragma: no cover - needs five lost races in a row
+                raise KvShelfError(f"could not commit snapshot of session {cap.session_id!r}: blobs kept vanishing")
+        self._after_drop(old, freed)
+        self.counters["blobs_written"] += n_written
+        self.counters["bytes_written"] += written
+        self.counters["bytes_reused"] += reused
+        self._evict_to_budget(protect=bytes.fromhex(sid))
+        return SnapshotInfo(sid, cap.session_id, len(cap.tokens), written, reused, manifest.minimum_reusable_offset,
+                            cap.namespace, n_written, len(unique) - n_written, time.perf_counter() - t0)
+
+    @staticmethod
+    def _blob_metadata(ref: BlobRef) -> dict[str, str]:
+        return {"format": "kvshelf-chunk-v1", "kvshelf.hash": ref.hash, "kvshelf.tokens": f"{ref.start}:{ref.stop}"}
+
+    def _commit(self, txn: lmdb.Transaction, manifest: Manifest, replaces: bytes | None):
+        """Index one snapshot (replacing the session's previous one). Returns (dropped sid, freed hashes)."""
+        db = self.index.db
+        now = _now_ns()
+        unique = {r.hash: r for r in manifest.blobs}
+        metas = {}
+        missing = []
+        for h in unique:
+            raw = txn.get(bytes.fromhex(h), db=db["chunks"])
+            metas[h] = None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {h}")
+            if metas[h] is None and self.blobs.stat(h) is None:
+                missing.append(h)
+        if missing:
+            raise _MissingBlobs(missing)
+        nsk = namespace_key(identity_key_of(manifest), manifest.namespace)
+        idk = identity_key_of(manifest)
+        skey = idk + nsk + manifest.session_id.encode("utf-8", "surrogatepass")
+        freed: list[str] = []
+        old = replaces if replaces is not None else txn.get(skey, db=db["sessions"])
+        if old is not None:
+            freed = self._drop(txn, old)
+        sid = bytes.fromhex(manifest.snapshot_id)
+        total = self.index.meta_int(txn, b"total_bytes")
+        for h, ref in unique.items():
+            meta = metas[h]
+            if meta is None:
+                st = self.blobs.stat(h)
+                meta = ChunkMeta(0, ref.nbytes, st.stored_bytes, st.encoding, now)
+                total += st.stored_bytes
+                if h in freed:
+                    freed.remove(h)
+            else:
+                raw = txn.get(bytes.fromhex(h), db=db["chunks"])  # may have changed in _drop above
+                if raw is None:
+                    st = self.blobs.stat(h)
+                    meta = ChunkMeta(0, ref.nbytes, st.stored_bytes, st.encoding, now)
+                    total += st.stored_bytes
+                else:
+                    meta = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+                if h in freed:
+                    freed.remove(h)
+            txn.put(bytes.fromhex(h), mf.encode(ChunkMeta(meta.refs + 1, meta.nbytes, meta.stored_bytes,
+                                                          meta.encoding, now)), db=db["chunks"])
+        self.index.set_meta_int(txn, b"total_bytes", total)
+        summary = Summary(idk, nsk, manifest.session_id, manifest.namespace, manifest.length,
+                          manifest.minimum_reusable_offset, manifest.trimmable, manifest.nbytes,
+                          manifest.created_at, now)
+        txn.put(sid, mf.encode(manifest), db=db["manifests"])
+        txn.put(sid, mf.encode(summary), db=db["summaries"])
+        txn.put(sid, np.asarray(manifest.tokens, dtype="<i8").tobytes(), db=db["tokens"])
+        for b in all_boundaries(nsk, np.asarray(manifest.tokens, dtype="<i8"), self.block):
+            txn.put(b, sid, db=db["prefix"], dupdata=True)
+        txn.put(skey, sid, db=db["sessions"])
+        txn.put(idk + _be64(now) + sid, b"", db=db["lru"])
+        txn.delete(skey, db=db["quarantine"])
+        return old, freed
+
+    def _drop(self, txn: lmdb.Transaction, sid: bytes) -> list[str]:
+        """Remove a snapshot from the index; returns the blob hashes whose last reference it held."""
+        db = self.index.db
+        raw = txn.get(sid, db=db["manifests"])
+        if raw is None:
+            return []
+        manifest = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+        summary = mf.decode(txn.get(sid, db=db["summaries"]), Summary, f"summary {sid.hex()}")
+        for name in ("manifests", "summaries", "tokens"):
+            txn.delete(sid, db=db[name])
+        for b in all_boundaries(summary.ns_key, np.asarray(manifest.tokens, dtype="<i8"), self.block):
+            txn.delete(b, sid, db=db["prefix"])
+        skey = summary.id_key + summary.ns_key + summary.session_id.encode("utf-8", "surrogatepass")
+        if txn.get(skey, db=db["sessions"]) == sid:
+            txn.delete(skey, db=db["sessions"])
+        txn.delete(summary.id_key + _be64(summary.last_used_ns) + sid, db=db["lru"])
+        freed = []
+        total = self.index.meta_int(txn, b"total_bytes")
+        for h in {r.hash for r in manifest.blobs}:
+            key = bytes.fromhex(h)
+            raw = txn.get(key, db=db["chunks"])
+            if raw is None:
+                continue
+            meta = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+            if meta.refs <= 1:
+                txn.delete(key, db=db["chunks"])
+                total -= meta.stored_bytes
+                freed.append(h)
+            else:
+                txn.put(key, mf.encode(ChunkMeta(meta.refs - 1, meta.nbytes, meta.stored_bytes, meta.encoding,
+                                                 meta.last_used_ns)), db=db["chunks"])
+        self.index.set_meta_int(txn, b"total_bytes", total)
+        return freed
+
+    def _after_drop(self, dropped: bytes | None, freed: list[str], quarantine: bool = False) -> None:
+        if dropped is not None:
+            self.blobs.delete_manifest(dropped.hex(), quarantine=quarantine)
+        self._reclaim(freed)
+
+    def _reclaim(self, hashes: list[str]) -> None:
+        """Unlink blobs that are still unreferenced and unleased, holding the LMDB writer lock while doing so."""
+        if not hashes:
+            return
+
+        def unlink(txn):
+            leased = self._live_leases(txn)[1]
+            for h in hashes:
+                if txn.get(bytes.fromhex(h), db=self.index.db["chunks"]) is None and h not in leased:
+                    self.blobs.delete(h)
+
+        self.index.write(unlink)
+
+    def _live_leases(self, txn) -> tuple[set[str], set[str]]:
+        """(snapshot ids, blob hashes) held by live leases (pid alive, not expired)."""
+        sids, hashes = set(), set()
+        now = time.time()
+        for _key, raw in txn.cursor(db=self.index.db["leases"]):
+            lease = mf.decode(raw, Lease, "lease")
+            if lease.expires > now and _pid_alive(lease.pid):
+                sids.add(lease.snapshot_id)
+                hashes.update(lease.hashes)
+        return sids, hashes
+
+    # ------------------------------------------------------------------ budget
+    def _evict_to_budget(self, protect: bytes | None = None) -> int:
+        """Evict this identity's least-recently-used unleased snapshots until the store fits ``max_bytes``."""
+        if self.max_bytes is None:
+            return 0
+        evicted = 0
+        while True:
+            def pick(txn):
+                if self.index.meta_int(txn, b"total_bytes") <= self.max_bytes:
+                    return None
+                leased = self._live_leases(txn)[0]
+                cur = txn.cursor(db=self.index.db["lru"])
+                if not cur.set_range(self.id_key):
+                    return None
+                for key in cur.iternext(keys=True, values=False):
+                    if not key.startswith(self.id_key):
+                        break
+                    sid = key[24:40]
+                    if sid == protect or sid.hex() in leased:
+                        continue
+                    return sid, self._drop(txn, sid)
+                return None
+
+            victim = self.index.write(pick)
+            if victim is None:
+                return evicted
+            self._after_drop(*victim)
+            evicted += 1
+            self.counters["evicted"] += 1
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, prompt_tokens: Sequence[int], namespace: str = "") -> PrefixHit | None:
+        """The longest usable stored prefix of the prompt (API.md rule), or None. Reads no blobs."""
+        self._check_open()
+        prompt = tokens_array(prompt_tokens, "prompt_tokens")
+        nsk = self._ns_key(namespace)
+        self.counters["lookups"] += 1
+        with self.index.read() as txn:
+            best = self._lookup(txn, nsk, prompt)
+        if best is None:
+            return None
+        self.counters["hits"] += 1
+        p, summary, sid = best
+        return PrefixHit(summary.session_id, sid.hex(), p, summary.namespace, summary.length)
+
+    def _lookup(self, txn, nsk: bytes, prompt: np.ndarray):
+        n = len(prompt)
+        if n < 2:
+            return None
+        db = self.index.db
+        lo, hi = 0, n // self.block  # invariant: boundary lo is stored (0 = "nothing yet"), hi+1.. unknown
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if txn.get(boundary_hash(nsk, prompt, mid, self.block), db=db["prefix"]) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        best = None
+        seen: set[bytes] = set()
+        cur = txn.cursor(db=db["prefix"])
+        levels = range(lo, max(lo - LOOKUP_LEVELS, 0) - 1, -1) if lo else [0]
+        for level in levels:
+            if len(seen) >= LOOKUP_CANDIDATES or (best is not None and best[0] >= level * self.block + self.block):
+                break
+            if not cur.set_key(boundary_hash(nsk, prompt, level, self.block)):
+                continue
+            for sid in cur.iternext_dup():
+                if sid in seen:
+                    continue
+                seen.add(sid)
+                cand = self._usable(txn, sid, prompt)
+                if cand is not None and (best is None or (cand[0], cand[1].last_used_ns) > (best[0], best[1].last_used_ns)):
+                    best = (cand[0], cand[1], sid)
+                if len(seen) >= LOOKUP_CANDIDATES:
+                    break
+        return best
+
+    def _usable(self, txn, sid: bytes, prompt: np.ndarray):
+        raw = txn.get(sid, db=self.index.db["summaries"])
+        toks = txn.get(sid, db=self.index.db["tokens"])
+        if raw is None or toks is None:
+            return None
+        summary = mf.decode(raw, Summary, f"summary {sid.hex()}")
+        stored = np.frombuffer(toks, dtype="<i8")
+        p = min(common_prefix(stored, prompt), len(prompt) - 1)
+        if p <= 0 or p < summary.minimum_reusable_offset or (p != summary.length and not summary.trimmable):
+            return None
+        return p, summary
+
+    # ------------------------------------------------------------------ restoring
+    def restore(self, session_id: str, namespace: str = "") -> Restored:
+        """The session's latest snapshot, whole."""
+        self._check_open()
+        skey = self._session_key(session_id, namespace)
+        with self.index.read() as txn:
+            sid = txn.get(skey, db=self.index.db["sessions"])
+            if sid is None:
+                self._explain_missing(txn, session_id, namespace, skey)
+            manifest = self._manifest(txn, sid)
+        return self._restore(manifest, manifest.length)
+
+    def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
+        """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
+        self._check_open()
+        manifest = self.manifest(snapshot_id)
+        self._check_identity(manifest)
+        p = manifest.length if length is None else int(length)
+        self._check_cut(manifest, p)
+        return self._restore(manifest, p)
+
+    def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "") -> Restored | None:
+        """Caches for the longest usable stored prefix of the prompt (reading only the chunks covering it)."""
+        for _ in range(3):
+            hit = self.lookup(prompt_tokens, namespace)
+            if hit is None:
+                return None
+            try:
+                return self.restore_snapshot(hit.snapshot_id, hit.length)
+            except SnapshotNotFound:  # evicted or replaced between lookup and restore: look again
+                continue
+        return None
+
+    def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]]) -> RestoredBatch:
+        """Several rows restored straight into one batched cache per layer, rows in request order."""
+        self._check_open()
+        if not requests:
+            raise InvalidCacheState("restore_batch needs at least one request")
+        plans = []
+        with self.index.read() as txn:
+            for req in requests:
+                if isinstance(req, PrefixHit):
+                    manifest = self._manifest(txn, bytes.fromhex(req.snapshot_id))
+                    self._check_identity(manifest)
+                    plans.append((manifest, req.length))
+                    continue
+                session_id, namespace = (req if isinstance(req, tuple) else (req, ""))
+                skey = self._session_key(session_id, namespace)
+                sid = txn.get(skey, db=self.index.db["sessions"])
+                if sid is None:
+                    self._explain_missing(txn, session_id, namespace, skey)
+                manifest = self._manifest(txn, sid)
+                plans.append((manifest, manifest.length))
+        for manifest, p in plans:
+            self._check_cut(manifest, p)
+        rows = [self._read_arrays(m, p) for m, p in plans]
+        n_layers = len(rows[0][0])
+        if any(len(entries) != n_layers for entries, _ in rows):
+            raise InvalidCacheState(f"restore_batch rows have different layer counts: {[len(e) for e, _ in rows]}")
+        caches = []
+        for layer in range(n_layers):
+            entries = [entries[layer] for entries, _ in rows]
+            arrays = [arrays[layer] for _, arrays in rows]
+            caches.append(self.provider.for_entry(entries[0]).load_batch(entries, arrays, verify=False))
+        return RestoredBatch(caches, [p for _, p in plans], [list(m.tokens[:p]) for m, p in plans])
+
+    def _check_cut(self, manifest: Manifest, p: int) -> None:
+        if not 0 <= p <= manifest.length:
+            raise InvalidCacheState(f"cannot cut snapshot {manifest.snapshot_id} of {manifest.length} tokens to {p}")
+        if p < manifest.length and (not manifest.trimmable or p < manifest.minimum_reusable_offset):
+            raise InvalidCacheState(f"snapshot {manifest.snapshot_id} cannot be cut to {p} tokens "
+                                    f"(trimmable={manifest.trimmable}, floor={manifest.minimum_reusable_offset})")
+
+    def _check_identity(self, manifest: Manifest) -> None:
+        for field in ("model_id", "config_fingerprint", "tokenizer_hash"):
+            stored, expected = getattr(manifest, field), getattr(self.identity, field)
+            if stored != expected:
+                raise IdentityMismatch(field, stored, expected, f"snapshot {manifest.snapshot_id}")
+
+    def _manifest(self, txn, sid: bytes) -> Manifest:
+        raw = txn.get(sid, db=self.index.db["manifests"])
+        if raw is None:
+            raise SnapshotNotFound(f"snapshot {sid.hex()} is not in the store at {self.root}")
+        return mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+
+    def _explain_missing(self, txn, session_id: str, namespace: str, skey: bytes):
+        raw = txn.get(skey, db=self.index.db["quarantine"])
+        if raw is not None:
+            sid_hex, reason = msgspec.msgpack.decode(raw)
+            raise CorruptData(f"session {session_id!r} (namespace {namespace!r}) was quarantined: snapshot "
+                              f"{sid_hex}: {reason}")
+        tail = session_id.encode("utf-8", "surrogatepass")
+        for key, sid in txn.cursor(db=self.index.db["sessions"]):
+            if key[32:] == tail and key[:16] != self.id_key:
+                other = self._manifest(txn, sid)
+                if other.namespace == namespace:
+                    self._check_identity(other)
+        raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} for model "
+                               f"{self.identity.model_id!r} in the store at {self.root}")
+
+    def _restore(self, manifest: Manifest, p: int) -> Restored:
+        entries, arrays = self._read_arrays(manifest, p)
+        caches = [self.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(entries, arrays)]
+        return Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
+                        manifest.namespace)
+
+    def _read_arrays(self, manifest: Manifest, p: int) -> tuple[list[CacheEntry], list[list[mx.array]]]:
+        """Lease the snapshot, read the blobs covering [0, p) into fresh arrays, verify, release."""
+        self.provider.check_provider(manifest.provider)
+        entries = list(manifest.entries)
+        if p < manifest.length:
+            entries = [self.provider.for_entry(e).prefix_entry(e, p) for e in entries]
+        needed = [r for r in manifest.chunks if r.start < p] + list(manifest.own)
+        lease = self._lease(manifest, needed)
+        ok = False
+        try:
+            dest = Destinations(entries)
+            for ref in needed:
+                try:
+                    with self.blobs.open(ref.hash, verify=self.verify_reads) as reader:
+                        self.counters["bytes_read"] += fill_from_blob(reader, ref, dest)
+                        self.counters["blobs_read"] += 1
+                except CorruptData as exc:
+                    self._release(lease, None, [])
+                    lease = None
+                    self.quarantine(manifest.snapshot_id, str(exc))
+                    raise CorruptData(f"session {manifest.session_id!r} (snapshot {manifest.snapshot_id}): chunk "
+                                      f"{ref.hash} covering tokens [{ref.start}, {ref.stop}) failed verification: "
+                                      f"{exc}; the snapshot is quarantined") from None
+            ok = True
+            return entries, dest.finish()
+        finally:
+            if lease is not None:
+                self._release(lease, bytes.fromhex(manifest.snapshot_id) if ok else None, needed)
+
+    def _lease(self, manifest: Manifest, refs: list[BlobRef]) -> bytes:
+        with self._lock:
+            self._lease_counter += 1
+            key = _be64(os.getpid()) + _be64(self._lease_counter)
+        lease = Lease(os.getpid(), time.time() + self.lease_seconds, manifest.snapshot_id, [r.hash for r in refs])
+
+        def put(txn):
+            if txn.get(bytes.fromhex(manifest.snapshot_id), db=self.index.db["manifests"]) is None:
+                raise _Gone
+            txn.put(key, mf.encode(lease), db=self.index.db["leases"])
+
+        try:
+            self.index.write(put)
+        except _Gone:
+            raise SnapshotNotFound(f"snapshot {manifest.snapshot_id} of session {manifest.session_id!r} was "
+                                   f"removed before it could be read") from None
+        return key
+
+    def _release(self, key: bytes, touch: bytes | None, refs: list[BlobRef]) -> None:
+        db = self.index.db
+
+        def release(txn):
+            txn.delete(key, db=db["leases"])
+            if touch is None:
+                return
+            raw = txn.get(touch, db=db["summaries"])
+            if raw is None:
+                return
+            now = _now_ns()
+            s = mf.decode(raw, Summary, "summary")
+            txn.delete(s.id_key + _be64(s.last_used_ns) + touch, db=db["lru"])
+            txn.put(s.id_key + _be64(now) + touch, b"", db=db["lru"])
+            txn.put(touch, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
+                                             s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, now)),
+                    db=db["summaries"])
+            for ref in refs:
+                k = bytes.fromhex(ref.hash)
+                raw = txn.get(k, db=db["chunks"])
+                if raw is not None:
+                    m = mf.decode(raw, ChunkMeta, "chunk record")
+                    txn.put(k, mf.encode(ChunkMeta(m.refs, m.nbytes, m.stored_bytes, m.encoding, now)),
+                            db=db["chunks"])
+
+        self.index.write(release)
+
+    # ------------------------------------------------------------------ management
+    def quarantine(self, snapshot_id: str, reason: str) -> None:
+        """Hide a snapshot for good: removed from the index, its manifest file renamed ``.quarantined``."""
+        sid = bytes.fromhex(snapshot_id)
+
+        def drop(txn):
+            raw = txn.get(sid, db=self.index.db["summaries"])
+            if raw is None:
+                return None
+            s = mf.decode(raw, Summary, "summary")
+            freed = self._drop(txn, sid)
+            skey = s.id_key + s.ns_key + s.session_id.encode("utf-8", "surrogatepass")
+            if txn.get(skey, db=self.index.db["sessions"]) is None:
+                txn.put(skey, msgspec.msgpack.encode([snapshot_id, reason[:2000]]), db=self.index.db["quarantine"])
+            return freed
+
+        freed = self.index.write(drop)
+        if freed is not None:
+            self.counters["quarantined"] += 1
+            self._after_drop(sid, freed, quarantine=True)
+
+    def delete(self, session_id: str, namespace: str = "") -> None:
+        """Remove the session's snapshot; chunks no other snapshot references are freed."""
+        self._check_open()
+        skey = self._session_key(session_id, namespace)
+
+        def drop(txn):
+            sid = txn.get(skey, db=self.index.db["sessions"])
+            if sid is None:
+                return None
+            return sid, self._drop(txn, sid)
+
+        result = self.index.write(drop)
+        if result is None:
+            raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to delete")
+        self._after_drop(*result)
+
+    def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
+        """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""
+        self._check_open()
+        prefix = self.id_key if namespace is None else self.id_key + self._ns_key(namespace)
+        out = []
+        with self.index.read() as txn:
+            cur = txn.cursor(db=self.index.db["sessions"])
+            if cur.set_range(prefix):
+                for key, sid in cur:
+                    if not key.startswith(prefix):
+                        break
+                    raw = txn.get(sid, db=self.index.db["summaries"])
+                    if raw is None:
+                        continue
+                    s = mf.decode(raw, Summary, "summary")
+                    out.append(SessionInfo(s.session_id, s.namespace, sid.hex(), s.length, s.nbytes, s.created_at,
+                                           s.last_used_ns / 1e9))
+        out.sort(key=lambda s: -s.last_used)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and bytes: this identity's snapshots, the whole store's blobs, and this handle's counters."""
+        self._check_open()
+        with self.index.read() as txn:
+            total = self.index.meta_int(txn, b"total_bytes")
+            n_chunks = txn.stat(self.index.db["chunks"])["entries"]
+            n_snapshots_all = txn.stat(self.index.db["manifests"])["entries"]
+            own = own_bytes = 0
+            cur = txn.cursor(db=self.index.db["lru"])
+            if cur.set_range(self.id_key):
+                for key in cur.iternext(keys=True, values=False):
+                    if not key.startswith(self.id_key):
+                        break
+                    own += 1
+                    s = mf.decode(txn.get(key[24:40], db=self.index.db["summaries"]), Summary, "summary")
+                    own_bytes += s.nbytes
+            n_quarantined = txn.stat(self.index.db["quarantine"])["entries"]
+        return {"root": self.root, "model_id": self.identity.model_id, "snapshots": own,
+                "snapshot_bytes": own_bytes, "snapshots_all_identities": n_snapshots_all, "blobs": n_chunks,
+                "stored_bytes": total, "max_bytes": self.max_bytes, "quarantined_sessions": n_quarantined,
+                "pending_bytes": self._writer.pending_bytes, **self.counters}
+
+    def verify(self, deep: bool = False):
+        """Inconsistencies between index and blobs (empty list: clean). ``deep`` re-hashes every blob."""
+        from .maintenance import verify_store
+
+        self._check_open()
+        return verify_store(self, deep)
+
+    def gc(self, dry_run: bool = True):
+        """Remove crash residue: unreferenced blobs and manifest files, dead tmp files, expired leases."""
+        from .maintenance import gc_store
+
+        self._check_open()
+        return gc_store(self, dry_run)
+
+    def rebuild_index(self) -> int:
+        """Rebuild the LMDB index from the manifest files and blobs; returns the number of snapshots indexed."""
+        from .maintenance import rebuild_store_index
+
+        self._check_open()
+        return rebuild_store_index(self)
+
+    # ------------------------------------------------------------------ for offline tools (kvshelf.tools)
+    def manifest(self, snapshot_id: str) -> Manifest:
+        """A snapshot's manifest by id (any identity)."""
+        with self.index.read() as txn:
+            return self._manifest(txn, bytes.fromhex(snapshot_id))
+
+    def iter_manifests(self) -> Iterator[Manifest]:
+        """Every indexed manifest, all identities (a snapshot of the index taken at the first call)."""
+        with self.index.read() as txn:
+            raws = [bytes(v) for _k, v in txn.cursor(db=self.index.db["manifests"])]
+        for raw in raws:
+            yield mf.decode(raw, Manifest, "manifest")
+
+    def chunk_info(self, hash_: str) -> ChunkMeta | None:
+        """Refcount, payload bytes, stored bytes, encoding and last use of an indexed blob."""
+        with self.index.read() as txn:
+            raw = txn.get(bytes.fromhex(hash_), db=self.index.db["chunks"])
+        return None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
+
+    def iter_chunks(self) -> Iterator[tuple[str, ChunkMeta]]:
+        with self.index.read() as txn:
+            rows = [(bytes(k).hex(), bytes(v)) for k, v in txn.cursor(db=self.index.db["chunks"])]
+        for h, raw in rows:
+            yield h, mf.decode(raw, ChunkMeta, f"chunk record {h}")
+
+    def leased_hashes(self) -> set[str]:
+        """Blob hashes that live readers hold right now (never rewrite or remove these)."""
+        with self.index.read() as txn:
+            return self._live_leases(txn)[1]
+
+    def open_blob(self, hash_: str, verify: bool = True) -> BlobReader:
+        """A reader over one blob in whatever encoding it is stored (raw safetensors or zstd)."""
+        return self.blobs.open(hash_, verify)
+
+    def rewrite_blob(self, hash_: str, encoding: str) -> int | None:
+        """Re-store a blob in ``encoding`` ("raw" or "zstd") under the same hash; returns stored bytes (None: skipped).
+
+        The content is read and verified first; the manifests do not change. Leased or unreferenced blobs are skipped.
+        """
+        from .blobfile import Piece
+
+        if encoding not in ("raw", "zstd"):
+            raise ValueError(f"encoding must be 'raw' or 'zstd', got {encoding!r}")
+        with self._save_gate():
+            info = self.chunk_info(hash_)
+            if info is None or info.encoding == encoding or hash_ in self.leased_hashes():
+                return None
+            with self.blobs.open(hash_, verify=True) as reader:
+                bufs = reader.read_into([None] * len(reader.tensors))
+                pieces = [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
+                metadata = dict(reader.metadata)
+            stored = self.blobs.put(hash_, pieces, metadata, encoding)
+
+            def update(txn):
+                key = bytes.fromhex(hash_)
+                raw = txn.get(key, db=self.index.db["chunks"])
+                if raw is None:
+                    return
+                m = mf.decode(raw, ChunkMeta, "chunk record")
+                total = self.index.meta_int(txn, b"total_bytes") - m.stored_bytes + stored
+                self.index.set_meta_int(txn, b"total_bytes", total)
+                txn.put(key, mf.encode(ChunkMeta(m.refs, m.nbytes, stored, encoding, m.last_used_ns)),
+                        db=self.index.db["chunks"])
+
+            self.index.write(update)
+            return stored
+
+    def replace_manifest(self, snapshot_id: str, new: Manifest) -> None:
+        """Atomically swap a snapshot's manifest for ``new`` (same session; its blobs must already be stored)."""
+        old = self.manifest(snapshot_id)
+        if (new.session_id, new.namespace, new.model_id) != (old.session_id, old.namespace, old.model_id):
+            raise InvalidCacheState("replace_manifest keeps the session, namespace and identity of the snapshot")
+        with self._save_gate():
+            self.blobs.put_manifest(new.snapshot_id, mf.encode(new))
+            dropped, freed = self.index.write(lambda txn: self._commit(txn, new, replaces=bytes.fromhex(snapshot_id)))
+        if new.snapshot_id != snapshot_id:
+            self._after_drop(dropped, freed)
+        else:
+            self._reclaim(freed)
+
+
+def identity_key_of(manifest: Manifest) -> bytes:
+    from .identity import identity_key
+
+    return identity_key(manifest.model_id, manifest.config_fingerprint, manifest.tokenizer_hash)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,
+               chunk_tokens: int = 256, **options: Any) -> Store:
+    """Open (creating if needed) the store at ``path`` under ``identity`` (use as a context manager)."""
+    if identity is None:
+        raise TypeError("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
+    return Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, **options)
+
+
+__all__ = ["Store", "open_store"]
