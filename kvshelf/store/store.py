@@ -209,26 +209,35 @@ class Store:
             raise StoreFull(f"snapshot of session {cap.session_id!r} needs {sum(r.nbytes for r in unique.values())} "
                             f"bytes, more than the store budget max_bytes={self.max_bytes}; nothing was written")
         written = reused = n_written = 0
+        fresh: list[str] = []
+        committed = False
         with self._save_gate():
-            todo = list(unique.values())
-            for attempt in range(5):
-                for ref in todo:
-                    if self.blobs.has(ref.hash) is None:
-                        self.blobs.put(ref.hash, by_hash[ref.hash].pieces, self._blob_metadata(ref))
-                        written += ref.nbytes
-                        n_written += 1
-                    else:
-                        reused += ref.nbytes
-                if attempt == 0:
-                    self.blobs.put_manifest(sid, mf.encode(manifest))
-                try:
-                    old, freed = self.index.write(lambda txn: self._commit(txn, manifest, replaces=None))
-                    break
-                except _MissingBlobs as missing:  # unlinked by a concurrent eviction between our check and commit
-                    todo = [unique[h] for h in missing.hashes]
-                    reused -= sum(unique[h].nbytes for h in missing.hashes)
-            else:  # pragma: no cover - needs five lost races in a row
-                raise KvShelfError(f"could not commit snapshot of session {cap.session_id!r}: blobs kept vanishing")
+            try:
+                todo = list(unique.values())
+                for attempt in range(5):
+                    for ref in todo:
+                        if self.blobs.has(ref.hash) is None:
+                            self.blobs.put(ref.hash, by_hash[ref.hash].pieces, self._blob_metadata(ref))
+                            fresh.append(ref.hash)
+                            written += ref.nbytes
+                            n_written += 1
+                        else:
+                            reused += ref.nbytes
+                    if attempt == 0:
+                        self.blobs.put_manifest(sid, mf.encode(manifest))
+                    try:
+                        old, freed = self.index.write(lambda txn: self._commit(txn, manifest, replaces=None))
+                        committed = True
+                        break
+                    except _MissingBlobs as missing:  # unlinked by a concurrent eviction between check and commit
+                        todo = [unique[h] for h in missing.hashes]
+                        reused -= sum(unique[h].nbytes for h in missing.hashes)
+                else:  # pragma: no cover - needs five lost races in a row
+                    raise KvShelfError(f"could not commit snapshot of session {cap.session_id!r}: blobs kept vanishing")
+            finally:
+                if not committed:  # a failed save leaves nothing behind (what it wrote is still unreferenced)
+                    self.blobs.delete_manifest(sid)
+                    self._reclaim(fresh)
         self._after_drop(old, freed)
         self.counters["blobs_written"] += n_written
         self.counters["bytes_written"] += written
