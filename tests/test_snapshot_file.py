@@ -176,7 +176,7 @@ def test_flipped_byte_in_a_tensor(snap):
     table, _ = split(snap)
     _, end = header_span(snap)
     flip(snap, end + table["0.latent"]["data_offsets"][0] + 17)
-    with pytest.raises(CorruptData, match=r"entry 0 \(mla-dsa\) field tensors\[0\].checksum: latent stored [0-9a-f]{32}, computed"):
+    with pytest.raises(CorruptData, match=r"entry 0 \(mla-dsa\) field tensors\[0\].checksum: latent: stored [0-9a-f]{32}, computed"):
         load_snapshot(snap)
     load_snapshot(snap, verify=False)  # without verification the bytes load (they decode to other values)
 

@@ -30,6 +30,7 @@ from .latent_common import (
     replace_entry,
     require_serial,
     same_layout,
+    snapshot_floor,
 )
 from .validate import SlotSpec
 
@@ -63,10 +64,10 @@ class EncodedCodec:
         empty_planes = [[mx.zeros((1, 0, w), dtype=mlx_dtype(d)) for d, w in layout] for layout in layouts]
         empty_shadow = [mx.zeros((1, 0, w), dtype=mx.float32) for w in geometry.widths]
         if cache.batch_size is None:  # never appended to: an unconverted row at offset 0
-            planes, shadow, offset, floor = empty_planes, empty_shadow, 0, cache.minimum_reusable_offset
+            planes, shadow, offset, floor = empty_planes, empty_shadow, 0, 0
         else:
             state = cache.row_state(0)
-            offset, floor = state.offset, state.minimum_reusable_offset
+            offset, floor = state.offset, snapshot_floor(state.minimum_reusable_offset, state.offset)
             planes = [list(family) for family in state.planes] if state.planes else empty_planes
             shadow = None if state.shadow is None else (list(state.shadow) if state.shadow else empty_shadow)
         names = family_names(geometry)

@@ -107,6 +107,15 @@ def require_serial(cache: Any) -> None:
         )
 
 
+def snapshot_floor(floor: int, offset: int) -> int:
+    """The floor a snapshot records: the cache's, capped at its offset.
+
+    A row converted at a nonzero start and then trimmed or rolled back below that point keeps its floor above its
+    offset; such a state is still a valid continuation at its full length, which is what the cap records.
+    """
+    return min(floor, offset)
+
+
 def make_slots(named: Sequence[tuple[str, mx.array, int | None]]) -> list[TensorSlot]:
     """Slots for arrays in order, with checksums (evaluating the arrays)."""
     mx.eval([array for _, array, _ in named])

@@ -23,6 +23,7 @@ from .latent_common import (
     replace_entry,
     require_serial,
     same_layout,
+    snapshot_floor,
 )
 from .validate import SlotSpec
 
@@ -45,10 +46,11 @@ class MLACodec:
         geometry = cache.geometry
         if cache.batch_size is None:  # never appended to: zero positions of every family
             arrays = [mx.zeros((1, 0, w), dtype=mx.float32) for w in geometry.widths]
-            offset, floor = 0, cache.minimum_reusable_offset
+            offset, floor = 0, 0
         else:
             state = cache.row_state(0)
-            arrays, offset, floor = list(state.arrays), state.offset, state.minimum_reusable_offset
+            arrays, offset = list(state.arrays), state.offset
+            floor = snapshot_floor(state.minimum_reusable_offset, offset)
         slots = make_slots([(name, array, 1) for name, array in zip(family_names(geometry), arrays)])
         entry = CacheEntry(
             kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=slots, **geometry_fields(geometry)

@@ -33,6 +33,7 @@ from .latent_common import (
     replace_entry,
     require_serial,
     same_layout,
+    snapshot_floor,
 )
 from .validate import SlotSpec
 
@@ -74,7 +75,7 @@ class PagedCodec:
         entry = CacheEntry(
             kind=KIND,
             offset=offset,
-            minimum_reusable_offset=cache.minimum_reusable_offset,
+            minimum_reusable_offset=snapshot_floor(cache.minimum_reusable_offset, offset),
             pages=PageLayout(block_size=block_size, block_table=table, num_blocks=num_blocks),
             tensors=make_slots(named),
             **geometry_fields(geometry),

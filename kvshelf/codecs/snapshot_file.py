@@ -314,7 +314,7 @@ def load_snapshot(
                     computed = checksum_bytes(memoryview(host))
                     if computed != slot.checksum:
                         raise CorruptData(
-                            f"{target}: entry {index} ({entry.kind}) field tensors[{i}].checksum: {slot.name} "
+                            f"{target}: entry {index} ({entry.kind}) field tensors[{i}].checksum: {slot.name}: "
                             f"stored {slot.checksum}, computed {computed}"
                         )
                 arrays.append(_to_mlx(host, dtype, slot.shape))
