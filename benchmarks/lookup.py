@@ -67,7 +67,7 @@ def tiny_cache_factory():
     g = LatentGeometry(kv_lora_rank=16, rope_head_dim=8)
 
     def make(n: int, seed: int):
-        c = composed_latent_cache(KvScheme.bf16(), None, 0, g)
+        c = composed_latent_cache(KvScheme("bf16"), None, 0, g)
         key = mx.random.key(seed)
         k1, k2 = mx.random.split(key)
         c.append_latent(mx.random.normal((1, n, 16), key=k1), mx.random.normal((1, n, 8), key=k2))
