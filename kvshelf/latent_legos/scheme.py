@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidCacheState
 from .encoded import EncodedLatentCache
-from .formats import AffineFormat, LatentFormat, TurboFormat
+from .formats import AffineFormat, LatentFormat, TurboFormat, format_key
 from .geometry import LatentGeometry
 from .mla import MLACache
 from .paged import PagedLatentCache
@@ -20,10 +20,13 @@ class KvScheme:
     ``affine-layers`` or ``turbo``. ``quantized_kv_start`` is where f32-first storage converts."""
 
     kind: str
-    affine: AffineFormat | None = None
-    layers: tuple[tuple[int, AffineFormat], ...] = ()
-    turbo: TurboFormat | None = None
+    uniform: AffineFormat | TurboFormat | None = None  # the format of every layer (affine, turbo)
+    layers: tuple[tuple[int, AffineFormat], ...] = ()  # (cache index, format) of affine-layers
     quantized_kv_start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("bf16", "affine", "affine-layers", "turbo"):
+            raise InvalidCacheState(f"unknown KV scheme kind {self.kind!r} (bf16, affine, affine-layers, turbo)")
 
     @classmethod
     def bf16(cls) -> KvScheme:
@@ -31,7 +34,7 @@ class KvScheme:
 
     @classmethod
     def affine(cls, bits: int, group_size: int = 64, quantized_kv_start: int = 0) -> KvScheme:
-        return cls("affine", affine=AffineFormat(bits, group_size),
+        return cls("affine", uniform=AffineFormat(bits, group_size),
                    quantized_kv_start=non_negative(quantized_kv_start, "quantized_kv_start"))
 
     @classmethod
@@ -49,7 +52,7 @@ class KvScheme:
 
     @classmethod
     def turbo(cls, k_bits: int = 8, v_bits: int = 3, quantized_kv_start: int = 0) -> KvScheme:
-        return cls("turbo", turbo=TurboFormat(k_bits, v_bits),
+        return cls("turbo", uniform=TurboFormat(k_bits, v_bits),
                    quantized_kv_start=non_negative(quantized_kv_start, "quantized_kv_start"))
 
     @property
@@ -58,10 +61,8 @@ class KvScheme:
         if self.kind == "bf16":
             return "bf16"
         start = f"@{self.quantized_kv_start}" if self.quantized_kv_start else ""
-        if self.kind == "affine":
-            return f"affine:{self.affine.bits}:{self.affine.group_size}{start}"
-        if self.kind == "turbo":
-            return f"turbo:{self.turbo.k_bits}:{self.turbo.v_bits}{start}"
+        if self.kind in ("affine", "turbo"):
+            return f"{format_key(self.uniform)}{start}"
         listed = ",".join(f"{layer}={f.bits}:{f.group_size}" for layer, f in self.layers)
         return f"affine-layers:{listed}{start}"
 
@@ -70,10 +71,8 @@ def latent_format_of(scheme: KvScheme, layer: int) -> LatentFormat | None:
     """The latent format ``scheme`` names for cache index ``layer`` (``None``: float32)."""
     if not isinstance(scheme, KvScheme):
         raise InvalidCacheState(f"expected a KvScheme (got {type(scheme).__name__})")
-    if scheme.kind == "affine":
-        return scheme.affine
-    if scheme.kind == "turbo":
-        return scheme.turbo
+    if scheme.kind in ("affine", "turbo"):
+        return scheme.uniform
     if scheme.kind == "affine-layers":
         return dict(scheme.layers).get(layer)
     return None
