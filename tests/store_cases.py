@@ -1,0 +1,39 @@
+"""Shared builders for the store tests: multi-layer sessions of every latent lego, and exact comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+from codec_cases import Case, append, bits, describe, filled, read_bits
+
+from kvshelf import Identity, open_store
+
+IDENTITY = Identity("test-model", config_fingerprint="cfg-1", tokenizer_hash="tok-1")
+LAYERS = 2
+
+
+def session(case: Case, lengths=(5, 4, 3), seed: int = 0) -> list:
+    """``LAYERS`` caches of one lego, each filled by the same appends (different data per layer)."""
+    return [filled(case, lengths=lengths, seed=seed + 100 * layer) for layer in range(LAYERS)]
+
+
+def token_ids(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 50_000, size=n)]
+
+
+def same_caches(a: list, b: list) -> None:
+    """Bit-identical state and bookkeeping, and identical reads after the same further appends and trims."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert describe(x) == describe(y)
+        batch = x.batch_size or 1
+        assert read_bits(append(x, 3, 200, batch)) == read_bits(append(y, 3, 200, batch))
+        assert x.trim(1) == y.trim(1)
+        assert describe(x) == describe(y)
+
+
+def open_test_store(path, **options):
+    options.setdefault("chunk_tokens", 4)
+    return open_store(path, identity=options.pop("identity", IDENTITY), **options)
+
+
+__all__ = ["IDENTITY", "LAYERS", "session", "token_ids", "same_caches", "open_test_store", "bits"]
