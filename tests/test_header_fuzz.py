@@ -150,3 +150,39 @@ def test_read_header_of_arbitrary_file(data):
             pass
     finally:
         os.unlink(path)
+
+
+def _small_snapshot_bytes() -> bytes:
+    import mlx.core as mx
+
+    from kvshelf.codecs import save_snapshot
+    from kvshelf.latent_legos import AffineFormat, LatentGeometry, PagedLatentCache
+
+    cache = PagedLatentCache(LatentGeometry(32, 32, 32), AffineFormat(4, 32), 2)
+    cache.append_latent(mx.ones((1, 3, 32)), mx.zeros((1, 3, 32)), mx.full((1, 3, 32), 2.0))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "s.safetensors")
+        save_snapshot(path, [1, 2, 3], [cache])
+        with open(path, "rb") as f:
+            return f.read()
+
+
+SNAPSHOT = _small_snapshot_bytes()
+SNAPSHOT_HEADER_END = 8 + int.from_bytes(SNAPSHOT[:8], "little")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, SNAPSHOT_HEADER_END + 64), st.integers(0, 255)), min_size=1, max_size=4))
+def test_mutated_snapshot_file_loads_or_raises_ours(changes):
+    from kvshelf.codecs import load_snapshot
+
+    fd, path = tempfile.mkstemp(suffix=".safetensors")
+    try:
+        os.write(fd, mutate(SNAPSHOT, changes))
+        os.close(fd)
+        try:
+            load_snapshot(path)
+        except KvShelfError:
+            pass
+    finally:
+        os.unlink(path)
