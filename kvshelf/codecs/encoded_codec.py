@@ -9,10 +9,10 @@ row converts (or stays converted) exactly as the original would.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import mlx.core as mx
 
+from ..latent_legos.encoded import EncodedLatentCache, EncodedRowState
 from . import validate
 from .dtypes import mlx_dtype
 from .header import CacheEntry
@@ -37,13 +37,6 @@ from .validate import SlotSpec
 KIND = "latent-encoded"
 
 
-def _legos():
-    """The encoded lego's module, imported on first use (the codec table must not need every lego to import)."""
-    from ..latent_legos import encoded
-
-    return encoded
-
-
 class EncodedCodec:
     kind = KIND
 
@@ -51,13 +44,9 @@ class EncodedCodec:
         return "EncodedCodec()"
 
     def matches(self, cache: object) -> bool:
-        try:
-            cls = _legos().EncodedLatentCache
-        except ImportError:  # the lego is not part of this build: no cache can be one
-            return False
-        return isinstance(cache, cls)
+        return isinstance(cache, EncodedLatentCache)
 
-    def snapshot(self, cache: Any) -> tuple[CacheEntry, list[mx.array]]:
+    def snapshot(self, cache: EncodedLatentCache) -> tuple[CacheEntry, list[mx.array]]:
         require_serial(cache)
         geometry, fmt = cache.geometry, cache.format
         layouts = [plane_layout(fmt, w) for w in geometry.widths]
@@ -111,7 +100,7 @@ class EncodedCodec:
         validate.check_positions(entry, index, entry.max_tokens)
         validate.check_slots(entry, index, specs)
 
-    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> Any:
+    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> EncodedRowState:
         self.validate(entry, index)
         validate.check_arrays(entry, index, arrays, verify)
         geometry = geometry_of(entry, index)
@@ -121,16 +110,16 @@ class EncodedCodec:
             planes.append(list(arrays[at : at + len(layout)]))
             at += len(layout)
         shadow = list(arrays[at:]) if entry.shadow else None
-        return _legos().EncodedRowState(
+        return EncodedRowState(
             planes=planes, shadow=shadow, offset=entry.offset, minimum_reusable_offset=entry.minimum_reusable_offset
         )
 
-    def _empty(self, entry: CacheEntry, index: int | None) -> Any:
-        return _legos().EncodedLatentCache(geometry_of(entry, index), format_of(entry, index), entry.quantized_kv_start)
+    def _empty(self, entry: CacheEntry, index: int | None) -> EncodedLatentCache:
+        return EncodedLatentCache(geometry_of(entry, index), format_of(entry, index), entry.quantized_kv_start)
 
     def load(
         self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None
-    ) -> Any:
+    ) -> EncodedLatentCache:
         state = self._row_state(entry, arrays, verify, index)
         cache = self._empty(entry, index)
         cache.restore_row(state)
@@ -138,7 +127,7 @@ class EncodedCodec:
 
     def load_batch(
         self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *, verify: bool = True
-    ) -> Any:
+    ) -> EncodedLatentCache:
         same_layout(entries, arrays_per_row, KIND)
         states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
         cache = self._empty(entries[0], 0)
