@@ -158,7 +158,8 @@ def cmd_show(args: argparse.Namespace, pr: Printer) -> int:
 
     def human(console) -> None:
         head = [(k, doc[k]) for k in ("snapshot_id", "session_id", "namespace", "model_id", "config_fingerprint",
-                                      "tokenizer_hash", "provider", "tokens", "created_at") if k in doc]
+                                      "tokenizer_hash", "provider", "tokens") if k in doc]
+        head.append(("created", human_time(doc.get("created_at"))))
         console.print(kv_table("snapshot", head))
         layer_rows = []
         for i, e in enumerate(doc["caches"]):

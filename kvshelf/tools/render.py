@@ -70,7 +70,9 @@ class Printer:
 
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
-        self.out = Console(soft_wrap=True, highlight=False)
+        self.out = Console(highlight=False)
+        if not self.out.is_terminal:  # piped: wide enough that tables keep whole ids and hashes
+            self.out = Console(highlight=False, width=200)
         self.err = Console(stderr=True, highlight=False)
 
     def emit(self, doc: Any, human: Callable[[Console], None]) -> None:

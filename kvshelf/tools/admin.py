@@ -1,0 +1,306 @@
+"""The offline tools' view of a store: every identity and namespace at once, read from manifests and chunk records.
+
+A :class:`~kvshelf.store.Store` is opened under one identity (serving processes only ever see their own model);
+operators need to see everything. The store exposes identity-blind hooks for exactly this (``iter_manifests``,
+``manifest``, ``iter_chunks``, ``chunk_info``, ``leased_hashes``, ``verify``, ``gc``, ``rebuild_index``); the
+admin handle opens the store under a placeholder identity that no snapshot is ever made under and uses only those.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..errors import IncompatibleFormat, KvShelfError, SnapshotNotFound
+from ..store import Identity, Store, open_store
+from ..store.manifest import Manifest
+
+ADMIN_IDENTITY = Identity("kvshelf-admin", config_fingerprint="offline-tools", tokenizer_hash="")
+_SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}$")
+IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash", "namespace")
+
+
+class StoreMissing(KvShelfError, FileNotFoundError):
+    """No store at the given directory (and the command does not create one)."""
+
+
+def is_store(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / "index" / "data.mdb").is_file()
+
+
+@contextmanager
+def open_admin(path: str | os.PathLike[str], *, create: bool = False) -> Iterator[Store]:
+    """The store at ``path`` opened for offline tools. Raises ``StoreMissing`` unless it exists or ``create``."""
+    if not create and not is_store(path):
+        raise StoreMissing(f"no kvshelf store at {path} (expected {Path(path) / 'index' / 'data.mdb'}); "
+                           f"pass --store DIR or set KVSHELF_STORE")
+    store = open_store(str(path), identity=ADMIN_IDENTITY)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _matches(m: Manifest, filters: dict[str, str | None]) -> bool:
+    return all(value is None or getattr(m, field) == value for field, value in filters.items())
+
+
+def manifests(store: Store, **filters: str | None) -> list[Manifest]:
+    return [m for m in store.iter_manifests() if _matches(m, filters)]
+
+
+def _last_used(store: Store) -> dict[str, float]:
+    """Snapshot id -> last use (seconds), from the session listing of each identity."""
+    from ..store.manifest import Summary, decode
+
+    out = {}
+    with store.index.read() as txn:  # summaries carry last use; no identity-blind listing exposes it yet
+        for sid, raw in txn.cursor(db=store.index.db["summaries"]):
+            out[bytes(sid).hex()] = decode(raw, Summary, "summary").last_used_ns / 1e9
+    return out
+
+
+def format_of(entry: dict[str, Any]) -> str:
+    """A cache entry's storage format as ``f32`` / ``affine:4:64`` / ``turbo:8:3`` (paged entries say so)."""
+    if entry.get("bits") is not None:
+        fmt = f"affine:{entry['bits']}:{entry.get('group_size')}"
+    elif entry.get("k_bits") is not None:
+        fmt = f"turbo:{entry['k_bits']}:{entry.get('v_bits')}"
+    else:
+        tensors = entry.get("tensors") or []
+        fmt = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(tensors[0]["dtype"] if tensors else "",
+                                                                         "f32")
+    return fmt + ("+shadow" if entry.get("shadow") else "")
+
+
+def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
+    """One row per stored session (its latest snapshot), every identity unless filtered; newest use first."""
+    chunks = dict(store.iter_chunks())
+    used = _last_used(store)
+    rows = []
+    for m in manifests(store, **filters):
+        own = shared = 0
+        for ref in {r.hash: r for r in m.blobs}.values():
+            meta = chunks.get(ref.hash)
+            if meta is not None and meta.refs > 1:
+                shared += ref.nbytes
+            else:
+                own += ref.nbytes
+        entries = [msgspec.to_builtins(e) for e in m.entries]
+        rows.append({
+            "session_id": m.session_id, "snapshot_id": m.snapshot_id, "namespace": m.namespace,
+            "model_id": m.model_id, "config_fingerprint": m.config_fingerprint, "tokenizer_hash": m.tokenizer_hash,
+            "tokens": m.length, "bytes_own": own, "bytes_shared": shared, "created_at": m.created_at,
+            "last_used_at": used.get(m.snapshot_id), "minimum_reusable_offset": m.minimum_reusable_offset,
+            "kinds": sorted({e["kind"] for e in entries}), "formats": sorted({format_of(e) for e in entries}),
+        })
+    rows.sort(key=lambda r: -(r["last_used_at"] or 0.0))
+    return rows
+
+
+def resolve(store: Store, target: str, **filters: str | None) -> Manifest:
+    """A snapshot id, or a session id (its latest snapshot) that the filters make unambiguous."""
+    if _SNAPSHOT_ID.match(target):
+        try:
+            m = store.manifest(target)
+            if _matches(m, filters):
+                return m
+        except SnapshotNotFound:
+            pass
+    found = [m for m in manifests(store, **filters) if m.session_id == target]
+    if not found:
+        raise SnapshotNotFound(f"no session or snapshot {target!r} in the store at {store.root}"
+                               + (f" matching {_describe(filters)}" if any(filters.values()) else ""))
+    if len(found) > 1:
+        scopes = "; ".join(f"model_id={m.model_id!r} namespace={m.namespace!r}" for m in found)
+        raise KvShelfError(f"session {target!r} exists under several identities/namespaces ({scopes}); "
+                           f"narrow it with --model-id/--namespace or give the snapshot id")
+    return found[0]
+
+
+def _describe(filters: dict[str, str | None]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in filters.items() if v is not None)
+
+
+def find_session(store: Store, session_id: str, **filters: str | None) -> dict[str, str]:
+    m = resolve(store, session_id, **filters)
+    return {f: getattr(m, f) for f in IDENTITY_FIELDS} | {"snapshot_id": m.snapshot_id}
+
+
+def show(store: Store, target: str, **filters: str | None) -> dict[str, Any]:
+    """The header of one snapshot (from its manifest: no tensor is read) and its chunks with their encodings."""
+    m = resolve(store, target, **filters)
+    doc = msgspec.to_builtins(m)
+    tokens = doc.pop("tokens")
+    doc["tokens"] = len(tokens)
+    doc["token_ids_head"] = tokens[:16]
+    doc["caches"] = doc.pop("entries")
+    chunks = []
+    for kind, refs in (("chunk", m.chunks), ("untokened", m.own)):
+        for ref in refs:
+            meta = store.chunk_info(ref.hash)
+            chunks.append({"hash": ref.hash, "start": ref.start, "stop": ref.stop, "nbytes": ref.nbytes,
+                           "stored_bytes": None if meta is None else meta.stored_bytes,
+                           "encoding": None if meta is None else meta.encoding,
+                           "refs": None if meta is None else meta.refs, "kind": kind})
+    doc["chunks"] = chunks
+    doc.pop("own", None)
+    return doc
+
+
+def blob_totals(store: Store) -> dict[str, int]:
+    """Payload and on-disk bytes of every indexed blob, and how many are compressed."""
+    payload = stored = zstd = count = 0
+    for _h, meta in store.iter_chunks():
+        count += 1
+        payload += meta.nbytes
+        stored += meta.stored_bytes
+        zstd += meta.encoding == "zstd"
+    return {"chunks": count, "payload_bytes": payload, "stored_bytes": stored, "compressed_chunks": zstd}
+
+
+def orphans(store: Store) -> dict[str, int]:
+    """Blob and manifest files no index record references (leased blobs of live readers excluded)."""
+    indexed = {h for h, _ in store.iter_chunks()}
+    leased = store.leased_hashes()
+    blobs = [st for st in store.blobs.iter() if st.hash not in indexed and st.hash not in leased]
+    snapshots = {m.snapshot_id for m in store.iter_manifests()}
+    files = [s for s in store.blobs.iter_manifests() if s not in snapshots]
+    return {"orphan_count": len(blobs), "orphan_bytes": sum(st.stored_bytes for st in blobs),
+            "orphan_manifests": len(files)}
+
+
+def stats(store: Store, max_bytes: int | None = None) -> dict[str, Any]:
+    """Totals over the whole store: deduplication ratio = bytes the snapshots reference / distinct payload bytes;
+    compression ratio = distinct payload bytes / bytes on disk."""
+    ms = list(store.iter_manifests())
+    totals = blob_totals(store)
+    logical = sum(m.nbytes for m in ms)
+    identities = Counter((m.model_id, m.config_fingerprint, m.tokenizer_hash) for m in ms)
+    doc: dict[str, Any] = {
+        "store": store.root,
+        "snapshots": len(ms),
+        "sessions": len({(m.model_id, m.config_fingerprint, m.tokenizer_hash, m.namespace, m.session_id)
+                         for m in ms}),
+        "identities": len(identities),
+        "namespaces": len({m.namespace for m in ms}),
+        "tokens": sum(m.length for m in ms),
+        "referenced_bytes": logical,
+        **totals,
+        "dedup_ratio": round(logical / totals["payload_bytes"], 4) if totals["payload_bytes"] else 1.0,
+        "compression_ratio": round(totals["payload_bytes"] / totals["stored_bytes"], 4)
+        if totals["stored_bytes"] else 1.0,
+        "index_bytes": _index_bytes(store),
+        "max_bytes": max_bytes,
+        "budget_use": round(totals["stored_bytes"] / max_bytes, 4) if max_bytes else None,
+        **orphans(store),
+    }
+    return doc
+
+
+def _index_bytes(store: Store) -> int:
+    try:
+        return os.stat(os.path.join(store.root, "index", "data.mdb")).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _affected(store: Store, where: str) -> list[tuple[str, str]]:
+    """(session, snapshot) pairs a finding's ``where`` touches: the snapshot it names or the users of a blob."""
+    match = re.search(r"snapshot ([0-9a-f]{32})", where)
+    if match:
+        try:
+            m = store.manifest(match.group(1))
+            return [(m.session_id, m.snapshot_id)]
+        except SnapshotNotFound:
+            return [("", match.group(1))]
+    match = re.search(r"blob ([0-9a-f]{32})", where)
+    if match:
+        users = [(m.session_id, m.snapshot_id) for m in store.iter_manifests()
+                 if any(r.hash == match.group(1) for r in m.blobs)]
+        return users or [("", "")]
+    return [("", "")]
+
+
+def _header_findings(store: Store) -> list[dict[str, Any]]:
+    """Each manifest's cache entries against their codecs, and its chunk list against its length."""
+    from ..codecs import default_provider
+
+    out = []
+    for m in store.iter_manifests():
+        def problem(text: str, m=m) -> None:
+            out.append({"kind": "bad-header", "where": f"snapshot {m.snapshot_id}", "detail": text,
+                        "session_id": m.session_id, "snapshot_id": m.snapshot_id,
+                        "message": f"bad-header: {text}"})
+
+        try:
+            default_provider.check_provider(m.provider)
+        except IncompatibleFormat as exc:
+            problem(str(exc))
+            continue
+        for i, e in enumerate(m.entries):
+            try:
+                default_provider.for_entry(e).validate(e, i)
+            except KvShelfError as exc:
+                problem(f"entry {i}: {exc}")
+            if e.offset != m.length:
+                problem(f"entry {i} ({e.kind}) offset {e.offset} but the snapshot has {m.length} tokens")
+        pos = 0
+        for ref in m.chunks:
+            if ref.start != pos or ref.stop <= ref.start:
+                problem(f"chunk {ref.hash} covers [{ref.start}, {ref.stop}), expected to start at {pos}")
+                break
+            pos = ref.stop
+        else:
+            if m.chunks and pos != m.length:
+                problem(f"chunks cover [0, {pos}) but the snapshot has {m.length} tokens")
+    return out
+
+
+def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = lambda _n=1: None) -> dict[str, Any]:
+    """The store's own index/blob checks plus header checks, each problem with the session it affects."""
+    problems = _header_findings(store)
+    progress(1)
+    for f in store.verify(deep=deep):
+        for session, snapshot in _affected(store, f.where):
+            problems.append({"kind": f.kind, "where": f.where, "detail": f.detail, "session_id": session or None,
+                             "snapshot_id": snapshot or None, "message": f"{f.kind}: {f.where}: {f.detail}"})
+    progress(1)
+    return {"deep": deep, "snapshots": sum(1 for _ in store.iter_manifests()),
+            "chunks": sum(1 for _ in store.iter_chunks()), "problems": problems}
+
+
+def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
+    report = store.gc(dry_run=dry_run)
+    return {"dry_run": report.dry_run, "blobs": len(report.orphan_blobs), "bytes": report.bytes,
+            "orphan_blobs": report.orphan_blobs, "orphan_manifests": report.orphan_manifests,
+            "tmp_files": report.tmp_files, "expired_leases": report.expired_leases, "skipped": report.skipped}
+
+
+def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Rebuild the index from the blob directory (offline: refuses while another process has the store open)."""
+    from .lmdb_files import other_holders
+
+    if not (Path(path) / "blobs").is_dir():
+        raise StoreMissing(f"no kvshelf blob directory at {Path(path) / 'blobs'}")
+    holders = other_holders(Path(path) / "index")
+    if holders:
+        raise KvShelfError(f"the index at {path} is open in other processes {sorted(holders)}; "
+                           f"rebuild-index is an offline repair: stop them first")
+    started = time.perf_counter()
+    with open_admin(path, create=True) as store:
+        count = store.rebuild_index()
+        totals = blob_totals(store)
+    return {"snapshots": count, **totals, "seconds": round(time.perf_counter() - started, 3)}
+
+
+__all__ = ["open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
+           "resolve", "format_of", "orphans", "blob_totals", "ADMIN_IDENTITY", "StoreMissing"]
