@@ -1,6 +1,7 @@
 """Prefix keys: a hash per block boundary of a token sequence, scoped by identity and namespace.
 
-Boundary ``i`` of tokens ``t`` is ``xxh3_128(nsk || int64le(t[: i * block]))``. Saving computes every boundary with one
+The boundary after ``j`` tokens is ``xxh3_128(nsk || int64le(t[:j]))``, recorded at j = 1..block-1 and every multiple
+of ``block``. Saving computes every boundary with one
 streaming hash (O(T)); a lookup computes single boundaries directly (a prefix of 32k tokens is 256 KiB: ~20 µs), so it
 can binary-search the deepest stored boundary with O(log T) index gets. Every snapshot stores all its boundaries, so the
 stored set is prefix-closed and the search is exact. Hashes only nominate candidates; tokens are always compared.
@@ -36,22 +37,27 @@ def tokens_array(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np
     return arr
 
 
-def boundary_hash(nsk: bytes, tokens: np.ndarray, i: int, block: int = BLOCK_TOKENS) -> bytes:
+def positions(n: int, block: int = BLOCK_TOKENS) -> list[int]:
+    """The boundary positions a sequence of ``n`` tokens records: 1 .. block-1 (so short prompts find long
+    snapshots), then every multiple of ``block``. Every snapshot records all of its own, so the set is prefix-closed."""
+    return [*range(1, min(n, block - 1) + 1), *range(block, n + 1, block)]
+
+
+def boundary_hash(nsk: bytes, tokens: np.ndarray, position: int) -> bytes:
+    """The key of the boundary after the first ``position`` tokens."""
     h = xxhash.xxh3_128(nsk)
-    h.update(memoryview(tokens)[: i * block])
+    h.update(memoryview(tokens)[:position])
     return h.digest()
 
 
 def all_boundaries(nsk: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[bytes]:
-    """Boundaries 1..len // block of ``tokens`` (one streaming pass). Snapshots shorter than a block get boundary 0."""
-    n = len(tokens) // block
-    if n == 0:
-        return [boundary_hash(nsk, tokens, 0, block)]
+    """The keys of every boundary of ``tokens`` in one streaming pass (O(len))."""
     h = xxhash.xxh3_128(nsk)
     view = memoryview(tokens)
-    out = []
-    for i in range(n):
-        h.update(view[i * block:(i + 1) * block])
+    out, done = [], 0
+    for pos in positions(len(tokens), block):
+        h.update(view[done:pos])
+        done = pos
         out.append(h.digest())
     return out
 
@@ -62,4 +68,4 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-__all__ = ["BLOCK_TOKENS", "tokens_array", "boundary_hash", "all_boundaries", "common_prefix"]
+__all__ = ["BLOCK_TOKENS", "positions", "tokens_array", "boundary_hash", "all_boundaries", "common_prefix"]

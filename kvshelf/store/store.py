@@ -36,7 +36,7 @@ from .identity import Identity, namespace_key
 from .index import Index
 from .layout import BlobPlan, Destinations, fill_from_blob, plan_blobs
 from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
-from .prefix import BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, tokens_array
+from .prefix import BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, positions, tokens_array
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .writer import BackgroundWriter
 
@@ -420,21 +420,23 @@ class Store:
         if n < 2:
             return None
         db = self.index.db
-        lo, hi = 0, n // self.block  # invariant: boundary lo is stored (0 = "nothing yet"), hi+1.. unknown
+        pos = positions(n, self.block)
+        lo, hi = -1, len(pos) - 1  # invariant: boundary pos[lo] is stored (-1: none); beyond hi is not
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if txn.get(boundary_hash(nsk, prompt, mid, self.block), db=db["prefix"]) is not None:
+            if txn.get(boundary_hash(nsk, prompt, pos[mid]), db=db["prefix"]) is not None:
                 lo = mid
             else:
                 hi = mid - 1
         best = None
         seen: set[bytes] = set()
         cur = txn.cursor(db=db["prefix"])
-        levels = range(lo, max(lo - LOOKUP_LEVELS, 0) - 1, -1) if lo else [0]
-        for level in levels:
-            if len(seen) >= LOOKUP_CANDIDATES or (best is not None and best[0] >= level * self.block + self.block):
+        for level in range(lo, max(lo - LOOKUP_LEVELS, -1), -1):
+            # candidates first met at this level match fewer than pos[level + 1] tokens
+            if len(seen) >= LOOKUP_CANDIDATES or (best is not None and level + 1 < len(pos)
+                                                  and best[0] >= pos[level + 1]):
                 break
-            if not cur.set_key(boundary_hash(nsk, prompt, level, self.block)):
+            if not cur.set_key(boundary_hash(nsk, prompt, pos[level])):
                 continue
             for sid in cur.iternext_dup():
                 if sid in seen:
