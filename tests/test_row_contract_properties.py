@@ -1,6 +1,7 @@
 """The batch-row contract, for all operation sequences: ``PagedLatentCache(format=None)`` reads the bits
 ``MLACache`` reads, and both read what a plain per-row reference model says (rows right-justified, zeros in
-padding, rejected positions never reappearing)."""
+padding, rejected positions never reappearing). ``EncodedLatentCache`` runs alongside: a row reads the reference
+bits until it converts (f32-first rule) and the reference through its encoding after."""
 
 from __future__ import annotations
 
@@ -10,21 +11,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import bits
+from kvshelf.latent_legos import AffineFormat, EncodedLatentCache, TurboFormat
 from kvshelf.latent_legos.contracts import PrefillPadding
+from kvshelf.latent_legos.encodings.family import family_encoding
 from kvshelf.latent_legos.geometry import LatentGeometry
 from kvshelf.latent_legos.mla import MLACache
 from kvshelf.latent_legos.paged import PagedLatentCache
 
-GEOMETRY = LatentGeometry(kv_lora_rank=32, rope_head_dim=16, index_head_dim=16)
+GEOMETRY = LatentGeometry(kv_lora_rank=64, rope_head_dim=32, index_head_dim=32)
 WIDTHS = GEOMETRY.widths
 
 
 class Reference:
     """Per row, a list of stored positions (leading prefill padding included, as zeros)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int) -> None:
+        self.start = start
         self.rows: list[list[np.ndarray]] | None = None  # rows[b][f]: [n, W_f]
         self.lead: list[int] = []
+        self.converted: list[bool] = []  # what an EncodedLatentCache at ``start`` has converted
         self.ends: list[int] | None = None
         self.round: list[int] | None = None
 
@@ -50,13 +55,31 @@ class Reference:
     def append(self, families: list[np.ndarray]) -> None:
         batch, length = families[0].shape[:2]
         if self.rows is None:
-            self.rows, self.lead = [[np.zeros((0, w), np.float32) for w in WIDTHS] for _ in range(batch)], [0] * batch
+            self.begin(batch)
         for b, row in enumerate(self.rows):
             pending = max(0, self.lead[b] - len(row[0]))
             for f in range(len(WIDTHS)):
                 chunk = families[f][b].copy()
                 chunk[:pending] = 0.0
                 row[f] = np.concatenate([row[f], chunk])
+        self.converted = [c or (o >= self.start and o != 0) for c, o in zip(self.converted, self.row_offsets)]
+
+    def begin(self, batch: int) -> None:
+        self.rows = [[np.zeros((0, w), np.float32) for w in WIDTHS] for _ in range(batch)]
+        self.lead, self.converted = [0] * batch, [False] * batch
+
+    def encoded_read(self, fmt) -> list[np.ndarray]:
+        """Converted rows through the encoding, the rest as stored, padding zero."""
+        out = []
+        pads = [self.width - o for o in self.row_offsets]
+        for w, plain in zip(WIDTHS, self.read()):
+            enc = family_encoding(fmt, w)
+            decoded = np.array(enc.decode(enc.encode(mx.array(plain)))) if plain.shape[1] else plain
+            mixed = np.where(np.array(self.converted)[:, None, None], decoded, plain)
+            for b, pad in enumerate(pads):
+                mixed[b, :pad] = 0.0
+            out.append(mixed)
+        return out
 
     def drop_tail(self, counts: list[int]) -> None:
         for row, n in zip(self.rows, counts):
@@ -73,6 +96,7 @@ class Reference:
     def select(self, keep: list[int]) -> None:
         self.rows = [self.rows[k] for k in keep]
         self.lead = [self.lead[k] for k in keep]
+        self.converted = [self.converted[k] for k in keep]
 
 
 def random_families(rng: np.random.Generator, batch: int, length: int) -> list[np.ndarray]:
@@ -80,31 +104,45 @@ def random_families(rng: np.random.Generator, batch: int, length: int) -> list[n
 
 
 class Harness:
-    def __init__(self, block_size: int) -> None:
-        self.caches = [MLACache(GEOMETRY), PagedLatentCache(GEOMETRY, None, block_size)]
-        self.ref = Reference()
+    """MLACache, f32 pages and an EncodedLatentCache driven alike, next to the reference."""
 
-    def check(self, reads=None) -> None:
-        expected = self.ref.read() if self.ref.rows is not None else None
+    def __init__(self, block_size: int, fmt, start: int) -> None:
+        self.fmt, self.start = fmt, start
+        self.caches = [MLACache(GEOMETRY), PagedLatentCache(GEOMETRY, None, block_size),
+                       EncodedLatentCache(GEOMETRY, fmt, start)]
+        self.ref = Reference(start)
+
+    def expected(self, cache) -> list[np.ndarray]:
+        return self.ref.encoded_read(self.fmt) if isinstance(cache, EncodedLatentCache) else self.ref.read()
+
+    def check(self) -> None:
         for cache in self.caches:
             assert cache.batch_size == (len(self.ref.rows) if self.ref.rows is not None else None)
-            if expected is None:
+            if self.ref.rows is None:
                 continue
             assert cache.offset == self.ref.width
             assert cache.row_offsets == self.ref.row_offsets
             assert cache.left_pad == [self.ref.width - o for o in self.ref.row_offsets]
-            got = cache.read_latent()
-            for g, e in zip((got.latent, got.rope, got.index_keys), expected):
-                assert np.array_equal(bits(g), bits(e))
-        if reads is not None:
-            for read in reads:
-                for g, e in zip((read.latent, read.rope, read.index_keys), expected):
-                    assert np.array_equal(bits(g), bits(e))
+            if isinstance(cache, EncodedLatentCache):
+                assert cache.converted == self.ref.converted
+            assert_reads(cache.read_latent(), self.expected(cache))
 
     def append(self, families: list[np.ndarray]) -> None:
         reads = [c.append_latent(*[mx.array(f) for f in families]) for c in self.caches]
+        before = list(self.ref.converted) if self.ref.rows is not None else None
         self.ref.append(families)
-        self.check(reads)
+        # The append that converts a row still reads that row in f32 (the f32-first rule).
+        after, self.ref.converted = self.ref.converted, before or [False] * len(self.ref.rows)
+        expected = [self.expected(cache) for cache in self.caches]
+        self.ref.converted = after
+        for read, want in zip(reads, expected):
+            assert_reads(read, want)
+        self.check()
+
+
+def assert_reads(got, expected: list[np.ndarray]) -> None:
+    for g, e in zip((got.latent, got.rope, got.index_keys), expected):
+        assert np.array_equal(bits(g), bits(e))
 
 
 @st.composite
@@ -123,11 +161,17 @@ def prefill_layout(draw, batch: int, fresh: bool):
     return columns, left, right
 
 
-@settings(max_examples=70)
-@given(data=st.data(), block_size=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
-def test_paged_f32_reads_mla_bits_and_the_reference(data, block_size, seed):
+@settings(max_examples=50)
+@given(
+    data=st.data(),
+    block_size=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+    fmt=st.sampled_from([AffineFormat(4, 32), TurboFormat(4, 3), TurboFormat(8, 3)]),
+    start=st.sampled_from([0, 4, 9, 10**6]),
+)
+def test_paged_f32_reads_mla_bits_and_the_reference(data, block_size, seed, fmt, start):
     rng = np.random.default_rng(seed)
-    h = Harness(block_size)
+    h = Harness(block_size, fmt, start)
     batch = data.draw(st.integers(1, 3), label="batch")
     if data.draw(st.booleans(), label="start with a padded prefill"):
         do_prefill(h, data, rng, batch, fresh=True)
@@ -158,10 +202,11 @@ def test_paged_f32_reads_mla_bits_and_the_reference(data, block_size, seed):
             do_merge(h, data, batch)
         elif op == "extract":
             row = data.draw(st.integers(0, batch - 1))
-            expected = [np.array(r[f]) for r, f in ((h.ref.rows[row], f) for f in range(len(WIDTHS)))]
+            length = h.ref.row_offsets[row]
             for cache in h.caches:
+                expected = [e[row, e.shape[1] - length :] for e in h.expected(cache)]
                 single = cache.extract_row(row)
-                assert (single.batch_size, single.offset, single.row_offsets) == (1, len(expected[0]), [len(expected[0])])
+                assert (single.batch_size, single.offset, single.row_offsets) == (1, length, [length])
                 got = single.read_latent()
                 for g, e in zip((got.latent, got.rope, got.index_keys), expected):
                     assert np.array_equal(bits(g[0]), bits(e))
@@ -169,7 +214,7 @@ def test_paged_f32_reads_mla_bits_and_the_reference(data, block_size, seed):
             for cache in h.caches:
                 cache.dispose()
                 assert cache.batch_size is None and cache.offset == 0 and cache.state == []
-            h.ref = Reference()
+            h.ref = Reference(h.start)
             do_prefill(h, data, rng, data.draw(st.integers(1, 3)), fresh=True)
 
 
@@ -199,7 +244,7 @@ def do_prefill(h: Harness, data, rng, batch: int, fresh: bool) -> None:
     for cache in h.caches:
         cache.prepare_prefill(padding)
     if h.ref.rows is None:
-        h.ref.rows, h.ref.lead = [[np.zeros((0, w), np.float32) for w in WIDTHS] for _ in range(batch)], [0] * batch
+        h.ref.begin(batch)
     h.ref.lead = [a + b for a, b in zip(h.ref.lead, left)]
     h.ref.ends = [n + length for n, length in zip(h.ref.lengths(), lengths)]
     first = data.draw(st.integers(1, columns))  # a chunked prefill: one or two appends
@@ -224,9 +269,11 @@ def do_merge(h: Harness, data, batch: int) -> None:
         merged.merge_rows(sources)
         h.caches[i] = merged
     rows = [h.ref.rows[r] for r in order]
+    converted = [h.ref.converted[r] for r in order]
     if empty_at is not None:
         rows.insert(empty_at, [np.zeros((0, w), np.float32) for w in WIDTHS])
-    h.ref.rows, h.ref.lead = rows, [0] * len(rows)
+        converted.insert(empty_at, False)
+    h.ref.rows, h.ref.lead, h.ref.converted = rows, [0] * len(rows), converted
     h.check()
 
 
@@ -242,7 +289,7 @@ def test_filter_during_a_pending_prefill_matches_mla():
         assert (cache.offset, cache.row_offsets, cache.left_pad) == (4, [4, 3], [0, 1])
     reads = [c.read_latent() for c in caches]
     assert np.array_equal(bits(reads[0].latent), bits(reads[1].latent))
-    expected = np.zeros((2, 4, 32), np.float32)
+    expected = np.zeros((2, 4, 64), np.float32)
     expected[0] = families[0][2, 2:]
     expected[1, 1:] = families[0][0, 3:]
     assert np.array_equal(bits(reads[0].latent), bits(expected))
