@@ -18,7 +18,7 @@ import pytest
 
 import store_workers as sw
 from kvshelf.errors import StoreFull
-from test_store_crash import blob_files, problems_of
+from test_store_crash import blob_files
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def _save(store, session: str, length: int):
 
 
 def _check_intact(store, saved: dict[str, int]) -> None:
-    assert problems_of(store.verify(deep=True)) == []
+    assert store.verify(deep=True) == []
     assert sw.session_ids(store) == sorted(saved)
     for session, length in saved.items():
         r = store.restore(session)
@@ -81,7 +81,7 @@ def _recover(store, store_dir: Path, saved: dict[str, int], failed: str) -> None
     assert info.length == 300
     saved[failed] = 300
     _check_intact(store, saved)
-    assert len(blob_files(store_dir)) == store.stats().blobs
+    assert len(blob_files(store_dir)) == store.stats()["blobs"]
 
 
 def test_real_full_filesystem_raises_store_full_and_keeps_earlier_snapshots(small_fs: Path) -> None:

@@ -25,8 +25,9 @@ import numpy as np
 
 NAMESPACE = "kvshelf-demo"
 SYSTEM_TOKENS = 600
-MODEL = dict(num_layers=4, vocab=512, hidden=256, num_heads=4, kv_lora_rank=128, rope_head_dim=32,
-             index_head_dim=32, seed=7)
+# small enough that the whole demo runs in a few seconds on a 2-core CPU; DSA index keys on, as in GLM
+MODEL = dict(num_layers=4, vocab=512, hidden=128, num_heads=2, kv_lora_rank=64, rope_head_dim=16, index_head_dim=16,
+             qk_nope_head_dim=32, v_head_dim=32, seed=7)
 
 
 def default_store_dir() -> Path:
@@ -117,7 +118,7 @@ def run_demo(store_dir: str | None = None, out: Callable[[str], object] = print)
 
     with open_store(str(path), identity=identity) as store:
         for name in names + ["chat-new"]:
-            if any((s if isinstance(s, str) else s.session_id) == name for s in store.sessions(namespace=NAMESPACE)):
+            if any(s.session_id == name for s in store.sessions(namespace=NAMESPACE)):
                 store.delete(name, namespace=NAMESPACE)
 
         # 1. four chats sharing the system prompt: prefill, a few decoded tokens, save
@@ -171,9 +172,7 @@ def run_demo(store_dir: str | None = None, out: Callable[[str], object] = print)
             f"full prefill differ by at most {drift:.2e} (float rounding of a different prefill split)")
 
         # 4. two sessions restored straight into one batch; each row is bit-identical to its live caches
-        batch, batch_s = _timed(lambda: store.restore_batch(["chat-2", "chat-3"]
-                                                            if not _needs_namespace(store) else
-                                                            ["chat-2", "chat-3"], **_ns_kw(store)))
+        batch, batch_s = _timed(lambda: store.restore_batch([("chat-2", NAMESPACE), ("chat-3", NAMESPACE)]))
         _eval_caches(batch.caches)
         rows_exact = True
         for row, name in enumerate(["chat-2", "chat-3"]):
@@ -204,17 +203,6 @@ def run_demo(store_dir: str | None = None, out: Callable[[str], object] = print)
                   _kib(facts["bytes_reused"]) + " reused", f"{facts['seconds']:.2f} s")
     out(_render(table))
     return facts
-
-
-def _needs_namespace(store) -> bool:  # restore_batch takes namespace as a keyword when the store supports it
-    return True
-
-
-def _ns_kw(store) -> dict:
-    import inspect
-
-    params = inspect.signature(store.restore_batch).parameters
-    return {"namespace": NAMESPACE} if "namespace" in params else {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
