@@ -36,13 +36,10 @@ _T = TypeVar("_T")
 DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "lru", "leases", "quarantine")
 
 
-class Index:
-    """An LMDB environment with the store's sub-databases; ``write(fn)`` retries after growing a full map."""
+class _Shared:
+    """One LMDB environment per directory and process (LMDB forbids opening it twice), shared by Store handles."""
 
-    def __init__(self, path: str, map_size: int = 64 << 30, readonly: bool = False):
-        ensure_dir(path)
-        self.path = path
-        self.pid = os.getpid()
+    def __init__(self, path: str, map_size: int):
         self.env = lmdb.open(path, map_size=map_size, max_dbs=16, subdir=True, lock=True, sync=True,
                              metasync=True, readahead=False, mode=0o600, max_readers=256, max_spare_txns=4)
         for name in ("data.mdb", "lock.mdb"):
@@ -51,7 +48,31 @@ class Index:
                 os.chmod(p, 0o600)
         self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
         self.db["prefix"] = self.env.open_db(b"prefix", dupsort=True)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
+        self.users = 0
+
+
+_OPEN: dict[str, _Shared] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+class Index:
+    """An LMDB environment with the store's sub-databases; ``write(fn)`` retries after growing a full map."""
+
+    def __init__(self, path: str, map_size: int = 64 << 30):
+        ensure_dir(path)
+        self.path = os.path.realpath(path)
+        self.pid = os.getpid()
+        with _OPEN_LOCK:
+            shared = _OPEN.get(self.path)
+            if shared is None or shared.pid != self.pid:
+                shared = _Shared(self.path, map_size)
+                shared.pid = self.pid
+                _OPEN[self.path] = shared
+            shared.users += 1
+        self._shared = shared
+        self.env, self.db, self._lock = shared.env, shared.db, shared.lock
+        self._closed = False
         self._check_format()
 
     def _check_format(self) -> None:
@@ -90,7 +111,15 @@ class Index:
         txn.put(name, struct.pack("<q", value), db=self.db["meta"])
 
     def close(self) -> None:
-        self.env.close()
+        if self._closed:
+            return
+        self._closed = True
+        with _OPEN_LOCK:
+            self._shared.users -= 1
+            if self._shared.users == 0:
+                if _OPEN.get(self.path) is self._shared:
+                    del _OPEN[self.path]
+                self.env.close()
 
 
 __all__ = ["Index", "INDEX_FORMAT", "DB_NAMES"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import CorruptData, IncompatibleFormat
+from ..errors import CorruptData, IncompatibleFormat, KvShelfError
 from . import manifest as mf
 from .index import Index
 from .manifest import ChunkMeta, Lease, Manifest, Summary
@@ -183,6 +183,8 @@ def _alive(pid: int) -> bool:
 def rebuild_store_index(store: "Store") -> int:
     """Replace the index by one built from the manifest files (offline: no other process may have it open)."""
     store.flush()
+    if store.index._shared.users > 1:
+        raise KvShelfError("rebuild_index needs the only open handle on this store in this process (close the others)")
     path = store.index.path
     map_size = store.index.env.info()["map_size"]
     store.index.close()
