@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("show", "Show the header of one snapshot (geometry, format, block table, chunks) without loading tensors.")
     p.add_argument("target", metavar="SESSION|SNAPSHOT", help="a session id (its latest snapshot) or a snapshot id")
     _identity_options(p, required_note="filters; default: every identity")
-    add("stats", "Totals, deduplication and compression ratios, budget use, chunk and orphan counts.")
+    p = add("stats", "Totals, deduplication and compression ratios, budget use, chunk and orphan counts.")
+    p.add_argument("--max-bytes", type=int, default=None, metavar="BYTES",
+                   help="the serving processes' byte budget, to report budget use against")
     p = add("verify", "Check headers and manifests against the blobs; exit 1 if anything is wrong.")
     p.add_argument("--deep", action="store_true", help="also re-hash every chunk")
     p = add("gc", "Remove orphan blobs and unreferenced chunks.")
@@ -76,7 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     p.add_argument("--cold-after", type=lambda t: _duration(t, allow_zero=True), default=3600.0, metavar="DURATION",
                    help="a chunk not used for this long is cold (default 1h; 0s: every chunk)")
-    p.add_argument("--level", type=int, default=3, help="zstd level for cold chunks (default 3)")
     p = add("export", "Write a session's latest snapshot as one portable safetensors file.")
     p.add_argument("session", help="session id")
     p.add_argument("file", type=Path, help="output file (written atomically, mode 0600)")
@@ -184,7 +185,7 @@ def cmd_stats(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
     with admin.open_admin(_store_dir(args)) as store:
-        doc = admin.stats(store)
+        doc = admin.stats(store, max_bytes=args.max_bytes)
 
     def human(console) -> None:
         console.print(kv_table("store", [(k, human_bytes(v) if k.endswith("bytes") else v) for k, v in doc.items()]))
@@ -232,7 +233,7 @@ def cmd_compact(args: argparse.Namespace, pr: Printer) -> int:
     from .compaction import compact
 
     with admin.open_admin(_store_dir(args)) as store:
-        report = compact(store, cold_after=args.cold_after, dry_run=args.dry_run, level=args.level)
+        report = compact(store, cold_after=args.cold_after, dry_run=args.dry_run)
     doc = to_data(report)
 
     def human(console) -> None:
