@@ -11,6 +11,7 @@ from kvshelf.errors import CacheRangeError, InvalidCacheState
 from kvshelf.latent_legos import (
     AffineFormat,
     EncodedLatentCache,
+    LatentAttentionCache,
     LatentGeometry,
     MLACache,
     MLARowState,
@@ -210,3 +211,14 @@ def test_prefill_padding_left_and_right():
     assert np.array_equal(bits(got[1]), bits(np.array(latent)[1, :3]))
     cache.finalize_prefill()  # nothing pending: no change
     assert cache.offset == 3
+
+
+def test_a_round_begun_before_the_first_append_rolls_back_from_zero(kind):
+    cache = FACTORIES[kind](DSA)
+    assert isinstance(cache, LatentAttentionCache)
+    cache.spec_round_begin()
+    cache.append_latent(*inputs(DSA, 2, 4))
+    cache.spec_round_rollback([1, 3])
+    assert (cache.offset, cache.row_offsets, cache.left_pad) == (3, [1, 3], [2, 0])
+    read = cache.read_latent()
+    assert np.all(np.array(read.latent)[0, :2] == 0.0)

@@ -243,8 +243,7 @@ class EncodedLatentCache(RightJustifiedRows):
         converted = [s.shadow is None for s in states]
         planes, shadow = [], None
         if width:
-            flat_shapes = [(w, d) for widths, dtypes in self._codec.plane_shapes() for w, d in zip(widths, dtypes)]
-            for i, (w, dtype) in enumerate(flat_shapes):
+            for i, (w, dtype) in enumerate(self._codec.flat_plane_shapes()):
                 rows = []
                 for s in states:
                     if s.offset:

@@ -68,6 +68,10 @@ class FamilyCodec:
             return [((w,), [mx.float32]) for w in self.widths]
         return [(tuple(e.plane_widths()), list(e.plane_dtypes())) for e in self.encodings]
 
+    def flat_plane_shapes(self) -> list[tuple[int, mx.Dtype]]:
+        """Width and dtype of every stored plane, in flat (family-major) order."""
+        return [(w, d) for widths, dtypes in self.plane_shapes() for w, d in zip(widths, dtypes)]
+
     def empty_planes(self, batch: int) -> list[list[mx.array]]:
         """Per family, zero-length planes ``[batch, 0, w_i]``."""
         return [[mx.zeros((batch, 0, w), dtype=d) for w, d in zip(widths, dtypes)]

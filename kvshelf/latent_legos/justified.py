@@ -34,6 +34,15 @@ def check_keep_counts(keep: int | Sequence[int], appended: Sequence[int]) -> lis
     return counts
 
 
+def round_start(before: list[int], rows: int) -> list[int]:
+    """Row offsets when the round began; a round begun on a cache without rows began every row at 0."""
+    if not before and rows:
+        return [0] * rows
+    if len(before) != rows:
+        raise InvalidCacheState(f"the speculative round began with {len(before)} rows, the cache now has {rows}")
+    return before
+
+
 class RightJustifiedRows:
     """Row bookkeeping for right-justified caches (see the module docstring)."""
 
@@ -121,7 +130,7 @@ class RightJustifiedRows:
         """Keep ``keep`` of the positions each row appended since begin; the rest never read again."""
         if self._round is None:
             raise InvalidCacheState("spec_round_rollback without spec_round_begin")
-        before = self._round
+        before = round_start(self._round, len(self._offsets))
         counts = check_keep_counts(keep, [o - b for o, b in zip(self._offsets, before)])
         rejected = [o - b - k for o, b, k in zip(self._offsets, before, counts)]
         if len(set(rejected)) <= 1:

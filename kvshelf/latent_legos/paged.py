@@ -17,7 +17,7 @@ from .contracts import LatentAttentionState, PrefillPadding
 from .family_codec import FamilyCodec
 from .formats import LatentFormat, format_key
 from .geometry import LatentGeometry
-from .justified import check_keep_counts
+from .justified import check_keep_counts, round_start
 from .pages import LatentPages, _positive
 from .rows import (
     append_inputs,
@@ -161,7 +161,8 @@ class PagedLatentCache:
     def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
         if self._round is None:
             raise InvalidCacheState("spec_round_rollback without spec_round_begin")
-        appended = [row.offset - before for row, before in zip(self._rows, self._round)]
+        before = round_start(self._round, len(self._rows))
+        appended = [row.offset - b for row, b in zip(self._rows, before)]
         counts = check_keep_counts(keep, appended)
         for row, a, k in zip(self._rows, appended, counts):
             row.trim(a - k)
@@ -209,6 +210,10 @@ class PagedLatentCache:
             if row.pools and len(row.pools) != self._codec.total_planes:
                 raise InvalidCacheState(f"pages hold {len(row.pools)} pools, {self.signature()} stores "
                                         f"{self._codec.total_planes} planes")
+            for pool, (width, dtype) in zip(row.pools, self._codec.flat_plane_shapes()):
+                if pool.shape[2] != width or pool.dtype != dtype:
+                    raise InvalidCacheState(f"pool [{pool.shape[0]}, {pool.shape[1]}, {pool.shape[2]}] {pool.dtype} "
+                                            f"cannot hold a {width}-wide {dtype} plane of {self.signature()}")
             if row.offset > self.geometry.token_limit:
                 raise CacheRangeError(f"row of {row.offset} positions exceeds max_tokens {self.geometry.max_tokens}")
         self._reset()
