@@ -96,9 +96,13 @@ def test_f32_pages_read_mla_bits_and_extract_is_independent():
     assert paged.signature() == "kv:latent-paged:dsa:f32:4"
     assert [p.offset for p in paged.pages] == [12, 12] and paged.pages[0].block_table == [0, 1, 2]
     assert len(paged.state) == 2 * 3 and paged.bytes_per_token() == 4 * 128
+    before = bits(paged.read_latent().latent)
     row = paged.extract_row(1)
     row.append_latent(*inputs(1, 2, 9))
-    assert paged.row_offsets == [12, 12] and row.row_offsets == [14]
+    row.trim(5)
+    row.append_latent(*inputs(1, 4, 10))  # rewrites blocks the source row still uses
+    assert paged.row_offsets == [12, 12] and row.row_offsets == [13]
+    assert np.array_equal(bits(paged.read_latent().latent), before)
     assert np.array_equal(bits(paged.stored_index_keys()), bits(mla.stored_index_keys()))
     fresh = paged.make_empty_batch()
     fresh.adopt_rows([p.clone() for p in paged.pages])

@@ -71,8 +71,9 @@ def pick_rows(use_first: Sequence[bool], first: mx.array, second: mx.array) -> m
 
 
 def owned(array: mx.array) -> mx.array:
-    """A fresh array object: item assignment on it (which rebinds in place) cannot reach the cache's copy."""
-    return mx.array(array)
+    """A fresh array object over the same buffer: item assignment on it (which rebinds that object to a new
+    array) cannot reach the cache's object, and nothing is copied."""
+    return array[:]
 
 
 def take_rows(arrays: Sequence[mx.array], keep: Sequence[int], start: int = 0) -> list[mx.array]:
