@@ -173,9 +173,11 @@ def cmd_show(args: argparse.Namespace, pr: Printer) -> int:
                                "yes" if e.get("shadow") else "no", table, len(e.get("tensors", []))))
         console.print(rows_table("caches", ("layer", "kind", "offset", "floor", "geometry", "format", "shadow",
                                             "pages", "tensors"), layer_rows))
-        chunk_rows = [(c.get("hash"), c.get("start"), c.get("stop"), human_bytes(c.get("nbytes")), c.get("encoding"))
+        chunk_rows = [(c.get("hash"), c.get("start"), c.get("stop"), human_bytes(c.get("nbytes")),
+                       human_bytes(c.get("stored_bytes")), c.get("encoding"), c.get("refs"))
                       for c in doc.get("chunks", [])]
-        console.print(rows_table("chunks", ("hash", "start", "stop", "bytes", "encoding"), chunk_rows))
+        console.print(rows_table("chunks", ("hash", "start", "stop", "bytes", "on disk", "encoding", "refs"),
+                                 chunk_rows))
 
     pr.emit(doc, human)
     return OK
@@ -234,7 +236,7 @@ def cmd_compact(args: argparse.Namespace, pr: Printer) -> int:
 
     with admin.open_admin(_store_dir(args)) as store:
         report = compact(store, cold_after=args.cold_after, dry_run=args.dry_run)
-    doc = to_data(report)
+    doc = to_data(report) | {"ratio": round(report.ratio, 4)}
 
     def human(console) -> None:
         title = "compaction plan (dry run)" if args.dry_run else "compaction"

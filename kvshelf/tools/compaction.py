@@ -1,0 +1,379 @@
+"""Lossless compaction of a store: smaller files, fewer files, a smaller index — every restore bit-identical.
+
+Steps, in order (each reported with its count and bytes before/after; ``dry_run`` computes the plan only):
+
+1. ``orphans``    remove crash residue (unindexed blobs, manifest files, dead tmp files) — ``Store.gc``.
+2. ``densify``    paged snapshots whose pools hold blocks no page uses get a dense block table (``densify.py``).
+3. ``merge``      runs of undersized chunks of one snapshot that no other snapshot shares become one blob.
+4. ``recompress`` raw chunks not used for ``cold_after`` seconds are stored as zstd over byte-shuffled float planes
+                  (``Store.rewrite_blob``: same content hash, the reader handles both); a chunk that does not shrink
+                  goes back to raw. Hot chunks stay raw for zero-copy restores.
+5. ``release``    blobs that steps 2-3 replaced are removed, at least ``grace`` seconds after the last swap.
+6. ``index``      the LMDB file is rewritten by a compacting copy and swapped in atomically — only when no other
+                  process has the index open (rule and reasons in ``lmdb_files.py``); otherwise skipped and said so.
+
+Safe beside serving processes: new blobs are written and indexed (``Store.replace_manifest``, one LMDB transaction,
+same snapshot id) before anything old is removed; snapshots that a live reader holds (leases) are skipped; the old
+blobs are themselves leased by this process across the swap, so a reader that fetched the old manifest just before
+the swap still finds every blob it names, and they are only unlinked ``grace`` seconds later.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import zstandard
+
+from ..errors import CorruptData, KvShelfError, SnapshotNotFound
+from ..store import Store
+from ..store.blobfile import Piece, content_hash, storage_dtype
+from ..store.layout import Destinations, fill_from_blob, plan_blobs
+from ..store.manifest import BlobRef, Manifest
+from . import lmdb_files
+from .densify import densify, dropped_blocks, is_dense
+from .shuffle import shuffle, shuffle_itemsize
+
+ZSTD_LEVEL = 3  # what the store's .kvz writer uses
+
+
+@dataclass
+class CompactionStep:
+    name: str
+    count: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    items: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class CompactionReport:
+    """What compaction did (or, with ``dry_run``, would do). Bytes are on-disk bytes of blobs + index."""
+
+    dry_run: bool
+    steps: list[CompactionStep]
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+    skipped_leased: int
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_before / self.bytes_after if self.bytes_after else 1.0
+
+    def step(self, name: str) -> CompactionStep:
+        return next(s for s in self.steps if s.name == name)
+
+
+def _disk_bytes(store: Store) -> int:
+    blobs = sum(st.stored_bytes for st in store.blobs.iter())
+    try:
+        index = os.stat(os.path.join(store.root, "index", "data.mdb")).st_size
+    except FileNotFoundError:
+        index = 0
+    return blobs + index
+
+
+# --- reading and writing snapshots at the blob level ------------------------------------------------------------------
+def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
+    """Every array of a snapshot, read and verified from its blobs (no codec, no cache object)."""
+    dest = Destinations(list(manifest.entries))
+    for ref in manifest.blobs:
+        with store.open_blob(ref.hash, verify=True) as reader:
+            fill_from_blob(reader, ref, dest)
+    return dest.finish()
+
+
+def _put(store: Store, ref: BlobRef, pieces: list[Piece]) -> None:
+    if store.blobs.has(ref.hash) is None:
+        store.blobs.put(ref.hash, pieces, store._blob_metadata(ref))
+
+
+def _swap(store: Store, old: Manifest, new: Manifest, write: Callable[[], None]) -> None:
+    """Write the new blobs, then swap the manifest, with the old blobs leased across the swap (never unlinked here).
+
+    The save gate is held shared from the first blob write to the commit, so a concurrent ``gc`` cannot take the new
+    blobs for crash residue.
+    """
+    lease = store._lease(old, list(old.blobs))
+    try:
+        with store._save_gate():
+            write()
+            store.replace_manifest(old.snapshot_id, new)
+    finally:
+        store._release(lease, None, [])
+
+
+def _leased(store: Store, manifest: Manifest, leased: set[str]) -> bool:
+    return any(r.hash in leased for r in manifest.blobs)
+
+
+# --- step 2: dense block tables -------------------------------------------------------------------------------------
+def _densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
+    """(bytes before, after) of the snapshot's untokened blobs."""
+    before = sum(r.nbytes for r in m.own)
+    if dry_run:
+        after = 0
+        for e in m.entries:
+            for slot in e.tensors:
+                if slot.token_axis is None:
+                    keep = (e.pages.num_blocks - dropped_blocks(e)) if e.pages and e.pages.num_blocks else 1
+                    total = e.pages.num_blocks if e.pages and e.pages.num_blocks else 1
+                    after += slot.nbytes * keep // total
+        return before, after
+    arrays = read_snapshot(store, m)
+    pairs = [densify(e, a) for e, a in zip(m.entries, arrays)]
+    entries, new_arrays = [p[0] for p in pairs], [p[1] for p in pairs]
+    plans = plan_blobs(entries, new_arrays, m.chunk_tokens)
+    chunks, own, todo = [], [], []
+    for plan in plans:
+        ref = BlobRef(content_hash(plan.pieces), plan.start, plan.stop, sum(p.data.nbytes for p in plan.pieces))
+        (own if plan.stop == 0 else chunks).append(ref)
+        todo.append((ref, plan.pieces))
+    new = msgspec.structs.replace(m, entries=entries, chunks=chunks, own=own)
+    _swap(store, m, new, lambda: [_put(store, ref, pieces) for ref, pieces in todo])
+    return before, sum(r.nbytes for r in own)
+
+
+# --- step 3: merging undersized chunks --------------------------------------------------------------------------------
+def merge_plan(m: Manifest, refs_of: Callable[[str], int], leased: set[str]) -> list[list[BlobRef]]:
+    """Runs of consecutive chunks to merge: each holds an undersized chunk (fewer than ``chunk_tokens`` tokens),
+    only chunks no other snapshot references, at most ``2 * chunk_tokens`` tokens in all."""
+    bins: list[list[BlobRef]] = []
+    current: list[BlobRef] = []
+
+    def small(r: BlobRef) -> bool:
+        return r.stop - r.start < m.chunk_tokens
+
+    for ref in m.chunks:
+        eligible = refs_of(ref.hash) == 1 and ref.hash not in leased
+        if (current and eligible and (small(ref) or small(current[-1]))
+                and ref.stop - current[0].start <= 2 * m.chunk_tokens):
+            current.append(ref)
+            continue
+        if len(current) > 1:
+            bins.append(current)
+        current = [ref] if eligible else []
+    if len(current) > 1:
+        bins.append(current)
+    return bins
+
+
+def _merged_pieces(store: Store, m: Manifest, group: list[BlobRef]) -> list[Piece]:
+    parts: dict[str, list[np.ndarray]] = {}
+    meta: dict[str, tuple[str, int]] = {}
+    for ref in group:
+        with store.open_blob(ref.hash, verify=True) as reader:
+            bufs = reader.read_into([None] * len(reader.tensors))
+            for t, buf in zip(reader.tensors, bufs):
+                i, j = (int(x) for x in t.name.split(".", 2)[:2])
+                axis = m.entries[i].tensors[j].token_axis
+                if axis is None:
+                    raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} has no token axis")
+                parts.setdefault(t.name, []).append(np.frombuffer(buf, storage_dtype(t.dtype)).reshape(t.shape))
+                meta[t.name] = (t.dtype, axis)
+    pieces = []
+    for name, arrays in parts.items():
+        if len(arrays) != len(group):
+            raise CorruptData(f"chunks {[r.hash for r in group]} do not all hold tensor {name!r}")
+        dtype, axis = meta[name]
+        joined = np.ascontiguousarray(np.concatenate(arrays, axis=axis))
+        pieces.append(Piece(name, dtype, tuple(joined.shape), memoryview(joined).cast("B")))
+    return pieces
+
+
+def _merge_one(store: Store, m: Manifest, bins: list[list[BlobRef]]) -> None:
+    replacement: dict[str, BlobRef] = {}
+    todo = []
+    for group in bins:
+        pieces = _merged_pieces(store, m, group)
+        ref = BlobRef(content_hash(pieces), group[0].start, group[-1].stop, sum(r.nbytes for r in group))
+        todo.append((ref, pieces))
+        replacement[group[0].hash] = ref
+        for r in group[1:]:
+            replacement[r.hash] = None  # type: ignore[assignment]
+    chunks = []
+    for r in m.chunks:
+        if r.hash not in replacement:
+            chunks.append(r)
+        elif replacement[r.hash] is not None:
+            chunks.append(replacement[r.hash])
+    new = msgspec.structs.replace(m, chunks=chunks)
+    _swap(store, m, new, lambda: [_put(store, ref, pieces) for ref, pieces in todo])
+
+
+# --- step 4: recompression ---------------------------------------------------------------------------------------
+def estimate_zstd(store: Store, hash_: str) -> int:
+    """The bytes a blob's tensor data would take as zstd over byte-shuffled float planes (for ``--dry-run``)."""
+    with store.open_blob(hash_, verify=False) as reader:
+        bufs = reader.read_into([None] * len(reader.tensors))
+        header = reader.data_start
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        stream = b"".join(shuffle(b, shuffle_itemsize(t.dtype)) for t, b in zip(reader.tensors, bufs))
+    return header + 8 + len(cctx.compress(stream))
+
+
+# --- the job -----------------------------------------------------------------------------------------------------
+def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, grace: float = 2.0,
+            merge: bool = True, densify_pages: bool = True, compact_index: bool = True,
+            log: Callable[[str], None] = lambda _m: None) -> CompactionReport:
+    """Compact ``store`` losslessly (see the module docstring); ``cold_after`` in seconds (0: every chunk is cold)."""
+    started = time.perf_counter()
+    bytes_before = _disk_bytes(store)
+    steps: list[CompactionStep] = []
+    skipped_leased: set[str] = set()
+
+    # 1. orphans
+    gc = store.gc(dry_run=dry_run)
+    steps.append(CompactionStep("orphans", len(gc.orphan_blobs) + len(gc.orphan_manifests), gc.bytes, 0,
+                                gc.orphan_blobs, note=gc.skipped))
+
+    # 2. dense block tables
+    step = CompactionStep("densify")
+    steps.append(step)
+    last_swap = None
+    if densify_pages:
+        leased = store.leased_hashes()
+        for m in store.iter_manifests():
+            if all(is_dense(e) for e in m.entries):
+                continue
+            if _leased(store, m, leased):
+                step.skipped.append(m.snapshot_id)
+                skipped_leased.add(m.snapshot_id)
+                continue
+            try:
+                before, after = _densify_one(store, m, dry_run)
+            except (SnapshotNotFound, CorruptData) as exc:  # replaced, evicted or quarantined meanwhile
+                step.skipped.append(f"{m.snapshot_id}: {exc}")
+                continue
+            last_swap = None if dry_run else time.monotonic()
+            step.count += 1
+            step.bytes_before += before
+            step.bytes_after += after
+            step.items.append(m.snapshot_id)
+
+    # 3. merge undersized chunks
+    step = CompactionStep("merge")
+    steps.append(step)
+    if merge:
+        refs = {h: meta.refs for h, meta in store.iter_chunks()}
+        leased = store.leased_hashes()
+        for m in store.iter_manifests():
+            bins = merge_plan(m, lambda h: refs.get(h, 0), leased)
+            if not bins:
+                continue
+            merged = sum(len(b) for b in bins)
+            try:
+                if not dry_run:
+                    _merge_one(store, m, bins)
+                    last_swap = time.monotonic()
+            except (SnapshotNotFound, CorruptData) as exc:
+                step.skipped.append(f"{m.snapshot_id}: {exc}")
+                continue
+            step.count += merged - len(bins)  # files saved
+            step.bytes_before += sum(r.nbytes for b in bins for r in b)
+            step.bytes_after += sum(r.nbytes for b in bins for r in b)
+            step.items.append(m.snapshot_id)
+
+    # 4. recompress cold chunks
+    step = CompactionStep("recompress")
+    steps.append(step)
+    now_ns = time.time_ns()
+    leased = store.leased_hashes()
+    for h, meta in list(store.iter_chunks()):
+        if meta.encoding != "raw" or (now_ns - meta.last_used_ns) / 1e9 < cold_after:
+            continue
+        if h in leased:
+            step.skipped.append(h)
+            continue
+        try:
+            if dry_run:
+                after = estimate_zstd(store, h)
+                if after >= meta.stored_bytes:
+                    continue
+            else:
+                after = store.rewrite_blob(h, "zstd")
+                if after is None:
+                    continue
+                if after >= meta.stored_bytes:  # incompressible: keep the zero-copy form
+                    store.rewrite_blob(h, "raw")
+                    continue
+        except (CorruptData, FileNotFoundError) as exc:
+            step.skipped.append(f"{h}: {exc}")
+            continue
+        step.count += 1
+        step.bytes_before += meta.stored_bytes
+        step.bytes_after += after
+        step.items.append(h)
+
+    # 5. release what steps 2-3 replaced
+    step = CompactionStep("release")
+    steps.append(step)
+    if not dry_run and last_swap is not None:
+        wait = grace - (time.monotonic() - last_swap)
+        if wait > 0:
+            time.sleep(wait)
+        released = store.gc(dry_run=False)
+        step.count, step.bytes_before = len(released.orphan_blobs), released.bytes
+        step.items = released.orphan_blobs
+        step.note = released.skipped
+
+    # 6. the index file
+    steps.append(_compact_index(store, dry_run) if compact_index else CompactionStep("index", note="disabled"))
+
+    bytes_after = _disk_bytes(store)
+    if dry_run:
+        bytes_after = bytes_before - sum(s.bytes_before - s.bytes_after for s in steps)
+    return CompactionReport(dry_run, steps, bytes_before, bytes_after, round(time.perf_counter() - started, 3),
+                            len(skipped_leased) + len(steps[3].skipped))
+
+
+def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
+    index_dir = os.path.join(store.root, "index")
+    step = CompactionStep("index")
+    data = os.path.join(index_dir, "data.mdb")
+    step.bytes_before = step.bytes_after = os.stat(data).st_size
+    others = lmdb_files.other_holders(index_dir)
+    if others:
+        step.note = f"skipped: index open in other processes {sorted(others)}"
+        return step
+    if store.index._shared.users != 1:
+        step.note = "skipped: other store handles in this process use the index"
+        return step
+    work = os.path.join(store.root, "tmp")
+    with store._save_gate(exclusive=True):
+        copy = lmdb_files.compact_copy(store.index.env, index_dir, work)
+        step.bytes_after = os.stat(copy).st_size
+        if dry_run or step.bytes_after >= step.bytes_before:
+            os.unlink(copy)
+            os.rmdir(copy.parent)
+            if not dry_run:
+                step.bytes_after = step.bytes_before
+                step.note = "already compact"
+            return step
+        others = lmdb_files.other_holders(index_dir)
+        if others:
+            os.unlink(copy)
+            os.rmdir(copy.parent)
+            step.bytes_after = step.bytes_before
+            step.note = f"skipped: index opened by {sorted(others)} during the copy"
+            return step
+        from ..store.index import Index
+
+        map_size = store.index.env.info()["map_size"]
+        store.index.close()
+        try:
+            lmdb_files.swap_in(copy, index_dir)
+        finally:
+            store.index = Index(index_dir, map_size=map_size)
+    step.count = 1
+    return step
+
+
+__all__ = ["compact", "CompactionReport", "CompactionStep", "merge_plan", "read_snapshot", "estimate_zstd"]
