@@ -103,6 +103,63 @@ def test_real_full_filesystem_raises_store_full_and_keeps_earlier_snapshots(smal
         _recover(store, store_dir, saved, failed)
 
 
+def _fill_to_the_last_block(where: Path) -> list[Path]:
+    """Take every free block of the filesystem with 4 KiB filler files; returns them (remove one to free a block)."""
+    fillers = []
+    while True:
+        path = where / f"filler-{len(fillers)}"
+        try:
+            with open(path, "wb") as f:
+                f.write(b"\xff" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+            path.unlink(missing_ok=True)
+            return fillers
+        fillers.append(path)
+
+
+def test_real_full_filesystem_during_the_index_commit_raises_store_full(small_fs: Path) -> None:
+    """A save that only reuses chunks writes no blob, just its manifest file and the LMDB commit. Freeing one block
+    at a time, the first such save that fails meets ENOSPC in the commit (or its manifest): it must be StoreFull,
+    and so must a delete that cannot commit on the full disk; the index stays as it was."""
+    store_dir = small_fs / "store"
+    saved: dict[str, int] = {}
+    with sw.open_test_store(store_dir) as store:
+        _failed, exc = _fill_until_full(store, saved)
+        _assert_clear(exc)
+        fillers = _fill_to_the_last_block(small_fs)
+        # 128 tokens of a family's system prompt: two whole chunks every family has stored already
+        for i in range(len(fillers)):
+            fillers.pop().unlink()  # one free block
+            session = f"f{i % sw.FAMILIES}-dedup-{i}"
+            try:
+                info = _save(store, session, 128)
+            except StoreFull as full:
+                _assert_clear(full)
+                break
+            assert info.bytes_written == 0, f"{session} wrote {info.bytes_written} new chunk bytes"
+            saved[session] = 128
+        else:
+            raise AssertionError("no chunk-free save ever failed on the full disk")
+        _check_intact(store, saved)
+        _fill_to_the_last_block(small_fs)
+        victim = sorted(saved)[0]
+        try:
+            store.delete(victim)
+            del saved[victim]
+        except StoreFull as full:
+            _assert_clear(full)
+        _check_intact(store, saved)
+    for filler in small_fs.glob("filler-*"):
+        filler.unlink()
+    with sw.open_test_store(store_dir) as store:
+        _check_intact(store, saved)
+        session = "f0-after-full"
+        assert _save(store, session, 128).bytes_written == 0
+        saved[session] = 128
+        _check_intact(store, saved)
+
+
 def test_injected_enospc_in_the_blob_writer_raises_store_full(tmp_path: Path, monkeypatch) -> None:
     from kvshelf.store import blobs
 
