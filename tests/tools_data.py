@@ -59,9 +59,10 @@ def reads(caches: list) -> list[np.ndarray]:
     out = []
     for cache in caches:
         rng = np.random.default_rng(99)
-        state = cache.append_latent(mx.array(rng.standard_normal((1, 1, 32)).astype(np.float32)),
-                                    mx.array(rng.standard_normal((1, 1, 32)).astype(np.float32)),
-                                    mx.array(rng.standard_normal((1, 1, 32)).astype(np.float32)))
+        b = cache.batch_size or 1
+        state = cache.append_latent(mx.array(rng.standard_normal((b, 1, 32)).astype(np.float32)),
+                                    mx.array(rng.standard_normal((b, 1, 32)).astype(np.float32)),
+                                    mx.array(rng.standard_normal((b, 1, 32)).astype(np.float32)))
         parts = [state.latent, state.rope] + ([state.index_keys] if state.index_keys is not None else [])
         mx.eval(parts)
         out.extend(np.array(p) for p in parts)
