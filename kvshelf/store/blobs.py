@@ -53,42 +53,65 @@ def fsync_dir(path: str) -> None:
 
 def durable_write(final: str, tmp_dir: str, buffers: list) -> int:
     """Write ``buffers`` to ``final`` atomically and durably; returns the bytes written. ENOSPC -> ``StoreFull``."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if v.nbytes]
-    total = sum(v.nbytes for v in views)
-    tmp = os.path.join(tmp_dir, f"{os.getpid()}-{uuid.uuid4().hex}.tmp")
-    fd = -1
+    return durable_write_many([(final, buffers)], tmp_dir)[0]
+
+
+def durable_write_many(items: list[tuple[str, list]], tmp_dir: str) -> list[int]:
+    """Write several files atomically and durably, batching the syncs: write every tmp file, fsync each, rename
+    each, then fsync each parent directory once. Either every file is in place when this returns, or none is new."""
+    tmps: list[str] = []
+    fds: list[int] = []
+    sizes: list[int] = []
     try:
-        _inject_faults(final, total)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        pending = views
-        while pending:
-            n = os.writev(fd, pending[:_IOV_MAX])
-            while n and pending:
-                if n >= pending[0].nbytes:
-                    n -= pending[0].nbytes
-                    pending = pending[1:]
-                else:
-                    pending = [pending[0][n:], *pending[1:]]
-                    n = 0
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        ensure_dir(os.path.dirname(final))
-        os.rename(tmp, final)
-        fsync_dir(os.path.dirname(final))
-        return total
+        for final, buffers in items:
+            views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+            total = sum(v.nbytes for v in views)
+            _inject_faults(final, total)
+            tmp = os.path.join(tmp_dir, f"{os.getpid()}-{uuid.uuid4().hex}.tmp")
+            fds.append(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE))
+            tmps.append(tmp)
+            _write_all(fds[-1], views)
+            sizes.append(total)
+        while fds:
+            os.fsync(fds[0])
+            os.close(fds.pop(0))
+        dirs = []
+        for (final, _), tmp in zip(items, tmps):
+            parent = os.path.dirname(final)
+            if parent not in dirs:
+                ensure_dir(parent)
+                dirs.append(parent)
+            os.rename(tmp, final)
+        for parent in dirs:
+            fsync_dir(parent)
+        return sizes
     except OSError as exc:
-        if fd >= 0:
+        for fd in fds:
             os.close(fd)
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        for tmp in tmps:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreFull(f"no space left writing {os.path.basename(final)} ({total} bytes) under "
-                            f"{os.path.dirname(os.path.dirname(final))}: nothing was committed") from exc
+            where = os.path.dirname(os.path.dirname(items[0][0]))
+            raise StoreFull(f"no space left on device writing {len(items)} file(s) "
+                            f"({sum(sum(memoryview(b).nbytes for b in bufs) for _, bufs in items)} bytes) under "
+                            f"{where}: nothing was committed") from exc
         raise
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    pending = views
+    while pending:
+        n = os.writev(fd, pending[:_IOV_MAX])
+        while n and pending:
+            if n >= pending[0].nbytes:
+                n -= pending[0].nbytes
+                pending = pending[1:]
+            else:
+                pending = [pending[0][n:], *pending[1:]]
+                n = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +130,10 @@ class BlobStore(ABC):
 
     @abstractmethod
     def put(self, hash_: str, pieces: list[Piece], metadata: dict[str, str], encoding: str = "raw") -> int: ...
+    def put_many(self, items: list[tuple[str, list[Piece], dict[str, str]]]) -> list[int]:
+        """Several raw blobs at once (a store may batch their syncs); returns the bytes written per blob."""
+        return [self.put(h, pieces, metadata) for h, pieces, metadata in items]
+
     @abstractmethod
     def open(self, hash_: str, verify: bool = True) -> BlobReader: ...
     @abstractmethod
@@ -140,6 +167,9 @@ class LocalBlobStore(BlobStore):
         self.tmp_dir = os.path.join(root, "tmp")
         for d in (self.blob_dir, self.manifest_dir, self.tmp_dir):
             ensure_dir(d)
+        if len(os.listdir(self.blob_dir)) < 257:  # the 256 fan-out dirs, made once so saves never fsync a mkdir
+            for k in range(256):
+                ensure_dir(os.path.join(self.blob_dir, f"{k:02x}"))
 
     def path(self, hash_: str, encoding: str = "raw") -> str:
         return os.path.join(self.blob_dir, hash_[:2], hash_ + EXTENSIONS[encoding])
@@ -151,6 +181,9 @@ class LocalBlobStore(BlobStore):
         if os.path.exists(other):  # a recompression replaces the other form only once the new one is durable
             os.unlink(other)
         return written
+
+    def put_many(self, items: list[tuple[str, list[Piece], dict[str, str]]]) -> list[int]:
+        return durable_write_many([(self.path(h), raw_buffers(p, m)) for h, p, m in items], self.tmp_dir)
 
     def open(self, hash_: str, verify: bool = True) -> BlobReader:
         encoding = self.has(hash_)
@@ -249,4 +282,4 @@ def _alive(pid: int) -> bool:
     return True
 
 
-__all__ = ["BlobStore", "LocalBlobStore", "BlobStat", "durable_write", "ensure_dir", "fsync_dir", "FAULT_HOOK"]
+__all__ = ["BlobStore", "LocalBlobStore", "BlobStat", "durable_write", "durable_write_many", "ensure_dir", "fsync_dir", "FAULT_HOOK"]

@@ -28,12 +28,21 @@ from typing import TypeVar
 
 import lmdb
 
-from ..errors import IncompatibleFormat, KvShelfError
+from ..errors import IncompatibleFormat, KvShelfError, StoreFull
 from .blobs import ensure_dir
 
 INDEX_FORMAT = 1
 _T = TypeVar("_T")
 DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "lru", "leases", "quarantine")
+
+
+def _disk_nearly_full(path: str, reserve: int = 8 << 20) -> bool:
+    """LMDB reports a failed page write as EIO; a filesystem with almost no room left says what it was."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < reserve
 
 
 class _Shared:
@@ -102,6 +111,11 @@ class Index:
                         return fn(txn)
                 except lmdb.MapFullError:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except lmdb.Error as exc:
+                    if _disk_nearly_full(self.path) or "No space" in str(exc):
+                        raise StoreFull(f"the index at {self.path} could not commit: the disk is full ({exc}); "
+                                        f"the transaction was rolled back and nothing was committed") from exc
+                    raise
 
     def meta_int(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
         raw = txn.get(name, db=self.db["meta"])

@@ -215,14 +215,12 @@ class Store:
             try:
                 todo = list(unique.values())
                 for attempt in range(5):
-                    for ref in todo:
-                        if self.blobs.has(ref.hash) is None:
-                            self.blobs.put(ref.hash, by_hash[ref.hash].pieces, self._blob_metadata(ref))
-                            fresh.append(ref.hash)
-                            written += ref.nbytes
-                            n_written += 1
-                        else:
-                            reused += ref.nbytes
+                    new = [ref for ref in todo if self.blobs.has(ref.hash) is None]
+                    reused += sum(ref.nbytes for ref in todo) - sum(ref.nbytes for ref in new)
+                    self.blobs.put_many([(r.hash, by_hash[r.hash].pieces, self._blob_metadata(r)) for r in new])
+                    fresh.extend(r.hash for r in new)
+                    written += sum(r.nbytes for r in new)
+                    n_written += len(new)
                     if attempt == 0:
                         self.blobs.put_manifest(sid, mf.encode(manifest))
                     try:
