@@ -1,0 +1,199 @@
+"""``kvshelf watch``: a real watcher process over a real inbox and store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tools_data import MODEL, OTHER, make_caches, same_reads, tokens_for  # noqa: E402
+
+from kvshelf import open_store  # noqa: E402
+from kvshelf.codecs import save_snapshot  # noqa: E402
+from kvshelf.tools.watcher import parse_duration  # noqa: E402
+
+SETTLE = "0.3s"
+
+
+def portable(path: Path, n: int, seed: int, kind: str = "affine4", identity=MODEL, namespace: str = "") -> Path:
+    ident = {"model_id": identity.model_id, "config_fingerprint": identity.config_fingerprint,
+             "tokenizer_hash": identity.tokenizer_hash, "namespace": namespace}
+    save_snapshot(path, tokens_for(n, seed), make_caches(kind, n, seed), identity=ident)
+    return path
+
+
+def drop(inbox: Path, name: str, data: bytes) -> None:
+    """How a well-behaved producer delivers: write a hidden temp file, then rename it into place."""
+    tmp = inbox / f".{name}.part"
+    tmp.write_bytes(data)
+    os.rename(tmp, inbox / name)
+
+
+def start(store: Path, inbox: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "KVSHELF_NO_PROGRESS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "kvshelf.tools.cli", "watch", str(inbox), "--store", str(store),
+                             "--settle", SETTLE, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_for(predicate, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"watcher exited early: {proc.returncode}\n{proc.stderr.read()}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def done(inbox: Path) -> list[str]:
+    return sorted(p.name for p in (inbox / "done").glob("*.safetensors")) if (inbox / "done").exists() else []
+
+
+def failed(inbox: Path) -> list[str]:
+    return sorted(p.name for p in (inbox / "failed").glob("*.safetensors")) if (inbox / "failed").exists() else []
+
+
+def sessions(store: Path, identity=MODEL) -> dict[str, str]:
+    if not (store / "index").exists():
+        return {}
+    with open_store(store, identity=identity) as s:
+        return {i.session_id: i.snapshot_id for i in s.sessions()}
+
+
+def test_parse_duration() -> None:
+    assert [parse_duration(t) for t in ("90", "90s", "1.5m", "2h", "1d", "250ms")] == [90, 90, 90, 7200, 86400, 0.25]
+    assert parse_duration("0s", allow_zero=True) == 0
+    for bad in ("", "soon", "-1s", "0s", "5 weeks"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_files_dropped_while_running_and_while_stopped_are_ingested_exactly_once(tmp_path) -> None:
+    store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
+    inbox.mkdir()
+    src.mkdir()
+    a = portable(src / "a.safetensors", 70, 1).read_bytes()
+    b = portable(src / "b.safetensors", 90, 2, kind="paged-affine").read_bytes()
+    c = portable(src / "c.safetensors", 60, 3, kind="turbo").read_bytes()
+    drop(inbox, "a.safetensors", a)  # arrived before the watcher started
+    proc = start(store, inbox)
+    try:
+        wait_for(lambda: done(inbox) == ["a.safetensors"], proc=proc)
+        drop(inbox, "b.safetensors", b)
+        wait_for(lambda: done(inbox) == ["a.safetensors", "b.safetensors"], proc=proc)
+        first = sessions(store)
+        drop(inbox, "a.safetensors", a)  # the same file again: filed, but no second snapshot
+        wait_for(lambda: len(done(inbox)) == 3, proc=proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "watch stopped: 3 ingested, 0 failed" in out
+    assert sessions(store) == first and set(first) == {"a", "b"}
+    drop(inbox, "c.safetensors", c)  # arrives while the watcher is down
+    again = start(store, inbox, "--exit-when-idle", "1s", "--json")
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err
+    assert '"done": 1' in out
+    now = sessions(store)
+    assert set(now) == {"a", "b", "c"} and {k: now[k] for k in first} == first
+    assert [p.name for p in inbox.glob("*.safetensors")] == []
+    with open_store(store, identity=MODEL) as s:
+        assert s.verify(deep=True) == []
+        assert same_reads(s.restore("b").caches, make_caches("paged-affine", 90, 2))
+        assert s.restore("c").tokens == tokens_for(60, 3)
+
+
+def test_bad_files_land_in_failed_with_their_reason_and_nothing_in_the_store(tmp_path) -> None:
+    store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
+    inbox.mkdir()
+    src.mkdir()
+    good = portable(src / "good.safetensors", 70, 1).read_bytes()
+    drop(inbox, "truncated.safetensors", good[: len(good) // 2])
+    flipped = bytearray(good)
+    flipped[-7] ^= 0x10
+    drop(inbox, "corrupted.safetensors", bytes(flipped))
+    drop(inbox, "foreign.safetensors", portable(src / "f.safetensors", 70, 4, identity=OTHER).read_bytes())
+    drop(inbox, "good.safetensors", good)
+    (inbox / "notes.txt").write_text("not a snapshot")
+    proc = start(store, inbox, "--model-id", MODEL.model_id, "--exit-when-idle", "1s")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert done(inbox) == ["good.safetensors"]
+    assert failed(inbox) == ["corrupted.safetensors", "foreign.safetensors", "truncated.safetensors"]
+    reason = {n: (inbox / "failed" / f"{n}.reason.txt").read_text() for n in failed(inbox)}
+    assert reason["corrupted.safetensors"].startswith("CorruptData:") and "checksum" in reason["corrupted.safetensors"]
+    assert reason["truncated.safetensors"].startswith("CorruptData:")
+    assert reason["foreign.safetensors"].startswith("IdentityMismatch:") and "model_id" in reason["foreign.safetensors"]
+    assert (inbox / "notes.txt").exists()  # not a candidate: left alone
+    assert set(sessions(store)) == {"good"} and sessions(store, OTHER) == {}
+    with open_store(store, identity=MODEL) as s:
+        assert s.verify(deep=True) == []
+
+
+def test_a_file_written_slowly_in_pieces_is_ingested_only_when_complete(tmp_path) -> None:
+    store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
+    inbox.mkdir()
+    src.mkdir()
+    data = portable(src / "slow.safetensors", 110, 5, kind="mla").read_bytes()
+    proc = start(store, inbox)
+    try:
+        time.sleep(1.0)  # the watcher is up and polling
+
+        def writer() -> None:
+            step = len(data) // 8 + 1
+            with open(inbox / "slow.safetensors", "wb") as fh:  # in place, under its final name
+                for i in range(0, len(data), step):
+                    fh.write(data[i:i + step])
+                    fh.flush()
+                    time.sleep(0.15)  # shorter than the settle time
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        thread.join()
+        wait_for(lambda: done(inbox) or failed(inbox), proc=proc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert done(inbox) == ["slow.safetensors"] and failed(inbox) == []
+    with open_store(store, identity=MODEL) as s:
+        assert s.restore("slow").tokens == tokens_for(110, 5)
+
+
+def test_sigterm_mid_ingest_leaves_the_store_consistent(tmp_path) -> None:
+    store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
+    inbox.mkdir()
+    src.mkdir()
+    names = [f"s{i}.safetensors" for i in range(6)]
+    for i, name in enumerate(names):
+        drop(inbox, name, portable(src / name, 200 + 10 * i, 10 + i, kind="affine8-start").read_bytes())
+    proc = start(store, inbox)
+    wait_for(lambda: len(done(inbox)) >= 1, proc=proc)
+    proc.send_signal(signal.SIGTERM)  # most likely while the next file is being ingested
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    filed = done(inbox)
+    waiting = sorted(p.name for p in inbox.glob("*.safetensors"))
+    assert sorted(filed + waiting) == names and failed(inbox) == []
+    stored = sessions(store)
+    assert set(stored) == {n.removesuffix(".safetensors") for n in filed}  # committed iff filed
+    with open_store(store, identity=MODEL) as s:
+        assert s.verify(deep=True) == []
+    again = start(store, inbox, "--exit-when-idle", "1s")
+    again.communicate(timeout=120)
+    assert again.returncode == 0 and done(inbox) == names
+    final = sessions(store)
+    assert set(final) == {n.removesuffix(".safetensors") for n in names}
+    assert {k: final[k] for k in stored} == stored  # nothing ingested twice
+    with open_store(store, identity=MODEL) as s:
+        assert s.verify(deep=True) == []
+        for i, name in enumerate(names):
+            assert s.restore(name.removesuffix(".safetensors")).tokens == tokens_for(200 + 10 * i, 10 + i)
