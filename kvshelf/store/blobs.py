@@ -169,7 +169,8 @@ class LocalBlobStore(BlobStore):
             ensure_dir(d)
         if len(os.listdir(self.blob_dir)) < 257:  # the 256 fan-out dirs, made once so saves never fsync a mkdir
             for k in range(256):
-                ensure_dir(os.path.join(self.blob_dir, f"{k:02x}"))
+                os.makedirs(os.path.join(self.blob_dir, f"{k:02x}"), mode=DIR_MODE, exist_ok=True)
+            fsync_dir(self.blob_dir)
 
     def path(self, hash_: str, encoding: str = "raw") -> str:
         return os.path.join(self.blob_dir, hash_[:2], hash_ + EXTENSIONS[encoding])
