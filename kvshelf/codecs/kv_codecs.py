@@ -1,0 +1,468 @@
+"""Key/value legos <-> entries of kinds ``kv``, ``qkv``, ``turboquant``, ``rotating`` and ``arrays``.
+
+Head geometry rides in ``CacheEntry.extra``: ``kv_heads``, ``k_head_dim``, ``v_head_dim`` and (plain and affine
+kinds) the model ``dtype``. A cache that never saw an append has no head geometry: it snapshots as offset 0 with no
+tensors and loads as an empty cache.
+
+* ``kv`` / ``qkv`` / ``turboquant``: planes ``[1, H, T, w]`` cut to the offset, token axis 2. Groups of every
+  quantized kind run along the head dim, so a token-axis cut is byte-safe and any prefix is a valid state.
+* ``rotating``: the whole ring ``[1, H, S, D]`` as laid out (no token axis: ring slot s is not position s), with
+  ``max_size``, ``keep``, ``idx`` and ``buffer`` in ``extra``. A prefix exists only before the ring wraps.
+* ``arrays``: one tensor per present slot (``slot.<j>``, no token axis); ``extra`` has ``size`` and ``present``
+  (one 0/1 character per slot). Recurrent state has no prefix: it is reusable at its exact length only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ..errors import CacheRangeError, InvalidCacheState, KvShelfError
+from ..latent_legos.encodings.turboquant import packed_dim
+from ..latent_legos.formats import AffineFormat, TurboFormat
+from ..latent_legos.kv import ArraysCache, KvRowState, KVCache, QuantizedKVCache, RotatingKVCache, TurboQuantKVCache
+from ..latent_legos.kv.arrays import ArraysRowState
+from ..latent_legos.kv.rotating import RingRowState
+from ..latent_legos.kv.turbo import HEAD_DIMS
+from . import dtypes, validate
+from .header import CacheEntry
+from .latent_common import check_prefix, make_slots, prefix_tensors, replace_entry, require_serial, snapshot_floor
+from .validate import SlotSpec
+
+KV_DTYPES = ("float16", "bfloat16", "float32")
+HEAD_KEYS = ("kv_heads", "k_head_dim", "v_head_dim")
+_LATENT_FIELDS = ("kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "pages")
+
+
+def extra_int(entry: CacheEntry, index: int | None, key: str, minimum: int = 1) -> int:
+    value = entry.extra.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise validate.incompatible(entry, index, f"extra.{key}", f"expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def extra_dtype(entry: CacheEntry, index: int | None) -> str:
+    value = entry.extra.get("dtype")
+    if value not in KV_DTYPES:
+        raise validate.incompatible(entry, index, "extra.dtype", f"expected one of {KV_DTYPES}, got {value!r}")
+    return value
+
+
+def check_common(entry: CacheEntry, index: int | None, kind: str, fields: Sequence[str], extra_keys: set[str]) -> None:
+    """Kind, no latent/paged fields, no format fields but ``fields``, no unknown extra keys, floor <= offset."""
+    if entry.kind != kind:
+        raise validate.incompatible(entry, index, "kind", f"expected {kind!r}")
+    for field in (*_LATENT_FIELDS, *(f for f in ("bits", "group_size", "k_bits", "v_bits") if f not in fields)):
+        if getattr(entry, field) is not None:
+            raise validate.incompatible(entry, index, field, f"a {kind} entry has no {field}")
+    for field in fields:
+        if getattr(entry, field) is None:
+            raise validate.incompatible(entry, index, field, f"a {kind} entry needs {field}")
+    if entry.shadow or entry.quantized_kv_start:
+        raise validate.incompatible(entry, index, "shadow/quantized_kv_start", f"a {kind} entry has neither")
+    unknown = set(entry.extra) - extra_keys
+    if unknown:
+        raise validate.incompatible(entry, index, "extra", f"unknown keys {sorted(unknown)} for kind {kind!r}")
+    validate.check_positions(entry, index, None)
+
+
+class TokenKvCodec:
+    """The token-axis kinds: planes ``[1, H, T, w]`` of a ``TokenRows`` cache, token axis 2."""
+
+    kind: str
+    cache_type: type
+    format_fields: tuple[str, ...] = ()
+    has_dtype = True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind!r})"
+
+    def matches(self, cache: object) -> bool:
+        return type(cache) is self.cache_type
+
+    # -- per-kind vocabulary ---------------------------------------------------------------------------------------
+    def new_cache(self, entry: CacheEntry, index: int | None) -> Any:
+        raise NotImplementedError
+
+    def fields_of(self, cache: Any) -> dict[str, Any]:
+        return {}
+
+    def head_dims(self, cache: Any, planes: list[mx.array]) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def plane_layout(self, entry: CacheEntry, index: int | None, dk: int, dv: int, dtype: str | None):
+        """``(name, dtype, width)`` per plane for this entry's format and head dims."""
+        raise NotImplementedError
+
+    # -- the codec -------------------------------------------------------------------------------------------------
+    def snapshot(self, cache: Any) -> tuple[CacheEntry, list[mx.array]]:
+        require_serial(cache)
+        extra: dict[str, Any] = {}
+        arrays: list[mx.array] = []
+        offset = floor = 0
+        if cache.batch_size is not None:
+            cache._require_rows("snapshot")
+            state = cache.row_state(0)
+            offset, floor = state.offset, snapshot_floor(state.minimum_reusable_offset, state.offset)
+            arrays = list(state.planes)
+        if arrays:
+            dk, dv = self.head_dims(cache, arrays)
+            extra = {"kv_heads": arrays[0].shape[1], "k_head_dim": dk, "v_head_dim": dv}
+            if self.has_dtype:
+                extra["dtype"] = dtypes.dtype_name(arrays[0 if self.kind == "kv" else 1].dtype)  # model dtype
+        names = [name for name, _, _ in self.plane_layout(None, None, 0, 0, None)] if arrays else []
+        slots = make_slots([(name, array, 2) for name, array in zip(names, arrays)])
+        entry = CacheEntry(
+            kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=slots, extra=extra,
+            **self.fields_of(cache),
+        )
+        self.validate(entry)
+        return entry, arrays
+
+    def specs(self, entry: CacheEntry, index: int | None) -> list[SlotSpec]:
+        if not any(k in entry.extra for k in (*HEAD_KEYS, "dtype")):
+            if entry.offset:
+                raise validate.incompatible(entry, index, "extra.kv_heads", f"missing for offset {entry.offset}")
+            return []
+        heads = extra_int(entry, index, "kv_heads")
+        dk, dv = extra_int(entry, index, "k_head_dim"), extra_int(entry, index, "v_head_dim")
+        dtype = extra_dtype(entry, index) if self.has_dtype else None
+        return [
+            SlotSpec(name, plane_dtype, (1, heads, entry.offset, width), 2)
+            for name, plane_dtype, width in self.plane_layout(entry, index, dk, dv, dtype)
+        ]
+
+    def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        keys = set(HEAD_KEYS) | ({"dtype"} if self.has_dtype else set())
+        check_common(entry, index, self.kind, self.format_fields, keys)
+        validate.check_slots(entry, index, self.specs(entry, index))
+
+    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> KvRowState:
+        self.validate(entry, index)
+        validate.check_arrays(entry, index, arrays, verify)
+        return KvRowState(list(arrays), entry.offset, entry.minimum_reusable_offset)
+
+    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None) -> Any:
+        state = self._row_state(entry, arrays, verify, index)
+        cache = self.new_cache(entry, index)
+        cache.merge_row_states([state])
+        return cache
+
+    def load_batch(
+        self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *, verify: bool = True
+    ) -> Any:
+        check_rows(entries, arrays_per_row, self.kind, ("bits", "group_size", "k_bits", "v_bits"))
+        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
+        cache = self.new_cache(entries[0], 0)
+        cache.merge_row_states(states)
+        return cache
+
+    def header_trimmable(self, entry: CacheEntry) -> bool:
+        return True
+
+    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
+        check_prefix(entry, p)
+        return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p))
+
+
+def check_rows(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], kind: str,
+               fields: Sequence[str]) -> None:
+    """Rows batched together share kind, format fields and (where known) head geometry."""
+    if not entries:
+        raise InvalidCacheState(f"{kind}: load_batch needs at least one row")
+    if len(entries) != len(arrays_per_row):
+        raise InvalidCacheState(f"{kind}: {len(entries)} entries but {len(arrays_per_row)} array lists")
+    first = entries[0]
+    for i, entry in enumerate(entries[1:], start=1):
+        for key in ("kind", *fields):
+            if getattr(entry, key) != getattr(first, key):
+                raise InvalidCacheState(
+                    f"{kind}: row {i} has {key}={getattr(entry, key)!r} but row 0 has {getattr(first, key)!r}; "
+                    "only rows of one layout batch together"
+                )
+
+
+class PlainKvCodec(TokenKvCodec):
+    kind = "kv"
+    cache_type = KVCache
+
+    def new_cache(self, entry: CacheEntry, index: int | None) -> KVCache:
+        return KVCache()
+
+    def head_dims(self, cache: KVCache, planes: list[mx.array]) -> tuple[int, int]:
+        return planes[0].shape[3], planes[1].shape[3]
+
+    def plane_layout(self, entry, index, dk, dv, dtype):
+        return [("keys", dtype, dk), ("values", dtype, dv)]
+
+
+class AffineKvCodec(TokenKvCodec):
+    kind = "qkv"
+    cache_type = QuantizedKVCache
+    format_fields = ("bits", "group_size")
+
+    def _format(self, entry: CacheEntry, index: int | None) -> AffineFormat:
+        try:
+            return AffineFormat(entry.bits, entry.group_size)
+        except KvShelfError as exc:
+            raise validate.incompatible(entry, index, "bits/group_size", str(exc)) from None
+
+    def new_cache(self, entry: CacheEntry, index: int | None) -> QuantizedKVCache:
+        fmt = self._format(entry, index)
+        return QuantizedKVCache(group_size=fmt.group_size, bits=fmt.bits)
+
+    def fields_of(self, cache: QuantizedKVCache) -> dict[str, Any]:
+        return {"bits": cache.bits, "group_size": cache.group_size}
+
+    def head_dims(self, cache: QuantizedKVCache, planes: list[mx.array]) -> tuple[int, int]:
+        return planes[1].shape[3] * cache.group_size, planes[4].shape[3] * cache.group_size
+
+    def plane_layout(self, entry, index, dk, dv, dtype):
+        if entry is None:
+            names = ("packed", "scales", "biases")
+            return [(f"{who}.{n}", None, 0) for who in ("keys", "values") for n in names]
+        fmt = self._format(entry, index)
+        out = []
+        for who, dim in (("keys", dk), ("values", dv)):
+            if dim % fmt.group_size or (dim * fmt.bits) % 32:
+                raise validate.incompatible(
+                    entry, index, f"extra.{who[0]}_head_dim",
+                    f"{dim} does not split into groups of {fmt.group_size} at {fmt.bits} bits",
+                )
+            groups = dim // fmt.group_size
+            out += [(f"{who}.packed", "uint32", dim * fmt.bits // 32), (f"{who}.scales", dtype, groups),
+                    (f"{who}.biases", dtype, groups)]
+        return out
+
+
+class TurboKvCodec(TokenKvCodec):
+    kind = "turboquant"
+    cache_type = TurboQuantKVCache
+    format_fields = ("k_bits", "v_bits")
+    has_dtype = False
+
+    def _format(self, entry: CacheEntry, index: int | None) -> TurboFormat:
+        try:
+            return TurboFormat(entry.k_bits, entry.v_bits)
+        except KvShelfError as exc:
+            raise validate.incompatible(entry, index, "k_bits/v_bits", str(exc)) from None
+
+    def new_cache(self, entry: CacheEntry, index: int | None) -> TurboQuantKVCache:
+        fmt = self._format(entry, index)
+        return TurboQuantKVCache(fmt.k_bits, fmt.v_bits)
+
+    def fields_of(self, cache: TurboQuantKVCache) -> dict[str, Any]:
+        return {"k_bits": cache.k_bits, "v_bits": cache.v_bits}
+
+    def head_dims(self, cache: TurboQuantKVCache, planes: list[mx.array]) -> tuple[int, int]:
+        return planes[1].shape[3] * 32, planes[4].shape[3] * 32
+
+    def plane_layout(self, entry, index, dk, dv, dtype):
+        names = ("keys.codes", "keys.scales", "keys.zeros", "values.codes", "values.scales")
+        if entry is None:
+            return [(n, None, 0) for n in names]
+        fmt = self._format(entry, index)
+        for key, dim in (("k_head_dim", dk), ("v_head_dim", dv)):
+            if dim not in HEAD_DIMS:
+                raise validate.incompatible(entry, index, f"extra.{key}", f"{dim} is not one of {HEAD_DIMS}")
+        code_dtype = "int8" if fmt.k_bits == 8 else "uint8"
+        return [
+            (names[0], code_dtype, packed_dim(dk, fmt.k_bits)), (names[1], "float16", dk // 32),
+            (names[2], "float16", dk // 32), (names[3], "uint8", packed_dim(dv, fmt.v_bits)),
+            (names[4], "float16", dv // 32),
+        ]
+
+
+class RotatingKvCodec:
+    """The ring as laid out: whole ``[1, H, S, D]`` buffers, no token axis; a prefix exists only before the wrap."""
+
+    kind = "rotating"
+    _keys = {"max_size", "keep", "idx", "buffer", "dtype", *HEAD_KEYS}
+
+    def __repr__(self) -> str:
+        return "RotatingKvCodec('rotating')"
+
+    def matches(self, cache: object) -> bool:
+        return type(cache) is RotatingKVCache
+
+    def snapshot(self, cache: RotatingKVCache) -> tuple[CacheEntry, list[mx.array]]:
+        require_serial(cache)
+        extra: dict[str, Any] = {"max_size": cache.max_size, "keep": cache.keep, "idx": 0}
+        arrays: list[mx.array] = []
+        offset = floor = 0
+        if cache.batch_size is not None:
+            state = cache.row_state(0)
+            offset, floor = state.offset, snapshot_floor(state.minimum_reusable_offset, state.offset)
+            extra["idx"] = state.idx
+            if state.keys is not None:
+                arrays = [state.keys, state.values]
+                extra.update(
+                    buffer=state.keys.shape[2], kv_heads=state.keys.shape[1], k_head_dim=state.keys.shape[3],
+                    v_head_dim=state.values.shape[3], dtype=dtypes.dtype_name(state.keys.dtype),
+                )
+        slots = make_slots([(name, a, None) for name, a in zip(("keys", "values"), arrays)])
+        entry = CacheEntry(kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=slots, extra=extra)
+        self.validate(entry)
+        return entry, arrays
+
+    def _ring(self, entry: CacheEntry, index: int | None) -> tuple[int, int, int]:
+        max_size = extra_int(entry, index, "max_size")
+        keep = extra_int(entry, index, "keep", 0)
+        idx = extra_int(entry, index, "idx", 0)
+        if keep >= max_size:
+            raise validate.incompatible(entry, index, "extra.keep", f"{keep} must be below max_size {max_size}")
+        return max_size, keep, idx
+
+    def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        check_common(entry, index, self.kind, (), self._keys)
+        max_size, _, idx = self._ring(entry, index)
+        if "buffer" not in entry.extra:
+            if entry.offset or idx:
+                raise validate.corrupt(entry, index, "extra.buffer", f"missing for offset {entry.offset}")
+            validate.check_slots(entry, index, [])
+            return
+        buffer, heads = extra_int(entry, index, "buffer"), extra_int(entry, index, "kv_heads")
+        dk, dv = extra_int(entry, index, "k_head_dim"), extra_int(entry, index, "v_head_dim")
+        dtype = extra_dtype(entry, index)
+        if idx > buffer or buffer > max(entry.offset, max_size):
+            raise validate.corrupt(
+                entry, index, "extra.idx",
+                f"head {idx}, buffer {buffer}, offset {entry.offset} are inconsistent for max_size {max_size}",
+            )
+        if entry.offset < max_size and idx != entry.offset:
+            raise validate.corrupt(entry, index, "extra.idx", f"before the wrap the head {idx} must equal the offset")
+        validate.check_slots(entry, index, [
+            SlotSpec("keys", dtype, (1, heads, buffer, dk), None), SlotSpec("values", dtype, (1, heads, buffer, dv), None),
+        ])
+
+    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> RingRowState:
+        self.validate(entry, index)
+        validate.check_arrays(entry, index, arrays, verify)
+        keys, values = (arrays[0], arrays[1]) if arrays else (None, None)
+        return RingRowState(keys, values, entry.offset, entry.extra["idx"], entry.minimum_reusable_offset)
+
+    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True,
+             index: int | None = None) -> RotatingKVCache:
+        state = self._row_state(entry, arrays, verify, index)
+        max_size, keep, _ = self._ring(entry, index)
+        cache = RotatingKVCache(max_size, keep)
+        cache.merge_row_states([state])
+        return cache
+
+    def load_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *,
+                   verify: bool = True) -> RotatingKVCache:
+        check_rows(entries, arrays_per_row, self.kind, ())
+        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
+        max_size, keep, _ = self._ring(entries[0], 0)
+        for i, entry in enumerate(entries):
+            if self._ring(entry, i)[:2] != (max_size, keep):
+                raise InvalidCacheState(f"rotating: row {i} has another max_size/keep than row 0")
+        cache = RotatingKVCache(max_size, keep)
+        cache.merge_row_states(states)
+        return cache
+
+    def header_trimmable(self, entry: CacheEntry) -> bool:
+        return entry.offset < extra_int(entry, None, "max_size")
+
+    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
+        check_prefix(entry, p)
+        if p < entry.offset and not self.header_trimmable(entry):
+            raise CacheRangeError(
+                f"the ring wrapped ({entry.offset} positions, max_size {entry.extra['max_size']}); it has no prefix {p}"
+            )
+        extra = dict(entry.extra)
+        if p < entry.offset:
+            extra["idx"] = p
+        return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p), extra=extra)
+
+
+class ArraysCodec:
+    """Recurrent slots, one tensor per present slot, no token axis; reusable at the exact length only."""
+
+    kind = "arrays"
+
+    def __repr__(self) -> str:
+        return "ArraysCodec('arrays')"
+
+    def matches(self, cache: object) -> bool:
+        return type(cache) is ArraysCache
+
+    def snapshot(self, cache: ArraysCache) -> tuple[CacheEntry, list[mx.array]]:
+        require_serial(cache)
+        slots: list[mx.array | None] = [None] * cache.size_slots
+        offset = floor = 0
+        if cache.batch_size is not None:
+            state = cache.row_state(0)
+            slots, offset = state.slots, state.offset
+            floor = snapshot_floor(state.minimum_reusable_offset, offset)
+        present = "".join("0" if a is None else "1" for a in slots)
+        named = [(f"slot.{j}", a, None) for j, a in enumerate(slots) if a is not None]
+        entry = CacheEntry(
+            kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=make_slots(named),
+            extra={"size": cache.size_slots, "present": present},
+        )
+        self.validate(entry)
+        return entry, [a for _, a, _ in named]
+
+    def _present(self, entry: CacheEntry, index: int | None) -> list[int]:
+        size = extra_int(entry, index, "size")
+        present = entry.extra.get("present")
+        if not isinstance(present, str) or len(present) != size or set(present) - {"0", "1"}:
+            raise validate.incompatible(entry, index, "extra.present", f"expected {size} characters of 0/1, got {present!r}")
+        return [j for j, c in enumerate(present) if c == "1"]
+
+    def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        check_common(entry, index, self.kind, (), {"size", "present"})
+        present = self._present(entry, index)
+        specs = []
+        for j, slot in zip(present, entry.tensors):
+            if not dtypes.is_known(slot.dtype):
+                raise validate.incompatible(entry, index, f"tensors[{len(specs)}].dtype", f"unknown dtype {slot.dtype!r}")
+            if not slot.shape or slot.shape[0] != 1:
+                raise validate.incompatible(entry, index, f"tensors[{len(specs)}].shape", "a row's slot is [1, ...]")
+            specs.append(SlotSpec(f"slot.{j}", slot.dtype, tuple(slot.shape), None))
+        if len(entry.tensors) != len(present):
+            raise validate.incompatible(entry, index, "tensors", f"{len(present)} present slots, {len(entry.tensors)} tensors")
+        validate.check_slots(entry, index, specs)
+
+    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> ArraysRowState:
+        self.validate(entry, index)
+        validate.check_arrays(entry, index, arrays, verify)
+        slots: list[mx.array | None] = [None] * entry.extra["size"]
+        for j, array in zip(self._present(entry, index), arrays):
+            slots[j] = array
+        return ArraysRowState(slots, entry.offset, entry.minimum_reusable_offset)
+
+    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True,
+             index: int | None = None) -> ArraysCache:
+        state = self._row_state(entry, arrays, verify, index)
+        cache = ArraysCache(entry.extra["size"])
+        cache.merge_row_states([state])
+        return cache
+
+    def load_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *,
+                   verify: bool = True) -> ArraysCache:
+        check_rows(entries, arrays_per_row, self.kind, ())
+        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
+        sizes = {e.extra["size"] for e in entries}
+        if len(sizes) != 1:
+            raise InvalidCacheState(f"arrays: rows have different slot counts {sorted(sizes)}")
+        cache = ArraysCache(sizes.pop())
+        cache.merge_row_states(states)
+        return cache
+
+    def header_trimmable(self, entry: CacheEntry) -> bool:
+        return False
+
+    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
+        check_prefix(entry, p)
+        if p != entry.offset:
+            raise CacheRangeError(f"recurrent state of {entry.offset} positions has no prefix {p} (exact length only)")
+        return replace_entry(entry, tensors=prefix_tensors(entry, p))
+
+
+KV_CODECS = (PlainKvCodec(), AffineKvCodec(), TurboKvCodec(), RotatingKvCodec(), ArraysCodec())
+
+__all__ = ["KV_CODECS", "PlainKvCodec", "AffineKvCodec", "TurboKvCodec", "RotatingKvCodec", "ArraysCodec"]
