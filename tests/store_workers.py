@@ -236,90 +236,25 @@ def run_mixed_worker(store_dir: str, seed: int, seconds: float, result_path: str
     """Mixed save/restore/lookup/restore_prefix/restore_batch on a shared store until the deadline.
 
     Each worker grows its own sessions (``f<k>-p<seed>-s<j>``) and also saves two sessions every worker writes
-    (``f<k>-shared-<j>``, last writer wins); every restore is checked bit-exact against the recomputed data.
+    (``f<k>-shared-<j>``, last writer wins); every restore is checked bit-exact against the recomputed data. A failed
+    operation is recorded and the worker carries on, so one run reports every kind of failure it meets.
     """
     rng = random.Random(seed)
     counts = {"save": 0, "restore": 0, "lookup": 0, "restore_prefix": 0, "restore_batch": 0}
-    own: dict[str, int] = {}
-    shared_saved: set[str] = set()
+    state = {"own": {}, "shared": set(), "tag": f"p{seed}"}
     errors: list[str] = []
     deadline = time.monotonic() + seconds
     store = open_test_store(store_dir)
     try:
-        while time.monotonic() < deadline and not errors:
+        while time.monotonic() < deadline and len(errors) < 20:
             op = rng.choices(list(counts), weights=[3, 3, 2, 2, 1])[0]
-            known = session_ids(store)
-            if op == "save" or not known:
-                if rng.random() < 0.2:
-                    session = f"f{rng.randrange(FAMILIES)}-shared-{rng.randrange(2)}"
-                    length = rng.randint(1, MAX_LEN)
-                    shared_saved.add(session)
-                else:
-                    growable = [s for s, n in own.items() if n < MAX_LEN]
-                    if growable and rng.random() < 0.5:
-                        session = rng.choice(growable)
-                        length = min(MAX_LEN, own[session] + rng.randint(1, 200))
-                    else:
-                        session = f"f{rng.randrange(FAMILIES)}-p{seed}-s{len(own)}"
-                        length = rng.randint(1, 500)
-                    own[session] = length
-                info = store.save(session, session_tokens(session, length), build_caches(session, length))
-                if info.length != length or info.session_id != session:
-                    errors.append(f"save {session}@{length} returned {info!r}")
-                counts["save"] += 1
-            elif op == "restore":
-                session = rng.choice(known)
-                r = store.restore(session)
-                if list(r.tokens) != session_tokens(session, r.length):
-                    errors.append(f"restore {session}: tokens differ at length {r.length}")
-                elif session in own and r.length != own[session]:
-                    errors.append(f"restore {session}: length {r.length}, this worker last saved {own[session]}")
-                elif (why := mismatch(r.caches, session, r.length)) is not None:
-                    errors.append(f"restore: {why}")
-                counts["restore"] += 1
-            elif op in ("lookup", "restore_prefix"):
-                if not own:
-                    continue
-                # own sessions only: their stored length is known, so the usable length is exact
-                session = rng.choice(sorted(own))
-                stored = own[session]
-                # the usable prefix is exactly `cut`: the appended token is never stored, and a cut below the
-                # stored length is served only when every cache is trimmable (else probe the whole length)
-                cut = rng.randint(1, stored) if caches_trimmable() else stored
-                prompt = session_tokens(session, cut) + [VOCAB + 1 + rng.randrange(1000)]
-                want = cut
-                if op == "lookup":
-                    hit = store.lookup(prompt)
-                    got = 0 if hit is None else hit.length
-                    if got != want:
-                        errors.append(f"lookup {session}[:{cut}]+1 (stored {stored}): length {got}, expected {want}")
-                    elif hit is not None and session_tokens(hit.session_id, hit.length) != prompt[: hit.length]:
-                        errors.append(f"lookup {session}[:{cut}]: hit {hit!r} tokens do not match the prompt")
-                else:
-                    r = store.restore_prefix(prompt)
-                    got = 0 if r is None else r.length
-                    if got != want:
-                        errors.append(f"restore_prefix {session}[:{cut}]+1 (stored {stored}): length {got}, expected {want}")
-                    elif r is not None:
-                        if list(r.tokens) != prompt[: r.length]:
-                            errors.append(f"restore_prefix {session}[:{cut}]: tokens differ")
-                        elif (why := mismatch(r.caches, session, r.length)) is not None:
-                            errors.append(f"restore_prefix: {why}")
+            try:
+                op = _mixed_step(store, rng, op, state, errors)
+            except Exception as exc:  # noqa: BLE001 - reported to the test through the result file
+                errors.append(f"{op}: {type(exc).__name__}: {exc}")
+            if op is not None:
                 counts[op] += 1
-            else:
-                pick = rng.sample(known, min(2, len(known)))
-                batch = store.restore_batch(pick)
-                for row, session in enumerate(pick):
-                    length = batch.lengths[row]
-                    if list(batch.tokens[row]) != session_tokens(session, length):
-                        errors.append(f"restore_batch row {row} ({session}): tokens differ")
-                        break
-                    rows = [c.extract_row(row) for c in batch.caches]
-                    if (why := mismatch(rows, session, length)) is not None:
-                        errors.append(f"restore_batch row {row}: {why}")
-                        break
-                counts["restore_batch"] += 1
-    except Exception:  # noqa: BLE001 - every failure is reported to the test through the result file
+    except Exception:  # noqa: BLE001
         errors.append(traceback.format_exc())
     finally:
         try:
@@ -327,8 +262,81 @@ def run_mixed_worker(store_dir: str, seed: int, seconds: float, result_path: str
         except Exception:  # noqa: BLE001
             errors.append("close: " + traceback.format_exc())
         with open(result_path, "w") as f:
-            json.dump({"counts": counts, "own": own, "shared": sorted(shared_saved), "errors": errors}, f)
+            json.dump({"counts": counts, "own": state["own"], "shared": sorted(state["shared"]), "errors": errors}, f)
     return 1 if errors else 0
+
+
+def _mixed_step(store, rng: random.Random, op: str, state: dict, errors: list[str]) -> str | None:
+    """One operation of the mixed worker; returns the operation run (None: nothing to do yet)."""
+    own: dict[str, int] = state["own"]
+    known = session_ids(store)
+    if op == "save" or not known:
+        op = "save"
+        if rng.random() < 0.2:
+            session = f"f{rng.randrange(FAMILIES)}-shared-{rng.randrange(2)}"
+            length = rng.randint(1, MAX_LEN)
+        else:
+            growable = [s for s, n in own.items() if n < MAX_LEN]
+            if growable and rng.random() < 0.5:
+                session = rng.choice(growable)
+                length = min(MAX_LEN, own[session] + rng.randint(1, 200))
+            else:
+                session = f"f{rng.randrange(FAMILIES)}-{state['tag']}-s{len(own)}"
+                length = rng.randint(1, 500)
+        info = store.save(session, session_tokens(session, length), build_caches(session, length))
+        if "-shared-" in session:
+            state["shared"].add(session)
+        else:
+            own[session] = length
+        if info.length != length or info.session_id != session:
+            errors.append(f"save {session}@{length} returned {info!r}")
+    elif op == "restore":
+        session = rng.choice(known)
+        r = store.restore(session)
+        if list(r.tokens) != session_tokens(session, r.length):
+            errors.append(f"restore {session}: tokens differ at length {r.length}")
+        elif session in own and r.length != own[session]:
+            errors.append(f"restore {session}: length {r.length}, this worker last saved {own[session]}")
+        elif (why := mismatch(r.caches, session, r.length)) is not None:
+            errors.append(f"restore: {why}")
+    elif op in ("lookup", "restore_prefix"):
+        if not own:
+            return None
+        # own sessions only: their stored length is known, so the usable length is exact: the appended token is
+        # never stored, and a cut below the stored length is served only when every cache is trimmable
+        session = rng.choice(sorted(own))
+        stored = own[session]
+        cut = rng.randint(1, stored) if caches_trimmable() else stored
+        prompt = session_tokens(session, cut) + [VOCAB + 1 + rng.randrange(1000)]
+        if op == "lookup":
+            hit = store.lookup(prompt)
+            got = 0 if hit is None else hit.length
+            if got != cut:
+                errors.append(f"lookup {session}[:{cut}]+1 (stored {stored}): length {got}, expected {cut}")
+            elif session_tokens(hit.session_id, hit.length) != prompt[: hit.length]:
+                errors.append(f"lookup {session}[:{cut}]: hit {hit!r} tokens do not match the prompt")
+        else:
+            r = store.restore_prefix(prompt)
+            got = 0 if r is None else r.length
+            if got != cut:
+                errors.append(f"restore_prefix {session}[:{cut}]+1 (stored {stored}): length {got}, expected {cut}")
+            elif list(r.tokens) != prompt[: r.length]:
+                errors.append(f"restore_prefix {session}[:{cut}]: tokens differ")
+            elif (why := mismatch(r.caches, session, r.length)) is not None:
+                errors.append(f"restore_prefix: {why}")
+    else:
+        pick = rng.sample(known, min(2, len(known)))
+        batch = store.restore_batch(pick)
+        for row, session in enumerate(pick):
+            length = batch.lengths[row]
+            if list(batch.tokens[row]) != session_tokens(session, length):
+                errors.append(f"restore_batch row {row} ({session}): tokens differ")
+                break
+            rows = [c.extract_row(row) for c in batch.caches]
+            if (why := mismatch(rows, session, length)) is not None:
+                errors.append(f"restore_batch row {row}: {why}")
+                break
+    return op
 
 
 def main(argv: list[str] | None = None) -> int:
