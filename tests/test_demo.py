@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvshelf.tools.demo import NAMESPACE, SYSTEM_TOKENS, run_demo
+from kvshelf.tools.demo import DECODE_TOKENS, NAMESPACE, SYSTEM_TOKENS, USER_TOKENS, run_demo
 
 
 def test_demo_facts_on_a_fresh_store_then_a_rerun_from_the_command_line(tmp_path: Path) -> None:
@@ -20,13 +20,14 @@ def test_demo_facts_on_a_fresh_store_then_a_rerun_from_the_command_line(tmp_path
     assert facts["batch_rows_exact"] is True
     # the new chat shares exactly the system prompt with the stored chats (its own turn starts elsewhere)
     assert facts["prefix_tokens"] == SYSTEM_TOKENS
-    assert facts["restored_tokens"] == SYSTEM_TOKENS + 160 + 4
-    assert facts["batch_lengths"] == [SYSTEM_TOKENS + 200 + 4, SYSTEM_TOKENS + 240 + 4]
+    assert facts["restored_tokens"] == SYSTEM_TOKENS + USER_TOKENS[1] + DECODE_TOKENS
+    assert facts["batch_lengths"] == [SYSTEM_TOKENS + n + DECODE_TOKENS for n in USER_TOKENS[2:]]
     assert facts["tokens_reused"] == facts["restored_tokens"] + facts["prefix_tokens"] + sum(facts["batch_lengths"])
     assert facts["bytes_reused"] > 0 and facts["bytes_written"] > 0
     assert facts["prefix_logits_max_abs_diff"] < 1e-3
     text = "\n".join(lines)
     assert "bit-identical to never stopping: True" in text
+    assert f"reused {SYSTEM_TOKENS} of" in text
     assert "tokens reused" in text and "bytes written" in text
 
     # the module entry point, rerun on the same store: the demo replaces its own sessions and tells the same story
