@@ -138,7 +138,7 @@ def gc_store(store: "Store", dry_run: bool = True) -> GcReport:
                 txn.delete(key, db=db["leases"])
         return len(dead)
 
-    expired = store.index.write(sweep_leases) if not dry_run else _in_read(store, sweep_leases)
+    expired = store._txn(sweep_leases) if not dry_run else _in_read(store, sweep_leases)
     try:
         gate = store._save_gate(exclusive=True, timeout=10.0)
         gate.__enter__()
@@ -163,7 +163,7 @@ def gc_store(store: "Store", dry_run: bool = True) -> GcReport:
                         store.blobs.delete_manifest(sid_hex)
             return blobs, manifests, nbytes
 
-        blobs, manifests, nbytes = store.index.write(sweep) if not dry_run else _in_read(store, sweep)
+        blobs, manifests, nbytes = store._txn(sweep) if not dry_run else _in_read(store, sweep)
     finally:
         gate.__exit__(None, None, None)
     return GcReport(dry_run, blobs, manifests, tmp, expired, nbytes)

@@ -101,7 +101,10 @@ class Store:
         self._gate_path = os.path.join(lock_dir, "save.lock")
         os.close(os.open(self._gate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._lease_counter = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._deferred: list[tuple[bytes, bytes | None, list[str], int]] = []
+        self._touched: dict[bytes, int] = {}  # last uses not yet written (deferred), seen by this handle's lookups
+        self._deferred_timer: threading.Timer | None = None
         self._writer = BackgroundWriter(max_pending_bytes)
         self.counters = {"blobs_read": 0, "bytes_read": 0, "blobs_written": 0, "bytes_written": 0,
                          "bytes_reused": 0, "lookups": 0, "hits": 0, "quarantined": 0, "evicted": 0}
@@ -118,9 +121,15 @@ class Store:
         """Wait for queued async saves (errors are not raised here: call ``flush`` first), then close the index."""
         if self._closed:
             return
-        self._closed = True
         self._writer.close()
-        self.index.close()
+        with self._lock:
+            self._closed = True
+            if self._deferred_timer is not None:
+                self._deferred_timer.cancel()
+                self._deferred_timer = None
+            if self._deferred:
+                self._txn(lambda txn: None)
+            self.index.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -224,7 +233,7 @@ class Store:
                     if attempt == 0:
                         self.blobs.put_manifest(sid, mf.encode(manifest))
                     try:
-                        old, freed = self.index.write(lambda txn: self._commit(txn, manifest, replaces=None))
+                        old, freed = self._txn(lambda txn: self._commit(txn, manifest, replaces=None))
                         committed = True
                         break
                     except _MissingBlobs as missing:  # unlinked by a concurrent eviction between check and commit
@@ -355,13 +364,17 @@ class Store:
                 if txn.get(bytes.fromhex(h), db=self.index.db["chunks"]) is None and h not in leased:
                     self.blobs.delete(h)
 
-        self.index.write(unlink)
+        self._txn(unlink)
 
     def _live_leases(self, txn) -> tuple[set[str], set[str]]:
         """(snapshot ids, blob hashes) held by live leases (pid alive, not expired)."""
         sids, hashes = set(), set()
         now = time.time()
-        for _key, raw in txn.cursor(db=self.index.db["leases"]):
+        with self._lock:
+            released = {item[0] for item in self._deferred}
+        for key, raw in txn.cursor(db=self.index.db["leases"]):
+            if bytes(key) in released:  # released by this handle, deletion deferred to its next write
+                continue
             lease = mf.decode(raw, Lease, "lease")
             if lease.expires > now and _pid_alive(lease.pid):
                 sids.add(lease.snapshot_id)
@@ -391,7 +404,7 @@ class Store:
                     return sid, self._drop(txn, sid)
                 return None
 
-            victim = self.index.write(pick)
+            victim = self._txn(pick)
             if victim is None:
                 return evicted
             self._after_drop(*victim)
@@ -410,7 +423,7 @@ class Store:
         if best is None:
             return None
         self.counters["hits"] += 1
-        p, summary, sid = best
+        p, summary, sid, _rank = best
         return PrefixHit(summary.session_id, sid.hex(), p, summary.namespace, summary.length)
 
     def _lookup(self, txn, nsk: bytes, prompt: np.ndarray):
@@ -441,8 +454,10 @@ class Store:
                     continue
                 seen.add(sid)
                 cand = self._usable(txn, sid, prompt)
-                if cand is not None and (best is None or (cand[0], cand[1].last_used_ns) > (best[0], best[1].last_used_ns)):
-                    best = (cand[0], cand[1], sid)
+                if cand is not None:
+                    rank = (cand[0], max(cand[1].last_used_ns, self._touched.get(sid, 0)))
+                    if best is None or rank > best[3]:
+                        best = (cand[0], cand[1], sid, rank)
                 if len(seen) >= LOOKUP_CANDIDATES:
                     break
         return best
@@ -464,12 +479,18 @@ class Store:
         """The session's latest snapshot, whole."""
         self._check_open()
         skey = self._session_key(session_id, namespace)
-        with self.index.read() as txn:
-            sid = txn.get(skey, db=self.index.db["sessions"])
-            if sid is None:
-                self._explain_missing(txn, session_id, namespace, skey)
-            manifest = self._manifest(txn, sid)
-        return self._restore(manifest, manifest.length)
+        for attempt in range(3):
+            with self.index.read() as txn:
+                sid = txn.get(skey, db=self.index.db["sessions"])
+                if sid is None:
+                    self._explain_missing(txn, session_id, namespace, skey)
+                manifest = self._manifest(txn, sid)
+            try:
+                return self._restore(manifest, manifest.length)
+            except SnapshotNotFound:  # replaced by a newer save between reading the pointer and leasing: again
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
@@ -492,7 +513,7 @@ class Store:
                 continue
         return None
 
-    def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]]) -> RestoredBatch:
+    def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]], _attempt: int = 0) -> RestoredBatch:
         """Several rows restored straight into one batched cache per layer, rows in request order."""
         self._check_open()
         if not requests:
@@ -514,7 +535,13 @@ class Store:
                 plans.append((manifest, manifest.length))
         for manifest, p in plans:
             self._check_cut(manifest, p)
-        rows = [self._read_arrays(m, p) for m, p in plans]
+        try:
+            rows = [self._read_arrays(m, p) for m, p in plans]
+        except SnapshotNotFound:
+            # a session was saved again (or deleted) meanwhile: plan again from the current pointers, a few times
+            if _attempt >= 2 or all(isinstance(r, PrefixHit) for r in requests):
+                raise
+            return self.restore_batch(requests, _attempt=_attempt + 1)
         n_layers = len(rows[0][0])
         if any(len(entries) != n_layers for entries, _ in rows):
             raise InvalidCacheState(f"restore_batch rows have different layer counts: {[len(e) for e, _ in rows]}")
@@ -606,38 +633,68 @@ class Store:
             txn.put(key, mf.encode(lease), db=self.index.db["leases"])
 
         try:
-            self.index.write(put)
+            self._txn(put)
         except _Gone:
             raise SnapshotNotFound(f"snapshot {manifest.snapshot_id} of session {manifest.session_id!r} was "
                                    f"removed before it could be read") from None
         return key
 
     def _release(self, key: bytes, touch: bytes | None, refs: list[BlobRef]) -> None:
+        """Drop a lease and bump LRU / last-used — deferred into this handle's next write transaction (or a timer
+        0.5 s later, or close), so a restore costs one synced LMDB commit instead of two."""
+        with self._lock:
+            self._deferred.append((key, touch, [r.hash for r in refs], _now_ns()))
+            if touch is not None:
+                self._touched[touch] = self._deferred[-1][3]
+            if self._deferred_timer is None and not self._closed:
+                self._deferred_timer = threading.Timer(0.5, self._flush_deferred)
+                self._deferred_timer.daemon = True
+                self._deferred_timer.start()
+
+    def _flush_deferred(self) -> None:
+        with self._lock:
+            self._deferred_timer = None
+            if self._deferred and not self._closed:
+                self._txn(lambda txn: None)
+
+    def _txn(self, fn):
+        """One write transaction of this handle: deferred lease releases first, then ``fn``."""
+        with self._lock:
+            pending = list(self._deferred)
+
+        def run(txn):
+            for item in pending:
+                self._apply_release(txn, *item)
+            return fn(txn)
+
+        result = self.index.write(run)
+        with self._lock:
+            del self._deferred[: len(pending)]
+            for _key, touch, _hashes, when in pending:
+                if touch is not None and self._touched.get(touch) == when:
+                    del self._touched[touch]
+        return result
+
+    def _apply_release(self, txn, key: bytes, touch: bytes | None, hashes: list[str], now: int) -> None:
         db = self.index.db
-
-        def release(txn):
-            txn.delete(key, db=db["leases"])
-            if touch is None:
-                return
-            raw = txn.get(touch, db=db["summaries"])
-            if raw is None:
-                return
-            now = _now_ns()
-            s = mf.decode(raw, Summary, "summary")
-            txn.delete(s.id_key + _be64(s.last_used_ns) + touch, db=db["lru"])
-            txn.put(s.id_key + _be64(now) + touch, b"", db=db["lru"])
-            txn.put(touch, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
-                                             s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, now)),
-                    db=db["summaries"])
-            for ref in refs:
-                k = bytes.fromhex(ref.hash)
-                raw = txn.get(k, db=db["chunks"])
-                if raw is not None:
-                    m = mf.decode(raw, ChunkMeta, "chunk record")
-                    txn.put(k, mf.encode(ChunkMeta(m.refs, m.nbytes, m.stored_bytes, m.encoding, now)),
-                            db=db["chunks"])
-
-        self.index.write(release)
+        txn.delete(key, db=db["leases"])
+        if touch is None:
+            return
+        raw = txn.get(touch, db=db["summaries"])
+        if raw is None:
+            return
+        s = mf.decode(raw, Summary, "summary")
+        txn.delete(s.id_key + _be64(s.last_used_ns) + touch, db=db["lru"])
+        txn.put(s.id_key + _be64(now) + touch, b"", db=db["lru"])
+        txn.put(touch, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
+                                         s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, now)),
+                db=db["summaries"])
+        for h in hashes:
+            k = bytes.fromhex(h)
+            raw = txn.get(k, db=db["chunks"])
+            if raw is not None:
+                m = mf.decode(raw, ChunkMeta, "chunk record")
+                txn.put(k, mf.encode(ChunkMeta(m.refs, m.nbytes, m.stored_bytes, m.encoding, now)), db=db["chunks"])
 
     # ------------------------------------------------------------------ management
     def quarantine(self, snapshot_id: str, reason: str) -> None:
@@ -655,7 +712,7 @@ class Store:
                 txn.put(skey, msgspec.msgpack.encode([snapshot_id, reason[:2000]]), db=self.index.db["quarantine"])
             return freed
 
-        freed = self.index.write(drop)
+        freed = self._txn(drop)
         if freed is not None:
             self.counters["quarantined"] += 1
             self._after_drop(sid, freed, quarantine=True)
@@ -671,7 +728,7 @@ class Store:
                 return None
             return sid, self._drop(txn, sid)
 
-        result = self.index.write(drop)
+        result = self._txn(drop)
         if result is None:
             raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to delete")
         self._after_drop(*result)
@@ -803,7 +860,7 @@ class Store:
                 txn.put(key, mf.encode(ChunkMeta(m.refs, m.nbytes, stored, encoding, m.last_used_ns)),
                         db=self.index.db["chunks"])
 
-            self.index.write(update)
+            self._txn(update)
             return stored
 
     def replace_manifest(self, snapshot_id: str, new: Manifest) -> None:
@@ -813,7 +870,7 @@ class Store:
             raise InvalidCacheState("replace_manifest keeps the session, namespace and identity of the snapshot")
         with self._save_gate():
             self.blobs.put_manifest(new.snapshot_id, mf.encode(new))
-            dropped, freed = self.index.write(lambda txn: self._commit(txn, new, replaces=bytes.fromhex(snapshot_id)))
+            dropped, freed = self._txn(lambda txn: self._commit(txn, new, replaces=bytes.fromhex(snapshot_id)))
         if new.snapshot_id != snapshot_id:
             self._after_drop(dropped, freed)
         else:
