@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...errors import InvalidCacheState
-from .token_rows import TokenRows
+from .token_rows import TokenRows, zero_columns
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -62,6 +62,7 @@ class KVCache(TokenRows):
         if self._planes:
             for plane in self._planes:
                 planes.extend(out.quantize(plane))
+            planes = [zero_columns(p, self.left_pad) for p in planes]  # padding stays zero planes
         out._adopt_rows_of(self, planes)
         return out
 

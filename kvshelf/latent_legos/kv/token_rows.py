@@ -176,11 +176,11 @@ class TokenRows:
         batch, heads, length = check_kv_inputs(keys, values)
         if self._batch is not None and batch != self._batch:
             raise InvalidCacheState(f"append batch size {batch} != the cache's {self._batch}")
-        leads = prefill_leads(self._offsets)
-        if any(leads):  # input columns landing in pending left padding become zeros (padding reads zeros)
-            keys, values = zero_columns(keys, leads), zero_columns(values, leads)
         pieces = self._encode(keys, values)
         self._check_pieces(pieces)
+        leads = prefill_leads(self._offsets)
+        if any(leads):  # columns landing in pending left padding are stored as zero planes, like merged padding
+            pieces = [zero_columns(p, leads) for p in pieces]
         prev = self._width
         planes = self._planes
         if not planes or prev + length > planes[0].shape[AXIS]:

@@ -22,7 +22,7 @@ from ..encodings.turboquant import (
 )
 from ..formats import TurboFormat
 from .plain import check_float
-from .token_rows import TokenRows
+from .token_rows import TokenRows, zero_columns
 
 HEAD_DIMS = (64, 128, 256, 512)
 
@@ -81,12 +81,7 @@ class TurboQuantKVCache(TokenRows):
         """Encode ``source``'s live window (a ``KVCache``); rows, offset and floor carry over; source unchanged."""
         out = cls(k_bits, v_bits)
         planes = out.encode(*source._active()) if source._planes else []
-        if planes:
-            pads = source.left_pad  # padding is stored as zero planes, which decode to zeros
-            if any(pads):
-                from .token_rows import zero_columns
-
-                planes = [zero_columns(p, pads) for p in planes]
+        planes = [zero_columns(p, source.left_pad) for p in planes]  # padding is stored as zero planes
         out._adopt_rows_of(source, planes)
         return out
 
