@@ -148,18 +148,17 @@ VARIANTS = ("mla-f32", "affine8", "affine4", "turbo-k8", "paged-f32")
 
 
 def scheme_for(variant: str):
-    """(KvScheme, paged block size) of a variant. Built with the dataclass constructor, which every version of
-    ``KvScheme`` accepts (its ``affine``/``turbo`` factory names are shadowed by same-named slot fields)."""
-    from kvshelf.latent_legos import AffineFormat, KvScheme, TurboFormat
+    """(KvScheme, paged block size) of a variant, through the public scheme factories."""
+    from kvshelf.latent_legos import KvScheme
 
     if variant in ("mla-f32", "paged-f32"):
-        return KvScheme("bf16"), (256 if variant == "paged-f32" else None)
+        return KvScheme.bf16(), (256 if variant == "paged-f32" else None)
     if variant == "affine8":
-        return KvScheme("affine", affine=AffineFormat(8, 64)), None
+        return KvScheme.affine(8, 64), None
     if variant == "affine4":
-        return KvScheme("affine", affine=AffineFormat(4, 64)), None
+        return KvScheme.affine(4, 64), None
     if variant == "turbo-k8":
-        return KvScheme("turbo", turbo=TurboFormat(8, 3)), None
+        return KvScheme.turbo(8, 3), None
     raise ValueError(variant)
 
 

@@ -1,6 +1,7 @@
 """Measure 7: ``lookup`` of a 32k-token prompt among 10,000 indexed snapshots, against mlx-lm's prompt trie.
 
-Lookup reads no blobs, so the index is built cheaply from tiny caches (one layer, latent 16 + RoPE 8). The
+Lookup reads no blobs, so the index is built cheaply from tiny caches (one layer, latent 16 + RoPE 8) by eight
+threads saving at once. The
 snapshots share prefixes the way chat traffic does: ``trunks`` system prompts, each continued by many short
 user turns, plus long sessions that share a 30,720-token document. No snapshot's tokens are a prefix of
 another's (mlx-lm's ``LRUPromptCache`` drops stored prefixes of a trimmable entry, and we want both sides to hold
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -67,7 +69,7 @@ def tiny_cache_factory():
     g = LatentGeometry(kv_lora_rank=16, rope_head_dim=8)
 
     def make(n: int, seed: int):
-        c = composed_latent_cache(KvScheme("bf16"), None, 0, g)
+        c = composed_latent_cache(KvScheme.bf16(), None, 0, g)
         key = mx.random.key(seed)
         k1, k2 = mx.random.split(key)
         c.append_latent(mx.random.normal((1, n, 16), key=k1), mx.random.normal((1, n, 8), key=k2))
@@ -131,9 +133,13 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
     try:
         make = tiny_cache_factory()
         t0 = time.perf_counter()
-        for i, toks in enumerate(snaps):
-            caches = make(len(toks), i)
-            store.save(f"lk-{i}", toks, caches)
+
+        def save_one(i: int) -> None:
+            store.save(f"lk-{i}", snaps[i], make(len(snaps[i]), i))
+
+        # The store is thread-safe; eight writers overlap their fsyncs (~2x faster than one on this VM).
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(save_one, range(len(snaps))))
         ctx.facts["lookup_kvshelf_build_s"] = time.perf_counter() - t0
         got = store.lookup(hit)
         if got is None or got.length != hit_len:
