@@ -48,7 +48,7 @@ def observe(root: Path) -> dict[str, object]:
         for ns, sid in sessions:
             r = store.restore(sid, namespace=ns)
             seen[f"{ns}/{sid}"] = (r.tokens, _bits(reads(r.caches)))
-            for p in (33, 64, 65):
+            for p in (41, 64, 65):  # past the 40-token prompt every session shares: one session matches
                 prompt = list(r.tokens[:p]) + [123456]
                 hit = store.restore_prefix(prompt, namespace=ns)
                 seen[f"{ns}/{sid}@{p}"] = None if hit is None else (hit.length, _bits(reads(hit.caches)))
@@ -71,7 +71,7 @@ def test_compaction_is_lossless_for_every_kind_and_reports_its_savings(store_dir
         assert sorted(m.session_id for m in paged) == ["s-paged-affine", "s-paged-f32"]
         n_blobs = sum(1 for _ in store.blobs.iter())
         report = compact(store, cold_after=0.0, grace=0.2)
-    assert not report.dry_run and report.skipped_leased == 0
+    assert not report.dry_run and report.skipped_leased == 0, [(s.name, s.skipped, s.note) for s in report.steps]
     assert report.step("densify").count == 2
     assert report.step("densify").bytes_after < report.step("densify").bytes_before
     assert report.step("merge").count > 0
