@@ -218,3 +218,12 @@ def test_compact_dry_run_then_real_through_the_cli(fresh_store) -> None:
     assert run_json("verify", "--deep", "--store", str(fresh_store))["problems"] == []
     human = run_cli("compact", "--dry-run", "--store", str(fresh_store))
     assert human.returncode == 0 and "compaction plan (dry run)" in human.stdout
+
+
+def test_demo_runs_on_the_given_store_and_ls_sees_its_sessions(tmp_path) -> None:
+    root = tmp_path / "demo-store"
+    doc = run_json("demo", env={"KVSHELF_STORE": str(root)}, timeout=300)
+    assert doc["store"] == str(root) and doc["logits_equal"] is True and doc["tokens_reused"] > 0
+    listing = run_json("ls", "--store", str(root), "--namespace", doc["namespace"])
+    assert sorted(r["session_id"] for r in listing["sessions"])[:4] == ["chat-0", "chat-1", "chat-2", "chat-3"]
+    assert run_json("verify", "--store", str(root))["problems"] == []

@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("import", "Verify portable snapshot files completely, then add them to the store (idempotent).")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE")
     p.add_argument("--session", default=None, help="session id (default: each file's name without suffix)")
+    p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new blobs (default 256)")
     _identity_options(p, required_note="expected identity; a file made under another is refused")
     add("rebuild-index", "Rebuild the LMDB index from the blob directory alone.")
     p = add("watch", "Ingest every portable snapshot file dropped into INBOX; done/ and failed/ hold the results.")
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a file must hold still this long before it is read (default 1s)")
     p.add_argument("--exit-when-idle", type=_duration, default=None, metavar="DURATION",
                    help="stop after nothing arrived for this long (for batch jobs and tests)")
+    p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new blobs (default 256)")
     _identity_options(p, required_note="expected identity; files made under another go to failed/")
     return parser
 
@@ -234,7 +236,7 @@ def cmd_compact(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
     from .compaction import compact
 
-    with admin.open_admin(_store_dir(args)) as store:
+    with admin.open_admin(_store_dir(args)) as store, pr.progress("compacting", None):
         report = compact(store, cold_after=args.cold_after, dry_run=args.dry_run)
     doc = to_data(report) | {"ratio": round(report.ratio, 4)}
 
@@ -266,7 +268,7 @@ def cmd_import(args: argparse.Namespace, pr: Printer) -> int:
         return USAGE
     with pr.progress("importing", len(args.files)) as advance:
         results = import_files(_store_dir(args), args.files, session_id=args.session, progress=advance,
-                               **_expect(args))
+                               chunk_tokens=args.chunk_tokens, **_expect(args))
     failed = [r for r in results if r["status"] == "failed"]
 
     def human(console) -> None:
@@ -280,7 +282,8 @@ def cmd_import(args: argparse.Namespace, pr: Printer) -> int:
 def cmd_rebuild_index(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
-    doc = admin.rebuild_index(_store_dir(args))
+    with pr.progress("rebuilding the index", None):
+        doc = admin.rebuild_index(_store_dir(args))
     pr.emit(doc, lambda c: c.print(kv_table("rebuilt index", list(to_data(doc).items()))))
     return OK
 
@@ -289,7 +292,8 @@ def cmd_watch(args: argparse.Namespace, pr: Printer) -> int:
     from .transfer import watch_inbox
 
     stats = watch_inbox(_store_dir(args), args.inbox, settle=args.settle, compact_every=args.compact_every,
-                        until_idle=args.exit_when_idle, log=pr.message, **_expect(args))
+                        until_idle=args.exit_when_idle, log=pr.message, chunk_tokens=args.chunk_tokens,
+                        **_expect(args))
     doc = {"done": stats.done, "failed": stats.failed, "compactions": stats.compactions,
            "files": [to_data(o) | {"result": None} for o in stats.outcomes]}
     pr.emit(doc, lambda c: c.print(f"watch stopped: {stats.done} ingested, {stats.failed} failed"))

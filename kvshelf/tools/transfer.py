@@ -48,7 +48,7 @@ def session_id_for(path: Path) -> str:
 
 def import_file(
     store_dir: str | os.PathLike[str], path: str | os.PathLike[str], *, session_id: str | None = None,
-    **expect: str,
+    chunk_tokens: int = 256, **expect: str,
 ) -> dict[str, Any]:
     """Verify ``path`` completely, then save it into the store (unless it is already there). Returns a result dict."""
     from ..store import open_store
@@ -57,7 +57,7 @@ def import_file(
     snap = load_snapshot(path, expect=expect or None, verify=True)
     header = snap.header
     session = session_id or session_id_for(path)
-    with open_store(str(store_dir), identity=_identity_of(header)) as store:
+    with open_store(str(store_dir), identity=_identity_of(header), chunk_tokens=chunk_tokens) as store:
         try:
             current = store.restore(session, namespace=header.namespace)
         except SnapshotNotFound:
@@ -73,13 +73,13 @@ def import_file(
 
 def import_files(
     store_dir: str | os.PathLike[str], files: Iterable[str | os.PathLike[str]], *, session_id: str | None = None,
-    progress: Callable[[int], None] = lambda _n=1: None, **expect: str,
+    progress: Callable[[int], None] = lambda _n=1: None, chunk_tokens: int = 256, **expect: str,
 ) -> list[dict[str, Any]]:
     """Import each file; a bad file is reported (status ``failed``) and the others still go in."""
     results = []
     for file in files:
         try:
-            results.append(import_file(store_dir, file, session_id=session_id, **expect))
+            results.append(import_file(store_dir, file, session_id=session_id, chunk_tokens=chunk_tokens, **expect))
         except (KvShelfError, OSError) as exc:
             results.append({"file": str(file), "status": "failed", "detail": f"{type(exc).__name__}: {exc}"})
         progress(1)
@@ -111,12 +111,12 @@ def export_session(
 def watch_inbox(
     store_dir: str | os.PathLike[str], inbox: str | os.PathLike[str], *, settle: float = 1.0,
     compact_every: float | None = None, until_idle: float | None = None, log: Callable[[str], None] = print,
-    poll: float = 0.25, **expect: str,
+    poll: float = 0.25, chunk_tokens: int = 256, **expect: str,
 ) -> WatchStats:
     """Run the inbox watcher until SIGINT/SIGTERM (or idle for ``until_idle`` seconds)."""
 
     def ingest(path: Path) -> dict[str, Any]:
-        return import_file(store_dir, path, **expect)
+        return import_file(store_dir, path, chunk_tokens=chunk_tokens, **expect)
 
     compact = None
     if compact_every is not None:
