@@ -32,7 +32,7 @@ from typing import Any
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from ..errors import CorruptData, IdentityMismatch, IncompatibleFormat, InvalidCacheState
+from ..errors import CorruptData, IdentityMismatch, IncompatibleFormat, InvalidCacheState, KvShelfError
 
 SUFFIX = ".safetensors"
 DONE, FAILED = "done", "failed"
@@ -189,7 +189,7 @@ class InboxWatcher:
         except FileNotFoundError:
             self._seen.pop(path.name, None)  # taken away under us; nothing to file
             return None
-        except OSError as exc:  # disk full, store busy: not the file's fault, try again later
+        except (OSError, KvShelfError) as exc:  # disk full, store busy: not the file's fault, try again later
             self._retry_after[path.name] = time.monotonic() + max(5.0, self.settle)
             self.log(f"retrying {path.name} later: {type(exc).__name__}: {exc}")
             return None
