@@ -61,7 +61,7 @@ class CompactionReport:
     bytes_before: int
     bytes_after: int
     seconds: float
-    skipped_leased: int
+    skipped_leased: int  # snapshots (densify) and chunks (recompress) passed over because a live reader held them
 
     @property
     def ratio(self) -> float:
@@ -286,11 +286,13 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     steps.append(step)
     now_ns = time.time_ns()
     leased = store.leased_hashes()
+    leased_chunks = 0
     for h, meta in list(store.iter_chunks()):
         if meta.encoding != "raw" or (now_ns - meta.last_used_ns) / 1e9 < cold_after:
             continue
         if h in leased:
             step.skipped.append(h)
+            leased_chunks += 1
             continue
         try:
             if dry_run:
@@ -331,7 +333,7 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     if dry_run:
         bytes_after = bytes_before - sum(s.bytes_before - s.bytes_after for s in steps)
     return CompactionReport(dry_run, steps, bytes_before, bytes_after, round(time.perf_counter() - started, 3),
-                            len(skipped_leased) + len(steps[3].skipped))
+                            len(skipped_leased) + leased_chunks)
 
 
 def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
