@@ -197,3 +197,29 @@ def test_sigterm_mid_ingest_leaves_the_store_consistent(tmp_path) -> None:
         assert s.verify(deep=True) == []
         for i, name in enumerate(names):
             assert s.restore(name.removesuffix(".safetensors")).tokens == tokens_for(200 + 10 * i, 10 + i)
+
+
+def test_sigkill_mid_ingest_then_restart_ingests_each_file_once(tmp_path) -> None:
+    store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
+    inbox.mkdir()
+    src.mkdir()
+    names = [f"k{i}.safetensors" for i in range(5)]
+    for i, name in enumerate(names):
+        drop(inbox, name, portable(src / name, 200 + 10 * i, 30 + i, kind="mla").read_bytes())
+    proc = start(store, inbox)
+    wait_for(lambda: len(done(inbox)) >= 1, proc=proc)
+    proc.kill()  # no chance to finish: a save or a move may be cut anywhere
+    proc.communicate(timeout=60)
+    before = sessions(store)
+    assert set(before) >= {n.removesuffix(".safetensors") for n in done(inbox)}
+    again = start(store, inbox, "--exit-when-idle", "1s")
+    again.communicate(timeout=120)
+    assert again.returncode == 0 and done(inbox) == names and failed(inbox) == []
+    after = sessions(store)
+    assert set(after) == {n.removesuffix(".safetensors") for n in names}
+    assert {k: after[k] for k in before} == before  # a file committed before the kill was not saved again
+    with open_store(store, identity=MODEL) as s:
+        s.gc(dry_run=False)  # crash residue of the killed save, if any
+        assert s.verify(deep=True) == []
+        for i, name in enumerate(names):
+            assert s.restore(name.removesuffix(".safetensors")).tokens == tokens_for(200 + 10 * i, 30 + i)
