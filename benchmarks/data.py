@@ -71,31 +71,32 @@ SIZES: dict[str, tuple[Workload, Workload]] = {
 # Data
 
 
-def layer_arrays(w: Workload, layer: int, *, tokens: int | None = None, start: int = 0,
-                 seed_offset: int = 0) -> list[np.ndarray]:
-    """Per-family float32 ``[1, T, width]`` arrays of one layer for positions ``start .. start+tokens``.
-
-    The per-channel scale, offset and mixing come from ``(seed, layer)`` only, so every slice of a layer has the
-    same statistics; ``seed_offset`` shifts the signal's phases and reseeds the noise (another session's tokens).
-    """
-    tokens = w.tokens if tokens is None else tokens
-    rng = np.random.default_rng([w.seed, layer])
-    width = sum(w.widths)
+def structured(tokens: int, width: int, seed: list[int], *, start: int = 0, seed_offset: int = 0) -> np.ndarray:
+    """float32 ``[tokens, width]``: per-channel log-normal scale and offset around a rank-8 signal that varies
+    smoothly along the tokens, plus 5% noise. The channel statistics depend on ``seed`` only, so every slice of one
+    stream looks alike; ``seed_offset`` shifts the signal's phases and reseeds the noise (another session)."""
+    rng = np.random.default_rng(seed)
     rank = 8
     scale = rng.lognormal(mean=0.0, sigma=0.6, size=width).astype(np.float32)
     offset = rng.normal(0.0, 0.5, size=width).astype(np.float32)
     mix = rng.normal(0.0, 1.0, size=(rank, width)).astype(np.float32) / np.sqrt(rank)
     freqs = rng.uniform(0.5, 40.0, size=rank)
-    phases = rng.uniform(0, 2 * np.pi, size=rank)
+    phases = rng.uniform(0, 2 * np.pi, size=rank) + seed_offset * 0.37
     pos = np.arange(start, start + tokens, dtype=np.float64)[:, None]
-    if seed_offset:
-        phases = phases + seed_offset * 0.37
     signal = np.sin(2 * np.pi * pos * freqs / 4096.0 + phases).astype(np.float32)  # [T, rank], smooth in t
-    noise_rng = np.random.default_rng([w.seed, layer, start, seed_offset, 7])
+    noise_rng = np.random.default_rng([*seed, start, seed_offset, 7])
     x = signal @ mix
     x += noise_rng.standard_normal((tokens, width), dtype=np.float32) * np.float32(0.05)
     x *= scale
     x += offset
+    return x
+
+
+def layer_arrays(w: Workload, layer: int, *, tokens: int | None = None, start: int = 0,
+                 seed_offset: int = 0) -> list[np.ndarray]:
+    """Per-family float32 ``[1, T, width]`` arrays of one layer for positions ``start .. start+tokens``."""
+    tokens = w.tokens if tokens is None else tokens
+    x = structured(tokens, sum(w.widths), [w.seed, layer], start=start, seed_offset=seed_offset)
     out = []
     col = 0
     for width_i in w.widths:
@@ -112,6 +113,41 @@ def latent_data(w: Workload, *, tokens: int | None = None, start: int = 0, seed_
         mx.eval(arrs)
         layers.append(arrs)
     return layers
+
+
+# The plain multi-head workload: 32 layers × 8 KV heads × head dim 128 (float16 / bfloat16).
+KV_LAYERS, KV_HEADS, KV_HEAD_DIM = 32, 8, 128
+
+
+def kv_data(layers: int, tokens: int, dtype, *, noise: bool = False, seed: int = 4321) -> list[tuple[mx.array, mx.array]]:
+    """Per layer (keys, values) ``[1, H, T, D]`` of ``dtype``: structured per (head, channel), or i.i.d. noise."""
+    out = []
+    width = KV_HEADS * KV_HEAD_DIM
+    for layer in range(layers):
+        pair = []
+        for which in (0, 1):
+            if noise:
+                x = iid_noise((tokens, width), seed=seed + 2 * layer + which)
+            else:
+                x = structured(tokens, width, [seed, layer, which])
+            a = mx.array(x.reshape(1, tokens, KV_HEADS, KV_HEAD_DIM)).transpose(0, 2, 1, 3).astype(dtype)
+            pair.append(a)
+        mx.eval(pair)
+        out.append(tuple(pair))
+    return out
+
+
+def kv_caches(pairs: list[tuple[mx.array, mx.array]]) -> list[Any]:
+    """kvshelf's mlx-lm-compatible ``KVCache`` per layer, filled by one ``update_and_fetch``."""
+    from kvshelf.latent_legos.kv import KVCache
+
+    caches = []
+    for k, v in pairs:
+        c = KVCache()
+        c.update_and_fetch(k, v)
+        caches.append(c)
+    mx.eval([c.state for c in caches])
+    return caches
 
 
 def iid_noise(shape: tuple[int, ...], seed: int = 99) -> np.ndarray:

@@ -167,15 +167,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def disk_usage(root: Path) -> tuple[int, int]:
-    """(allocated bytes from st_blocks, apparent bytes) of every regular file under ``root``."""
-    allocated = apparent = 0
+def disk_usage(root: Path, *, apparent: bool = False):
+    """(allocated bytes from st_blocks, apparent bytes) of every regular file under ``root``; with
+    ``apparent=True`` only the apparent bytes."""
+    alloc = size = 0
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             st = os.lstat(os.path.join(dirpath, name))
-            allocated += st.st_blocks * 512
-            apparent += st.st_size
-    return allocated, apparent
+            alloc += st.st_blocks * 512
+            size += st.st_size
+    return size if apparent else (alloc, size)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from . import data
 from .context import Context
@@ -149,11 +150,21 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
         reps = max(ctx.reps, 20)
         hit_s = time_reps(lambda _: store.lookup(hit), reps)
         miss_s = time_reps(lambda _: store.lookup(miss), reps)
+        # The API also takes 1-D integer arrays: a caller holding the prompt as an array skips the list
+        # conversion (about 1.5 ms for 32k Python ints on this machine).
+        hit_a, miss_a = np.asarray(hit, dtype=np.int64), np.asarray(miss, dtype=np.int64)
+        hit_arr = time_reps(lambda _: store.lookup(hit_a), reps)
+        miss_arr = time_reps(lambda _: store.lookup(miss_a), reps)
     except Exception as exc:  # noqa: BLE001
         return [unavailable("7", n, f"{type(exc).__name__}: {exc}", target=t)
                 for n, t in ((hit_name, "≤ 2 ms"), (miss_name, "≤ 0.5 ms"))]
     finally:
         store.close()
         remove(path)
-    return [Row("7", hit_name, hit_s, mlx_hit, base_name, "≤ 2 ms", 2.0, check="value"),
-            Row("7", miss_name, miss_s, mlx_miss, base_name, "≤ 0.5 ms", 0.5, check="value")]
+    return [Row("7", hit_name, hit_s, mlx_hit, base_name, "≤ 2 ms", 2.0, check="value", notes="prompt as a list"),
+            Row("7", miss_name, miss_s, mlx_miss, base_name, "≤ 0.5 ms", 0.5, check="value",
+                notes="prompt as a list"),
+            Row("7", hit_name, hit_arr, mlx_hit, base_name + " (list)", "≤ 2 ms", 2.0, check="value",
+                notes="prompt as an int64 array"),
+            Row("7", miss_name, miss_arr, mlx_miss, base_name + " (list)", "≤ 0.5 ms", 0.5, check="value",
+                notes="prompt as an int64 array")]
