@@ -186,3 +186,38 @@ def test_mlx_lm_attention_runs_on_our_caches():
             out = mx.fast.scaled_dot_product_attention(queries, *a, scale=0.125, mask="causal")
             expect = mx.fast.scaled_dot_product_attention(queries, *b, scale=0.125, mask="causal")
         assert out.shape == (1, 4, 3, 64) and same(out, expect)
+
+
+ring_ops = st.lists(
+    st.one_of(st.tuples(st.just("append"), st.sampled_from([1, 1, 1, 2, 5, 9])), st.tuples(st.just("trim"), st.integers(0, 4))),
+    min_size=1,
+    max_size=14,
+)
+
+
+@settings(max_examples=40)
+@given(ops=ring_ops, max_size=st.sampled_from([4, 8, 13]), keep=st.sampled_from([0, 2]))
+def test_ring_random_sequences_read_like_mlx_lm_or_the_window_rule(ops, max_size, keep):
+    ours = RotatingKVCache(max_size, keep)
+    ref = None
+    if HAVE_MLX_LM:
+        from mlx_lm.models import cache as C
+
+        ref = C.RotatingKVCache(max_size, keep)
+    seen = 0
+    for i, (op, n) in enumerate(ops):
+        if op == "trim":
+            if ours.is_trimmable():
+                expected = ref.trim(n) if ref is not None else min(n, ours.offset)
+                assert ours.trim(n) == expected
+            continue
+        keys, values = kv(1, n, 300 + i, heads=1, dk=32, dv=32)
+        got = ours.update_and_fetch(keys, values)
+        seen = ours.offset
+        if ref is not None:
+            assert same(got, ref.update_and_fetch(keys, values))
+            assert (ours.offset, ours.idx) == (ref.offset, ref._idx)
+        else:  # the read always holds at least min(offset, max_size) positions, the newest block last when concatenated
+            assert got[0].shape[2] >= min(seen, max_size)
+            if n > 1:
+                assert same(got[0][:, :, -n:], keys)
