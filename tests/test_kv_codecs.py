@@ -241,3 +241,23 @@ def test_store_chunks_token_axis_kinds_and_restores_prefixes(tmp_path):
         exact = store.restore_prefix(other + [7])
         assert exact.length == 12 and exact.session_id == "b"
         assert_same_cache(exact.caches[0], arrays_cache(12))
+
+
+def test_store_restores_kv_sessions_as_one_batch(tmp_path):
+    def layers(seed, n):
+        return [token_cache(kind, (n,), seed=seed + i) for i, kind in enumerate(["kv", "qkv4", "turbo44"])]
+
+    long_tokens, short_tokens = list(range(40)), list(range(500, 509))
+    with open_store(tmp_path / "store", identity=Identity("kv-model"), chunk_tokens=16) as store:
+        store.save("long", long_tokens, layers(0, 40))
+        store.save("short", short_tokens, layers(10, 9))
+        hit = store.lookup(long_tokens[:20] + [9999])
+        batch = store.restore_batch(["short", hit, "long"])
+        assert batch.lengths == [9, 20, 40]
+        for layer, cache in enumerate(batch.caches):
+            assert cache.batch_size == 3 and cache.row_offsets == [9, 20, 40] and cache.left_pad == [31, 20, 0]
+            assert_same_cache(cache.extract_row(2), layers(0, 40)[layer])
+            want_cut = layers(0, 40)[layer]
+            want_cut.trim(20)
+            assert_same_cache(cache.extract_row(1), want_cut)
+            assert_same_cache(cache.extract_row(0), layers(10, 9)[layer])
