@@ -17,6 +17,7 @@ from .harness import (Row, Scratch, machine_info, package_versions, render_machi
 GROUPS: dict[str, tuple[str, ...]] = {
     "save": ("1", "2", "3"),
     "restore": ("4", "5", "6", "11"),
+    "kv": ("1", "4"),
     "lookup": ("7",),
     "disk": ("8",),
     "compaction": ("9",),

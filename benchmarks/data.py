@@ -130,7 +130,8 @@ def kv_data(layers: int, tokens: int, dtype, *, noise: bool = False, seed: int =
                 x = iid_noise((tokens, width), seed=seed + 2 * layer + which)
             else:
                 x = structured(tokens, width, [seed, layer, which])
-            a = mx.array(x.reshape(1, tokens, KV_HEADS, KV_HEAD_DIM)).transpose(0, 2, 1, 3).astype(dtype)
+            heads = np.ascontiguousarray(x.reshape(tokens, KV_HEADS, KV_HEAD_DIM).transpose(1, 0, 2))[None]
+            a = mx.array(heads).astype(dtype)
             pair.append(a)
         mx.eval(pair)
         out.append(tuple(pair))
