@@ -51,14 +51,18 @@ def reference(kind: str):
     if HAVE_MLX_LM:
         from mlx_lm.models import cache as C
 
-        return {"kv": C.KVCache, "qkv8": lambda: C.QuantizedKVCache(64, 8), "qkv4": lambda: C.QuantizedKVCache(32, 4)}[kind]()
+        makers = {"kv": C.KVCache, "qkv8": lambda: C.QuantizedKVCache(64, 8), "qkv4": lambda: C.QuantizedKVCache(32, 4)}
+        return makers[kind]()
     return ConcatReference({"kv": None, "qkv8": (64, 8), "qkv4": (32, 4)}[kind])
 
 
 OURS = {"kv": KVCache, "qkv8": lambda: QuantizedKVCache(64, 8), "qkv4": lambda: QuantizedKVCache(32, 4)}
 
 ops = st.lists(
-    st.one_of(st.tuples(st.just("append"), st.sampled_from([1, 1, 2, 7, 130, 300])), st.tuples(st.just("trim"), st.integers(0, 40))),
+    st.one_of(
+        st.tuples(st.just("append"), st.sampled_from([1, 1, 2, 7, 130, 300])),
+        st.tuples(st.just("trim"), st.integers(0, 40)),
+    ),
     min_size=1,
     max_size=8,
 )
@@ -189,7 +193,10 @@ def test_mlx_lm_attention_runs_on_our_caches():
 
 
 ring_ops = st.lists(
-    st.one_of(st.tuples(st.just("append"), st.sampled_from([1, 1, 1, 2, 5, 9])), st.tuples(st.just("trim"), st.integers(0, 4))),
+    st.one_of(
+        st.tuples(st.just("append"), st.sampled_from([1, 1, 1, 2, 5, 9])),
+        st.tuples(st.just("trim"), st.integers(0, 4)),
+    ),
     min_size=1,
     max_size=14,
 )

@@ -163,7 +163,8 @@ def test_rejected_calls_change_nothing(kind):
         (lambda: batched.merge_rows([KVCache() if kind != "kv" else QuantizedKVCache()]), InvalidCacheState),
         (lambda: batched.update_and_fetch(*kv(3, 1, 0)), InvalidCacheState),  # wrong batch
         (lambda: batched.update_and_fetch(*kv(2, 1, 0, dk=128)), InvalidCacheState),  # wrong head dim
-        (lambda: batched.update_and_fetch(mx.zeros((2, 2, 1, 64), dtype=mx.int32), mx.zeros((2, 2, 1, 64))), InvalidCacheState),
+        (lambda: batched.update_and_fetch(mx.zeros((2, 2, 1, 64), dtype=mx.int32), mx.zeros((2, 2, 1, 64))),
+         InvalidCacheState),
         (lambda: batched.update_and_fetch(mx.zeros((2, 1, 64)), mx.zeros((2, 1, 64))), InvalidCacheState),
         (lambda: batched.trim(-1), InvalidCacheState),
         (lambda: batched.spec_round_rollback(1), InvalidCacheState),
@@ -184,7 +185,8 @@ def test_rejected_calls_change_nothing(kind):
 
 def test_geometry_accounting_and_dispose():
     cache = KVCache()
-    assert (cache.batch_size, cache.offset, cache.bytes_per_token(), cache.state, cache.signature()) == (None, 0, 0, [], "kv:plain")
+    assert (cache.batch_size, cache.offset, cache.bytes_per_token(), cache.state) == (None, 0, 0, [])
+    assert cache.signature() == "kv:plain"
     cache.update_and_fetch(*kv(2, 3, 0, heads=4, dk=64, dv=32))
     assert cache.bytes_per_token() == 4 * (64 + 32) * 2 and cache.projected_bytes(10) == 10 * 4 * 96 * 2
     assert [a.shape for a in cache.state] == [(2, 4, 256, 64), (2, 4, 256, 32)]

@@ -144,7 +144,9 @@ class TokenKvCodec:
         validate.check_arrays(entry, index, arrays, verify)
         return KvRowState(list(arrays), entry.offset, entry.minimum_reusable_offset)
 
-    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None) -> Any:
+    def load(
+        self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None
+    ) -> Any:
         state = self._row_state(entry, arrays, verify, index)
         cache = self.new_cache(entry, index)
         cache.merge_row_states([state])
@@ -334,10 +336,13 @@ class RotatingKvCodec:
         if entry.offset < max_size and idx != entry.offset:
             raise validate.corrupt(entry, index, "extra.idx", f"before the wrap the head {idx} must equal the offset")
         validate.check_slots(entry, index, [
-            SlotSpec("keys", dtype, (1, heads, buffer, dk), None), SlotSpec("values", dtype, (1, heads, buffer, dv), None),
+            SlotSpec("keys", dtype, (1, heads, buffer, dk), None),
+            SlotSpec("values", dtype, (1, heads, buffer, dv), None),
         ])
 
-    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> RingRowState:
+    def _row_state(
+        self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None
+    ) -> RingRowState:
         self.validate(entry, index)
         validate.check_arrays(entry, index, arrays, verify)
         keys, values = (arrays[0], arrays[1]) if arrays else (None, None)
@@ -410,7 +415,8 @@ class ArraysCodec:
         size = extra_int(entry, index, "size")
         present = entry.extra.get("present")
         if not isinstance(present, str) or len(present) != size or set(present) - {"0", "1"}:
-            raise validate.incompatible(entry, index, "extra.present", f"expected {size} characters of 0/1, got {present!r}")
+            message = f"expected {size} characters of 0/1, got {present!r}"
+            raise validate.incompatible(entry, index, "extra.present", message)
         return [j for j, c in enumerate(present) if c == "1"]
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
@@ -419,15 +425,19 @@ class ArraysCodec:
         specs = []
         for j, slot in zip(present, entry.tensors):
             if not dtypes.is_known(slot.dtype):
-                raise validate.incompatible(entry, index, f"tensors[{len(specs)}].dtype", f"unknown dtype {slot.dtype!r}")
+                field = f"tensors[{len(specs)}].dtype"
+                raise validate.incompatible(entry, index, field, f"unknown dtype {slot.dtype!r}")
             if not slot.shape or slot.shape[0] != 1:
                 raise validate.incompatible(entry, index, f"tensors[{len(specs)}].shape", "a row's slot is [1, ...]")
             specs.append(SlotSpec(f"slot.{j}", slot.dtype, tuple(slot.shape), None))
         if len(entry.tensors) != len(present):
-            raise validate.incompatible(entry, index, "tensors", f"{len(present)} present slots, {len(entry.tensors)} tensors")
+            message = f"{len(present)} present slots, {len(entry.tensors)} tensors"
+            raise validate.incompatible(entry, index, "tensors", message)
         validate.check_slots(entry, index, specs)
 
-    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> ArraysRowState:
+    def _row_state(
+        self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None
+    ) -> ArraysRowState:
         self.validate(entry, index)
         validate.check_arrays(entry, index, arrays, verify)
         slots: list[mx.array | None] = [None] * entry.extra["size"]

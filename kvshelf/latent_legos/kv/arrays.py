@@ -63,7 +63,8 @@ class ArraysCache:
     def __setitem__(self, index: int, value: mx.array | None) -> None:
         if value is not None:
             if not isinstance(value, mx.array) or value.ndim < 1:
-                raise InvalidCacheState(f"slot {index} takes an mlx array [B, ...] or None (got {type(value).__name__})")
+                got = type(value).__name__
+                raise InvalidCacheState(f"slot {index} takes an mlx array [B, ...] or None (got {got})")
             if self._batch is not None and value.shape[0] != self._batch:
                 raise InvalidCacheState(f"slot {index} batch {value.shape[0]} != the cache's {self._batch}")
         self.cache[index] = value

@@ -154,7 +154,8 @@ class RotatingKVCache:
         if self._idx == v.shape[2]:
             return v
         if self._idx < self._offset:
-            return mx.concatenate([v[:, :, : self.keep, :], v[:, :, self._idx :, :], v[:, :, self.keep : self._idx, :]], axis=2)
+            parts = [v[:, :, : self.keep, :], v[:, :, self._idx :, :], v[:, :, self.keep : self._idx, :]]
+            return mx.concatenate(parts, axis=2)
         return v[:, :, : self._idx, :]
 
     def _check_append(self, keys: mx.array, values: mx.array) -> int:
@@ -362,8 +363,9 @@ class RotatingKVCache:
         first = states[0]
         self._reset()
         if first.keys is not None:
-            self._keys = mx.concatenate([s.keys for s in states], axis=0) if len(states) > 1 else owned(first.keys)
-            self._values = mx.concatenate([s.values for s in states], axis=0) if len(states) > 1 else owned(first.values)
+            many = len(states) > 1
+            self._keys = mx.concatenate([s.keys for s in states], axis=0) if many else owned(first.keys)
+            self._values = mx.concatenate([s.values for s in states], axis=0) if many else owned(first.values)
         self._batch = len(states)
         self._offset, self._idx = first.offset, first.idx
         self._minimum = max(s.minimum_reusable_offset for s in states)
