@@ -15,7 +15,7 @@ from kvshelf.codecs import CodecProvider
 from kvshelf.codecs.mla_codec import MLACodec
 from kvshelf.errors import IdentityMismatch, InvalidCacheState, SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
-from kvshelf.store.prefix import boundary_hash, positions, tokens_array
+from kvshelf.store.prefix import boundary_hash, continuation, positions, tokens_array
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 LENGTHS = (40, 30, 30)  # 100 tokens: six 16-token boundaries
@@ -146,7 +146,8 @@ def test_candidates_are_confirmed_token_by_token(tmp_path):
             for prompt in (unrelated, diverging):
                 arr = tokens_array(prompt)
                 for pos in positions(len(arr)):
-                    txn.put(boundary_hash(nsk, arr, pos), sid, db=store.index.db["prefix"], dupdata=True)
+                    txn.put(boundary_hash(nsk, arr, pos), continuation(arr, pos) + sid, db=store.index.db["prefix"],
+                            dupdata=True)
         assert store.lookup(unrelated) is None
         hit = store.lookup(diverging)
         assert (hit.session_id, hit.length) == ("a", 20)
@@ -205,3 +206,21 @@ def test_lookup_costs(tmp_path):
         miss.sort(), hit.sort()
         assert miss[15] < 1e-3, f"median miss {miss[15] * 1e3:.3f} ms"
         assert hit[15] < 5e-3, f"median hit {hit[15] * 1e3:.3f} ms"
+
+
+def test_the_best_of_many_snapshots_sharing_a_boundary_is_found(tmp_path):
+    """More snapshots share the deepest boundary than a lookup token-compares: the sorted continuations find the
+    one that matches furthest into the next block anyway."""
+    g = LatentGeometry(kv_lora_rank=8, rope_head_dim=8)
+    system = token_ids(150, seed=2)
+    tails = {k: token_ids(60, seed=500 + k) for k in range(48)}
+    with open_test_store(tmp_path / "s", chunk_tokens=64) as store:
+        for k, tail in tails.items():
+            c = MLACache(g)
+            c.append_latent(mx.zeros((1, 210, 8)), mx.zeros((1, 210, 8)), None)
+            store.save(f"s{k}", system + tail, [c])
+        for k in (0, 17, 47):
+            for cut in (151, 158, 159, 170):
+                hit = store.lookup((system + tails[k])[:cut] + [60_000])
+                assert (hit.session_id, hit.length) == (f"s{k}", cut), (k, cut)
+        assert store.verify(deep=True) == []

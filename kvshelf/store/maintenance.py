@@ -64,7 +64,7 @@ def verify_store(store: "Store", deep: bool = False) -> list[Finding]:
                 out.append(Finding("lru-drift", where, "no LRU record"))
             bounds = all_boundaries(nsk, np.asarray(m.tokens, "<i8"), store.block)
             prefix_records += len(bounds)
-            missing = sum(1 for b in bounds if not prefix_cur.set_key_dup(b, sid))
+            missing = sum(1 for key, cont in bounds if not prefix_cur.set_key_dup(key, cont + sid))
             if missing:
                 out.append(Finding("prefix-drift", where, f"{missing} of {len(bounds)} prefix records missing"))
             if store.blobs.get_manifest(m.snapshot_id) is None:

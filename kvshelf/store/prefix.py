@@ -50,16 +50,26 @@ def boundary_hash(nsk: bytes, tokens: np.ndarray, position: int) -> bytes:
     return h.digest()
 
 
-def all_boundaries(nsk: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[bytes]:
-    """The keys of every boundary of ``tokens`` in one streaming pass (O(len))."""
+def all_boundaries(nsk: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[tuple[bytes, bytes]]:
+    """(key, continuation) of every boundary of ``tokens``, in one streaming pass (O(len))."""
     h = xxhash.xxh3_128(nsk)
     view = memoryview(tokens)
     out, done = [], 0
     for pos in positions(len(tokens), block):
         h.update(view[done:pos])
         done = pos
-        out.append(h.digest())
+        out.append((h.digest(), continuation(tokens, pos, block)))
     return out
+
+
+_PAD = b"\xff" * 8  # sorts after every token id (ids are < 2**62)
+
+
+def continuation(tokens: np.ndarray, position: int, block: int = BLOCK_TOKENS) -> bytes:
+    """The ``block`` tokens after ``position`` as big-endian int64, padded with 0xff: prefix records are sorted by it,
+    so among thousands of snapshots sharing a boundary the ones continuing most like the prompt are neighbours."""
+    nxt = tokens[position:position + block]
+    return nxt.astype(">i8").tobytes() + _PAD * (block - len(nxt))
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -68,4 +78,4 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-__all__ = ["BLOCK_TOKENS", "positions", "tokens_array", "boundary_hash", "all_boundaries", "common_prefix"]
+__all__ = ["BLOCK_TOKENS", "positions", "tokens_array", "boundary_hash", "all_boundaries", "continuation", "common_prefix"]

@@ -36,12 +36,14 @@ from .identity import Identity, namespace_key
 from .index import Index
 from .layout import BlobPlan, Destinations, fill_from_blob, plan_blobs
 from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
-from .prefix import BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, positions, tokens_array
+from .prefix import (BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, continuation, positions,
+                     tokens_array)
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .writer import BackgroundWriter
 
 LOOKUP_LEVELS = 4          # boundaries examined below the deepest stored one
-LOOKUP_CANDIDATES = 32     # snapshots token-compared per lookup at most
+LOOKUP_CANDIDATES = 32     # snapshots token-compared per lookup at most (plus the neighbours below)
+NEIGHBOURS = 4             # dups examined on each side of the prompt's continuation at a boundary
 _NOT_FOUND = object()
 
 
@@ -108,7 +110,7 @@ class Store:
         self._writer = BackgroundWriter(max_pending_bytes)
         self.counters = {"blobs_read": 0, "bytes_read": 0, "blobs_written": 0, "bytes_written": 0,
                          "bytes_reused": 0, "lookups": 0, "hits": 0, "quarantined": 0, "evicted": 0}
-        self._closed = False
+        self._closed = self._closing = False
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Store":
@@ -123,13 +125,15 @@ class Store:
             return
         self._writer.close()
         with self._lock:
-            self._closed = True
-            if self._deferred_timer is not None:
-                self._deferred_timer.cancel()
-                self._deferred_timer = None
-            if self._deferred:
-                self._txn(lambda txn: None)
-            self.index.close()
+            self._closing = True
+            timer, self._deferred_timer = self._deferred_timer, None
+        if timer is not None:
+            timer.cancel()
+            timer.join()
+        if self._deferred:
+            self._txn(lambda txn: None)
+        self._closed = True
+        self.index.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -307,8 +311,8 @@ class Store:
         txn.put(sid, mf.encode(manifest), db=db["manifests"])
         txn.put(sid, mf.encode(summary), db=db["summaries"])
         txn.put(sid, np.asarray(manifest.tokens, dtype="<i8").tobytes(), db=db["tokens"])
-        for b in all_boundaries(nsk, np.asarray(manifest.tokens, dtype="<i8"), self.block):
-            txn.put(b, sid, db=db["prefix"], dupdata=True)
+        for key, cont in all_boundaries(nsk, np.asarray(manifest.tokens, dtype="<i8"), self.block):
+            txn.put(key, cont + sid, db=db["prefix"], dupdata=True)
         txn.put(skey, sid, db=db["sessions"])
         txn.put(idk + _be64(now) + sid, b"", db=db["lru"])
         txn.delete(skey, db=db["quarantine"])
@@ -324,8 +328,8 @@ class Store:
         summary = mf.decode(txn.get(sid, db=db["summaries"]), Summary, f"summary {sid.hex()}")
         for name in ("manifests", "summaries", "tokens"):
             txn.delete(sid, db=db[name])
-        for b in all_boundaries(summary.ns_key, np.asarray(manifest.tokens, dtype="<i8"), self.block):
-            txn.delete(b, sid, db=db["prefix"])
+        for key, cont in all_boundaries(summary.ns_key, np.asarray(manifest.tokens, dtype="<i8"), self.block):
+            txn.delete(key, cont + sid, db=db["prefix"])
         skey = summary.id_key + summary.ns_key + summary.session_id.encode("utf-8", "surrogatepass")
         if txn.get(skey, db=db["sessions"]) == sid:
             txn.delete(skey, db=db["sessions"])
@@ -442,24 +446,47 @@ class Store:
         best = None
         seen: set[bytes] = set()
         cur = txn.cursor(db=db["prefix"])
+
+        def consider(value: bytes) -> None:
+            nonlocal best
+            sid = bytes(value[-16:])
+            if sid in seen:
+                return
+            seen.add(sid)
+            cand = self._usable(txn, sid, prompt)
+            if cand is not None:
+                rank = (cand[0], max(cand[1].last_used_ns, self._touched.get(sid, 0)))
+                if best is None or rank > best[3]:
+                    best = (cand[0], cand[1], sid, rank)
+
         for level in range(lo, max(lo - LOOKUP_LEVELS, -1), -1):
             # candidates first met at this level match fewer than pos[level + 1] tokens
             if len(seen) >= LOOKUP_CANDIDATES or (best is not None and level + 1 < len(pos)
                                                   and best[0] >= pos[level + 1]):
                 break
-            if not cur.set_key(boundary_hash(nsk, prompt, pos[level])):
+            key = boundary_hash(nsk, prompt, pos[level])
+            if not cur.set_key(key):
                 continue
-            for sid in cur.iternext_dup():
-                if sid in seen:
-                    continue
-                seen.add(sid)
-                cand = self._usable(txn, sid, prompt)
-                if cand is not None:
-                    rank = (cand[0], max(cand[1].last_used_ns, self._touched.get(sid, 0)))
-                    if best is None or rank > best[3]:
-                        best = (cand[0], cand[1], sid, rank)
-                if len(seen) >= LOOKUP_CANDIDATES:
+            # Dups are sorted by the tokens that follow the boundary: the snapshots continuing most like the prompt
+            # sit around the prompt's own continuation, so look there first (both sides), then at the first dups.
+            query = continuation(prompt, pos[level], self.block)
+            if not cur.set_range_dup(key, query):
+                cur.set_key(key)
+                cur.last_dup()
+            for _ in range(NEIGHBOURS):
+                consider(cur.value())
+                if not cur.next_dup():
                     break
+            if cur.set_range_dup(key, query) or (cur.set_key(key) and cur.last_dup()):
+                for _ in range(NEIGHBOURS):
+                    if not cur.prev_dup():
+                        break
+                    consider(cur.value())
+            if cur.set_key(key):
+                for value in cur.iternext_dup():
+                    if len(seen) >= LOOKUP_CANDIDATES:
+                        break
+                    consider(value)
         return best
 
     def _usable(self, txn, sid: bytes, prompt: np.ndarray):
@@ -609,7 +636,7 @@ class Store:
                         self.counters["bytes_read"] += fill_from_blob(reader, ref, dest)
                         self.counters["blobs_read"] += 1
                 except CorruptData as exc:
-                    self._release(lease, None, [])
+                    self._release(lease, None, needed)
                     lease = None
                     self.quarantine(manifest.snapshot_id, str(exc))
                     raise CorruptData(f"session {manifest.session_id!r} (snapshot {manifest.snapshot_id}): chunk "
@@ -646,16 +673,18 @@ class Store:
             self._deferred.append((key, touch, [r.hash for r in refs], _now_ns()))
             if touch is not None:
                 self._touched[touch] = self._deferred[-1][3]
-            if self._deferred_timer is None and not self._closed:
+            if self._deferred_timer is None and not self._closing:
                 self._deferred_timer = threading.Timer(0.5, self._flush_deferred)
                 self._deferred_timer.daemon = True
                 self._deferred_timer.start()
 
     def _flush_deferred(self) -> None:
+        # Never hold self._lock across a transaction: transaction bodies take it (lock order: index, then store).
         with self._lock:
             self._deferred_timer = None
-            if self._deferred and not self._closed:
-                self._txn(lambda txn: None)
+            go = bool(self._deferred) and not self._closing
+        if go:
+            self._txn(lambda txn: None)
 
     def _txn(self, fn):
         """One write transaction of this handle: deferred lease releases first, then ``fn``."""
@@ -665,6 +694,11 @@ class Store:
         def run(txn):
             for item in pending:
                 self._apply_release(txn, *item)
+            if pending:  # blobs freed while we held them: ours to unlink now (still under the writer lock)
+                held = self._live_leases(txn)[1]
+                for h in {h for item in pending for h in item[2]}:
+                    if h not in held and txn.get(bytes.fromhex(h), db=self.index.db["chunks"]) is None:
+                        self.blobs.delete(h)
             return fn(txn)
 
         result = self.index.write(run)
