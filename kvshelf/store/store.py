@@ -702,8 +702,9 @@ class Store:
             return fn(txn)
 
         result = self.index.write(run)
-        with self._lock:
-            del self._deferred[: len(pending)]
+        with self._lock:  # by key: a concurrent _txn (timer thread) may have applied and removed some already
+            done = {item[0] for item in pending}
+            self._deferred = [item for item in self._deferred if item[0] not in done]
             for _key, touch, _hashes, when in pending:
                 if touch is not None and self._touched.get(touch) == when:
                     del self._touched[touch]
