@@ -161,8 +161,8 @@ def test_a_file_written_slowly_in_pieces_is_ingested_only_when_complete(tmp_path
         wait_for(lambda: done(inbox) or failed(inbox), proc=proc)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
-    assert proc.returncode == 0
+        _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
     assert done(inbox) == ["slow.safetensors"] and failed(inbox) == []
     with open_store(store, identity=MODEL) as s:
         assert s.restore("slow").tokens == tokens_for(110, 5)
@@ -178,8 +178,8 @@ def test_sigterm_mid_ingest_leaves_the_store_consistent(tmp_path) -> None:
     proc = start(store, inbox)
     wait_for(lambda: len(done(inbox)) >= 1, proc=proc)
     proc.send_signal(signal.SIGTERM)  # most likely while the next file is being ingested
-    proc.communicate(timeout=60)
-    assert proc.returncode == 0
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
     filed = done(inbox)
     waiting = sorted(p.name for p in inbox.glob("*.safetensors"))
     assert sorted(filed + waiting) == names and failed(inbox) == []
@@ -188,8 +188,8 @@ def test_sigterm_mid_ingest_leaves_the_store_consistent(tmp_path) -> None:
     with open_store(store, identity=MODEL) as s:
         assert s.verify(deep=True) == []
     again = start(store, inbox, "--exit-when-idle", "1s")
-    again.communicate(timeout=120)
-    assert again.returncode == 0 and done(inbox) == names
+    _out, err = again.communicate(timeout=120)
+    assert again.returncode == 0 and done(inbox) == names, err
     final = sessions(store)
     assert set(final) == {n.removesuffix(".safetensors") for n in names}
     assert {k: final[k] for k in stored} == stored  # nothing ingested twice
@@ -213,8 +213,8 @@ def test_sigkill_mid_ingest_then_restart_ingests_each_file_once(tmp_path) -> Non
     before = sessions(store)
     assert set(before) >= {n.removesuffix(".safetensors") for n in done(inbox)}
     again = start(store, inbox, "--exit-when-idle", "1s")
-    again.communicate(timeout=120)
-    assert again.returncode == 0 and done(inbox) == names and failed(inbox) == []
+    _out, err = again.communicate(timeout=120)
+    assert again.returncode == 0 and done(inbox) == names, err and failed(inbox) == []
     after = sessions(store)
     assert set(after) == {n.removesuffix(".safetensors") for n in names}
     assert {k: after[k] for k in before} == before  # a file committed before the kill was not saved again
