@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -95,7 +96,8 @@ def _ms(s: float) -> str:
 def _render(table) -> str:
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=120, color_system=None, highlight=False)
+    width = max(80, min(120, shutil.get_terminal_size((120, 24)).columns))
+    console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False)
     console.print(table)
     return console.file.getvalue().rstrip("\n")
 
@@ -175,7 +177,7 @@ def run_demo(store_dir: str | None = None, out: Callable[[str], object] = print)
         drift = float(mx.max(mx.abs(rest - full)).item())
         facts.update(prefix_tokens=prefix.length, prefix_bytes_read=prefix_read, restore_bytes_read=restore_read, prefix_from=hit.session_id, lookup_seconds=lookup_s,
                      prefix_logits_max_abs_diff=drift)
-        rows.append((f"new chat, restore_prefix ({len(prompt)} tok)", str(prefix.length), "-",
+        rows.append((f"new chat, prefix ({len(prompt)} tok)", str(prefix.length), "-",
                      _kib(prefix_read) + " read",
                      f"{_ms(lookup_s + prefix_s + rest_s)} vs prefill {_ms(full_s)} (lookup {_ms(lookup_s)})"))
         agreement = "bit-identical" if drift == 0.0 else f"within {drift:.2e} (a different prefill split rounds differently)"
@@ -201,7 +203,7 @@ def run_demo(store_dir: str | None = None, out: Callable[[str], object] = print)
         mx.eval(batch_logits)
         facts.update(batch_lengths=list(batch.lengths), batch_rows_exact=rows_exact)
         rows.append(("restore_batch chat-2 + chat-3", str(sum(batch.lengths)), "-",
-                     _kib(_bytes_read(store) - read0) + " read", f"{_ms(batch_s)}, rows {list(batch.lengths)} bit-exact"))
+                     _kib(_bytes_read(store) - read0) + " read", f"{_ms(batch_s)}, {len(batch.lengths)} rows bit-exact"))
 
     facts["tokens_reused"] = facts["restored_tokens"] + facts["prefix_tokens"] + sum(facts["batch_lengths"])
     facts["seconds"] = time.perf_counter() - started
