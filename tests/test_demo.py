@@ -38,12 +38,12 @@ def test_demo_facts_on_a_fresh_store_then_a_rerun_from_the_command_line(tmp_path
     assert "bit-identical to never stopping: True" in done.stdout
     assert f"reused {SYSTEM_TOKENS} of" in done.stdout
 
-    from kvshelf import Identity, open_store  # noqa: F401 - only the demo's namespace was written
+    from kvshelf import Identity, open_store  # only the demo namespace was written
     from kvshelf.tools.demo import MODEL
 
     identity = Identity("kvshelf-demo/synthetic-mla", config_fingerprint=repr(sorted(MODEL.items())),
                         tokenizer_hash="synthetic")
     with open_store(str(store_dir), identity=identity) as store:
-        names = sorted(s if isinstance(s, str) else s.session_id for s in store.sessions(namespace=NAMESPACE))
+        names = sorted(s.session_id for s in store.sessions(namespace=NAMESPACE))
         assert names == ["chat-0", "chat-1", "chat-2", "chat-3"]
-        assert [s for s in store.sessions(namespace="")] == []
+        assert store.sessions(namespace="") == []

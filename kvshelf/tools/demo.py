@@ -80,6 +80,25 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and np.array(a).tobytes() == np.array(b).tobytes()
 
 
+def _same_caches(got: Sequence, want: Sequence) -> bool:
+    """Whether two lists of serial caches hold bit-identical state (compared through their codecs)."""
+    from kvshelf.codecs import default_provider
+
+    for a, b in zip(got, want, strict=True):
+        (ea, xa), (eb, xb) = (default_provider.for_cache(c).snapshot(c) for c in (a, b))
+        if ea.offset != eb.offset or len(xa) != len(xb) or not all(map(_same_bits, xa, xb)):
+            return False
+    return True
+
+
+def _require(ok: bool, what: str) -> None:
+    """A fact the demo shows did not hold: a bug in the store or the caches, never a usage error."""
+    if not ok:
+        from kvshelf.errors import KvShelfError
+
+        raise KvShelfError(f"kvshelf demo: {what}")
+
+
 def _bytes_read(store) -> int:
     """Chunk bytes this store handle has read so far (its ``stats()`` counter)."""
     return int(store.stats()["bytes_read"])
@@ -93,128 +112,127 @@ def _ms(s: float) -> str:
     return f"{s * 1000:,.1f} ms" if s < 0.01 else f"{s * 1000:,.0f} ms"
 
 
-def _render(table) -> str:
+def _render(rows: list[tuple[str, ...]]) -> str:
     from rich.console import Console
+    from rich.table import Table
 
+    table = Table(title="kvshelf demo", title_justify="left")
+    for column in ("step", "tokens reused", "bytes written", "bytes reused", "time"):
+        table.add_column(column, justify="left" if column in ("step", "time") else "right")
+    for row in rows:
+        table.add_row(*row)
     width = max(80, min(120, shutil.get_terminal_size((120, 24)).columns))
     console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False)
     console.print(table)
     return console.file.getvalue().rstrip("\n")
 
 
-def run_demo(store_dir: str | None = None, out: Callable[[str], object] = print) -> dict:
-    """Run the demo on ``store_dir`` (default: the embedded default store) and return what it showed."""
-    from rich.table import Table
+class _Demo:
+    """The demo's state between steps: the model, the open store, the live (never stopped) caches, the table."""
 
+    def __init__(self, store, out: Callable[[str], object]):
+        from kvshelf.latent_legos.synthetic_model import SyntheticMLAModel
+
+        self.store, self.out = store, out
+        self.model = SyntheticMLAModel(**MODEL)
+        self.system = _tokens(1, SYSTEM_TOKENS, MODEL["vocab"])
+        self.live: dict[str, tuple[list[int], list]] = {}
+        self.rows: list[tuple[str, ...]] = []
+        self.facts: dict = {}
+
+    def save_chats(self) -> None:
+        """Four chats sharing the system prompt: prefill, decode a few tokens, save (the prompt's chunks once)."""
+        written = reused = 0
+        for i, n in enumerate(USER_TOKENS):
+            name, caches = f"chat-{i}", self.model.make_caches()
+            prompt = self.system + _tokens(100 + i, n, MODEL["vocab"])
+            fed, prefill_s = _timed(lambda: _chat(self.model, prompt, caches, DECODE_TOKENS))
+            info, save_s = _timed(lambda: self.store.save(name, fed, caches, namespace=NAMESPACE))
+            self.live[name] = (fed, caches)
+            written, reused = written + info.bytes_written, reused + info.bytes_reused
+            self.rows.append((f"save {name} ({len(fed)} tok)", "-", _kib(info.bytes_written),
+                              _kib(info.bytes_reused) + " dedup", f"prefill {_ms(prefill_s)}, save {_ms(save_s)}"))
+        self.facts.update(bytes_written=written, bytes_reused=reused)
+
+    def restore_and_continue(self) -> None:
+        """A restart: restore chat-1 instead of recomputing it, continue, and compare with never having stopped."""
+        fed, live_caches = self.live["chat-1"]
+        read0 = _bytes_read(self.store)
+        restored, restore_s = _timed(lambda: self.store.restore("chat-1", namespace=NAMESPACE))
+        _eval_caches(restored.caches)
+        read = _bytes_read(self.store) - read0
+        _require(list(restored.tokens) == fed, "restored chat-1 holds other tokens than were saved")
+        _, recompute_s = _timed(lambda: _prefill(self.model, fed, self.model.make_caches()))
+        turn = _tokens(200, 24, MODEL["vocab"])
+        equal = _same_bits(_prefill(self.model, turn, restored.caches), _prefill(self.model, turn, live_caches))
+        _require(equal, "logits continuing from the restored caches differ from never stopping")
+        self.facts.update(logits_equal=equal, restored_tokens=restored.length, restore_bytes_read=read,
+                          restore_seconds=restore_s, recompute_seconds=recompute_s)
+        self.rows.append((f"restore chat-1 ({restored.length} tok)", str(restored.length), "-", _kib(read) + " read",
+                          f"{_ms(restore_s)} vs prefill {_ms(recompute_s)} ({recompute_s / restore_s:,.0f}x)"))
+        self.out(f"continuing chat-1 from restored caches: logits bit-identical to never stopping: {equal}")
+
+    def reuse_prefix(self) -> None:
+        """A new chat finds the stored system prompt, restores just that prefix and prefills only its own turn."""
+        prompt = self.system + _tokens(300, 150, MODEL["vocab"])
+        hit, lookup_s = _timed(lambda: self.store.lookup(prompt, namespace=NAMESPACE))
+        read0 = _bytes_read(self.store)
+        prefix, prefix_s = _timed(lambda: self.store.restore_prefix(prompt, namespace=NAMESPACE))
+        _require(hit is not None and prefix is not None, "the stored system prompt was not found for a new chat")
+        _eval_caches(prefix.caches)
+        read = _bytes_read(self.store) - read0
+        rest, rest_s = _timed(lambda: _prefill(self.model, prompt[prefix.length:], prefix.caches))
+        full, full_s = _timed(lambda: _prefill(self.model, prompt, self.model.make_caches()))
+        drift = float(mx.max(mx.abs(rest - full)).item())
+        self.facts.update(prefix_tokens=prefix.length, prefix_from=hit.session_id, prefix_bytes_read=read,
+                          lookup_seconds=lookup_s, prefix_logits_max_abs_diff=drift)
+        self.rows.append((f"new chat, prefix ({len(prompt)} tok)", str(prefix.length), "-", _kib(read) + " read",
+                          f"{_ms(lookup_s + prefix_s + rest_s)} vs prefill {_ms(full_s)} (lookup {_ms(lookup_s)})"))
+        agreement = "bit-identical" if drift == 0.0 else f"within {drift:.2e} (another prefill split rounds otherwise)"
+        self.out(f"new chat: reused {prefix.length} of {len(prompt)} prompt tokens from {hit.session_id}, prefilled "
+                 f"the other {len(prompt) - prefix.length}; logits vs a full prefill: {agreement}")
+
+    def restore_batch(self) -> None:
+        """Two sessions restored straight into one batch: each row is bit-identical to its live caches."""
+        names = ["chat-2", "chat-3"]
+        read0 = _bytes_read(self.store)
+        batch, batch_s = _timed(lambda: self.store.restore_batch([(n, NAMESPACE) for n in names]))
+        _eval_caches(batch.caches)
+        read = _bytes_read(self.store) - read0
+        exact = all(_same_caches([c.extract_row(row) for c in batch.caches], self.live[name][1])
+                    for row, name in enumerate(names))
+        _require(exact, "a batch row differs from the caches it was saved from")
+        step = mx.array([[self.live[n][0][-1]] for n in names], dtype=mx.int32)
+        mx.eval(self.model(step, batch.caches))  # and the batch decodes
+        self.facts.update(batch_lengths=list(batch.lengths), batch_rows_exact=exact)
+        self.rows.append((f"restore_batch {' + '.join(names)}", str(sum(batch.lengths)), "-", _kib(read) + " read",
+                          f"{_ms(batch_s)}, {len(names)} rows bit-exact"))
+
+
+def run_demo(store_dir: str | Path | None = None, out: Callable[[str], object] = print) -> dict:
+    """Run the demo on ``store_dir`` (default: the embedded default store); returns the facts it showed."""
     from kvshelf import Identity, open_store
-    from kvshelf.codecs import default_provider
-    from kvshelf.latent_legos.synthetic_model import SyntheticMLAModel
 
     started = time.perf_counter()
     path = Path(store_dir) if store_dir is not None else default_store_dir()
-    model = SyntheticMLAModel(**MODEL)
     identity = Identity("kvshelf-demo/synthetic-mla", config_fingerprint=repr(sorted(MODEL.items())),
                         tokenizer_hash="synthetic")
-    vocab = MODEL["vocab"]
-    system = _tokens(1, SYSTEM_TOKENS, vocab)
-    users = [_tokens(100 + i, n, vocab) for i, n in enumerate(USER_TOKENS)]
-    names = [f"chat-{i}" for i in range(4)]
-    rows: list[tuple[str, str, str, str, str]] = []
-    facts: dict = {"store": str(path), "namespace": NAMESPACE}
     out(f"kvshelf demo: store {path} (namespace {NAMESPACE!r}), synthetic MLA model "
         f"{MODEL['num_layers']} layers, kv_lora_rank {MODEL['kv_lora_rank']}")
-
     with open_store(str(path), identity=identity) as store:
-        for name in names + ["chat-new"]:
-            if any(s.session_id == name for s in store.sessions(namespace=NAMESPACE)):
-                store.delete(name, namespace=NAMESPACE)
-
-        # 1. four chats sharing the system prompt: prefill, a few decoded tokens, save
-        live: dict[str, tuple[list[int], list]] = {}
-        written = reused = 0
-        for name, user in zip(names, users):
-            caches = model.make_caches()
-            fed, seconds = _timed(lambda: _chat(model, system + user, caches, new_tokens=DECODE_TOKENS))
-            info, save_s = _timed(lambda: store.save(name, fed, caches, namespace=NAMESPACE))
-            live[name] = (fed, caches)
-            written, reused = written + info.bytes_written, reused + info.bytes_reused
-            rows.append((f"save {name} ({len(fed)} tok)", "-", _kib(info.bytes_written),
-                         _kib(info.bytes_reused) + " dedup", f"prefill {_ms(seconds)}, save {_ms(save_s)}"))
-        facts.update(bytes_written=written, bytes_reused=reused)
-
-        # 2. a restart: restore chat-1 instead of recomputing its prefill, continue, compare with never stopping
-        fed, live_caches = live["chat-1"]
-        read0 = _bytes_read(store)
-        restored, restore_s = _timed(lambda: store.restore("chat-1", namespace=NAMESPACE))
-        restore_read = _bytes_read(store) - read0
-        _eval_caches(restored.caches)
-        assert list(restored.tokens) == fed and restored.length == len(fed)
-        _, recompute_s = _timed(lambda: _prefill(model, fed, model.make_caches()))
-        turn = _tokens(200, 24, vocab)
-        from_restored = _prefill(model, turn, restored.caches)
-        never_stopped = _prefill(model, turn, live_caches)
-        logits_equal = _same_bits(from_restored, never_stopped)
-        if not logits_equal:
-            raise AssertionError("logits continuing from the restored caches differ from never stopping")
-        facts.update(logits_equal=logits_equal, restore_seconds=restore_s, recompute_seconds=recompute_s,
-                     restored_tokens=restored.length)
-        rows.append((f"restore chat-1 ({restored.length} tok)", str(restored.length), "-",
-                     _kib(restore_read) + " read",
-                     f"{_ms(restore_s)} vs prefill {_ms(recompute_s)} ({recompute_s / restore_s:,.0f}x)"))
-        out(f"continuing chat-1 from restored caches: logits bit-identical to never stopping: {logits_equal}")
-
-        # 3. a new chat reuses the stored system prompt and prefills only its own turn
-        prompt = system + _tokens(300, 150, vocab)
-        hit, lookup_s = _timed(lambda: store.lookup(prompt, namespace=NAMESPACE))
-        read0 = _bytes_read(store)
-        prefix, prefix_s = _timed(lambda: store.restore_prefix(prompt, namespace=NAMESPACE))
-        prefix_read = _bytes_read(store) - read0
-        if hit is None or prefix is None:
-            raise AssertionError("the stored system prompt was not found for the new chat")
-        _eval_caches(prefix.caches)
-        rest, rest_s = _timed(lambda: _prefill(model, prompt[prefix.length:], prefix.caches))
-        full, full_s = _timed(lambda: _prefill(model, prompt, model.make_caches()))
-        drift = float(mx.max(mx.abs(rest - full)).item())
-        facts.update(prefix_tokens=prefix.length, prefix_bytes_read=prefix_read, restore_bytes_read=restore_read, prefix_from=hit.session_id, lookup_seconds=lookup_s,
-                     prefix_logits_max_abs_diff=drift)
-        rows.append((f"new chat, prefix ({len(prompt)} tok)", str(prefix.length), "-",
-                     _kib(prefix_read) + " read",
-                     f"{_ms(lookup_s + prefix_s + rest_s)} vs prefill {_ms(full_s)} (lookup {_ms(lookup_s)})"))
-        agreement = "bit-identical" if drift == 0.0 else f"within {drift:.2e} (a different prefill split rounds differently)"
-        out(f"new chat: reused {prefix.length} of {len(prompt)} prompt tokens from {hit.session_id}, prefilled the "
-            f"other {len(prompt) - prefix.length}; logits vs a full prefill: {agreement}")
-
-        # 4. two sessions restored straight into one batch; each row is bit-identical to its live caches
-        read0 = _bytes_read(store)
-        batch, batch_s = _timed(lambda: store.restore_batch([("chat-2", NAMESPACE), ("chat-3", NAMESPACE)]))
-        _eval_caches(batch.caches)
-        rows_exact = True
-        for row, name in enumerate(["chat-2", "chat-3"]):
-            expect = live[name][1]
-            for layer, cache in enumerate(batch.caches):
-                got_entry, got = default_provider.for_cache(row_cache := cache.extract_row(row)).snapshot(row_cache)
-                want_entry, want = default_provider.for_cache(expect[layer]).snapshot(expect[layer])
-                rows_exact &= got_entry.offset == want_entry.offset and all(
-                    _same_bits(a, b) for a, b in zip(got, want, strict=True))
-        if not rows_exact:
-            raise AssertionError("a batch row differs from the live caches it was saved from")
-        step = mx.array([[live["chat-2"][0][-1]], [live["chat-3"][0][-1]]], dtype=mx.int32)
-        batch_logits = model(step, batch.caches)
-        mx.eval(batch_logits)
-        facts.update(batch_lengths=list(batch.lengths), batch_rows_exact=rows_exact)
-        rows.append(("restore_batch chat-2 + chat-3", str(sum(batch.lengths)), "-",
-                     _kib(_bytes_read(store) - read0) + " read", f"{_ms(batch_s)}, {len(batch.lengths)} rows bit-exact"))
-
+        for info in store.sessions(namespace=NAMESPACE):  # a rerun starts from the same empty namespace
+            store.delete(info.session_id, namespace=NAMESPACE)
+        demo = _Demo(store, out)
+        demo.save_chats()
+        demo.restore_and_continue()
+        demo.reuse_prefix()
+        demo.restore_batch()
+    facts = {"store": str(path), "namespace": NAMESPACE, **demo.facts}
     facts["tokens_reused"] = facts["restored_tokens"] + facts["prefix_tokens"] + sum(facts["batch_lengths"])
     facts["seconds"] = time.perf_counter() - started
-    table = Table(title="kvshelf demo", title_justify="left")
-    for column in ("step", "tokens reused", "bytes written", "bytes reused", "time"):
-        table.add_column(column, justify="left" if column in ("step", "time") else "right")
-    for row_values in rows:
-        table.add_row(*row_values)
-    table.add_row("total", f"{facts['tokens_reused']:,}", _kib(facts["bytes_written"]),
-                  _kib(facts["bytes_reused"]) + " dedup", f"{facts['seconds']:.2f} s")
-    out(_render(table))
+    demo.rows.append(("total", f"{facts['tokens_reused']:,}", _kib(facts["bytes_written"]),
+                      _kib(facts["bytes_reused"]) + " dedup", f"{facts['seconds']:.2f} s"))
+    out(_render(demo.rows))
     return facts
 
 
