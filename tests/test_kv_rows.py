@@ -201,13 +201,14 @@ def test_geometry_accounting_and_dispose():
         assert (c.batch_size, c.offset, c.state, c.row_offsets) == (None, 0, [], [])
 
 
-@settings(max_examples=30)
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=12)
 @given(
-    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    lengths=st.lists(st.integers(1, 12), min_size=2, max_size=4),
     rounds=st.lists(st.tuples(st.integers(1, 5), st.data()), min_size=1, max_size=4),
 )
-def test_random_rounds_keep_every_row_equal_to_its_serial_cache(lengths, rounds):
-    batched, rows = batch_of("kv", lengths, seed=3)
+def test_random_rounds_and_filters_keep_every_row_equal_to_its_serial_cache(kind, lengths, rounds):
+    batched, rows = batch_of(kind, lengths, seed=3)
     for r, (n, data) in enumerate(rounds):
         keys, values = kv(len(rows), n, 500 + r)
         batched.spec_round_begin()
@@ -218,3 +219,9 @@ def test_random_rounds_keep_every_row_equal_to_its_serial_cache(lengths, rounds)
             row.update_and_fetch(keys[b : b + 1], values[b : b + 1])
             row.trim(n - keep[b])
         assert_rows_match(batched, rows)
+        if len(rows) > 1 and data.draw(st.booleans()):
+            survivors = data.draw(st.permutations(range(len(rows))))[: data.draw(st.integers(1, len(rows)))]
+            batched.filter_rows(survivors)
+            rows = [rows[k] for k in survivors]
+            assert batched.offset == max(r.offset for r in rows)
+            assert_rows_match(batched, rows)
