@@ -121,7 +121,10 @@ def test_paged_restore_rebuilds_the_free_list(tmp_path):
 
 def test_codecs_claim_their_kinds():
     assert default_provider.id == "kvshelf-cache-v1"
-    assert set(default_provider.kinds) == {"mla", "mla-dsa", "latent-encoded", "latent-paged"}
+    assert set(default_provider.kinds) == {
+        "mla", "mla-dsa", "latent-encoded", "latent-paged",  # latent legos
+        "kv", "qkv", "turboquant", "rotating", "arrays",  # key/value legos
+    }
     assert isinstance(default_provider.for_entry("mla"), MLACodec)
     assert isinstance(default_provider.for_entry("latent-encoded"), EncodedCodec)
     assert isinstance(default_provider.for_entry("latent-paged"), PagedCodec)

@@ -1,6 +1,8 @@
-"""kvshelf.latent_legos: the latent (compressed MLA) caches and their row contract. No I/O.
+"""kvshelf.latent_legos: the MLX cache library and its row contract. No I/O.
 
-``SyntheticMLAModel`` and the encoded legos load on first use, so importing the package stays cheap.
+The latent (compressed MLA) legos live here; the key/value legos that keep mlx-lm's calling convention live in
+:mod:`kvshelf.latent_legos.kv` and are re-exported. ``SyntheticMLAModel``, the encoded legos and the key/value legos
+load on first use, so importing the package stays cheap.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ _LAZY = {
     "latent_format_of": ".scheme",
     "composed_latent_cache": ".scheme",
     "SyntheticMLAModel": ".synthetic_model",
+    "KVCache": ".kv",
+    "QuantizedKVCache": ".kv",
+    "TurboQuantKVCache": ".kv",
+    "RotatingKVCache": ".kv",
+    "ArraysCache": ".kv",
+    "KvRowState": ".kv",
 }
 
 
