@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", choices=sorted(data.SIZES), default="L",
                    help="workload: L (4096 tokens, 176 MiB; default), L-large (16,384 tokens, 704 MiB) or small "
                         "(a tiny smoke-test size)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per figure after one warm-up (default 5)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per figure after one warm-up (default 3)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results path (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
     only = {m.strip() for m in args.only.split(",") if m.strip()}

@@ -1,7 +1,7 @@
 """Measure 7: ``lookup`` of a 32k-token prompt among 10,000 indexed snapshots, against mlx-lm's prompt trie.
 
 Lookup reads no blobs, so the index is built cheaply from tiny caches (one layer, latent 16 + RoPE 8) by eight
-threads saving at once. The
+threads saving at once, and kept in ``benchmarks/.cache`` for later runs with the same store code. The
 snapshots share prefixes the way chat traffic does: ``trunks`` system prompts, each continued by many short
 user turns, plus long sessions that share a 30,720-token document. No snapshot's tokens are a prefix of
 another's (mlx-lm's ``LRUPromptCache`` drops stored prefixes of a trimmable entry, and we want both sides to hold
@@ -11,10 +11,13 @@ prompt is 32,768 tokens that begin no stored snapshot.
 
 from __future__ import annotations
 
-import inspect
+import hashlib
+import os
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -103,13 +106,36 @@ def _mlx_lm_side(ctx: Context, snaps, hit, hit_len, miss) -> tuple[Sample, Sampl
     return hit_s, miss_s, build
 
 
-def _store_kwargs_fast(open_store) -> dict:
-    """Build the throwaway index without per-snapshot fsyncs when the store offers a switch for it."""
-    params = inspect.signature(open_store).parameters
-    for name in ("durable", "sync", "fsync"):
-        if name in params:
-            return {name: False}
-    return {}
+CACHE_ROOT = Path(os.environ.get("KVSHELF_BENCH_CACHE", Path(__file__).resolve().parent / ".cache"))
+
+
+def _store_code_id() -> str:
+    """Git tree id of the committed ``kvshelf/store`` code: a cached index is reused only by the same store code."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD:kvshelf/store"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip()[:16] if out.returncode == 0 else "nogit"
+    except OSError:
+        return "nogit"
+
+
+def _index_dir(shape: LookupShape) -> Path:
+    key = hashlib.sha256(repr((shape, "tiny-mla-16-8", 1)).encode()).hexdigest()[:12]
+    return CACHE_ROOT / f"lookup-{key}-{_store_code_id()}"
+
+
+def _build_index(ctx: Context, path: Path, snaps) -> float:
+    make = tiny_cache_factory()
+    t0 = time.perf_counter()
+    with ctx.open_store(path) as store:
+        def save_one(i: int) -> None:
+            store.save(f"lk-{i}", snaps[i], make(len(snaps[i]), i))
+
+        # The store is thread-safe; eight writers overlap their fsyncs (~2x faster than one on this VM).
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(save_one, range(len(snaps))))
+    (path / "BENCH-INDEX-COMPLETE").write_text(f"{len(snaps)}\n")
+    return time.perf_counter() - t0
 
 
 def run(ctx: Context, only: set[str]) -> list[Row]:
@@ -124,24 +150,26 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
     if missing:
         return [unavailable("7", hit_name, missing, baseline=mlx_hit, baseline_name=base_name, target="≤ 2 ms"),
                 unavailable("7", miss_name, missing, baseline=mlx_miss, baseline_name=base_name, target="≤ 0.5 ms")]
-    from kvshelf.store import open_store
-
-    path = ctx.scratch.fresh("store-lookup")
+    # Building 10,000 snapshots costs minutes of fsyncs, and lookup reads only the index, so the built store is
+    # kept in benchmarks/.cache and reused while the store code is the same (answers are re-checked every run).
+    path = _index_dir(shape)
+    store = None
     try:
-        store = ctx.open_store(path, **_store_kwargs_fast(open_store))
-    except Exception as exc:  # noqa: BLE001
-        return [unavailable("7", n, f"{type(exc).__name__}: {exc}") for n in (hit_name, miss_name)]
-    try:
-        make = tiny_cache_factory()
-        t0 = time.perf_counter()
-
-        def save_one(i: int) -> None:
-            store.save(f"lk-{i}", snaps[i], make(len(snaps[i]), i))
-
-        # The store is thread-safe; eight writers overlap their fsyncs (~2x faster than one on this VM).
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(save_one, range(len(snaps))))
-        ctx.facts["lookup_kvshelf_build_s"] = time.perf_counter() - t0
+        for attempt in range(2):
+            if not (path / "BENCH-INDEX-COMPLETE").exists():
+                remove(path)
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                ctx.facts["lookup_kvshelf_build_s"] = _build_index(ctx, path, snaps)
+                ctx.facts["lookup_index"] = "built this run"
+            else:
+                ctx.facts.setdefault("lookup_index", f"reused {path.name}")
+            store = ctx.open_store(path)
+            got = store.lookup(hit)
+            if (got is not None and got.length == hit_len) or attempt == 1:
+                break
+            store.close()  # a stale cached index: rebuild it once
+            store = None
+            remove(path)
         got = store.lookup(hit)
         if got is None or got.length != hit_len:
             raise RuntimeError(f"kvshelf hit length {getattr(got, 'length', None)}, expected {hit_len}")
@@ -159,8 +187,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
         return [unavailable("7", n, f"{type(exc).__name__}: {exc}", target=t)
                 for n, t in ((hit_name, "≤ 2 ms"), (miss_name, "≤ 0.5 ms"))]
     finally:
-        store.close()
-        remove(path)
+        if store is not None:
+            store.close()
     return [Row("7", hit_name, hit_s, mlx_hit, base_name, "≤ 2 ms", 2.0, check="value", notes="prompt as a list"),
             Row("7", miss_name, miss_s, mlx_miss, base_name, "≤ 0.5 ms", 0.5, check="value",
                 notes="prompt as a list"),

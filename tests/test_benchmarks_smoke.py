@@ -24,7 +24,8 @@ HEADER = "| # | measure | kvshelf (min / med) | baseline | baseline (min / med) 
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "latest.json"
-    env = dict(os.environ, KVSHELF_BENCH_SCRATCH=str(tmp / "scratch"), PYTHONPATH=str(REPO))
+    env = dict(os.environ, KVSHELF_BENCH_SCRATCH=str(tmp / "scratch"), KVSHELF_BENCH_CACHE=str(tmp / "cache"),
+               PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--size", "small", "--reps", "2", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
