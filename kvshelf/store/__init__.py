@@ -2,13 +2,14 @@
 
 ``open_store(path, identity=Identity(model_id, ...))`` gives a :class:`Store` with ``save``/``save_async``/``flush``,
 ``restore``/``restore_prefix``/``restore_batch``, ``lookup``, ``sessions``/``delete``, ``stats``/``verify``/``gc``/
-``rebuild_index`` and ``close``. The layout and the guarantees are described in docs/ARCHITECTURE.md §3.
+``rebuild_index`` and ``close``; ``open_store(path, admin=True)`` opens it identity-blind for offline tools. The layout and the guarantees are described in docs/ARCHITECTURE.md §3.
 """
 
 from .blobs import BlobStore, LocalBlobStore
 from .identity import Identity
 from .manifest import BlobRef, ChunkMeta, Manifest
 from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
+from .openlock import StoreBusy
 from .store import Store, open_store
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "SessionInfo",
     "SnapshotInfo",
     "Store",
+    "StoreBusy",
     "open_store",
 ]

@@ -129,7 +129,8 @@ class BlobStore(ABC):
     supports_compression: bool = False
 
     @abstractmethod
-    def put(self, hash_: str, pieces: list[Piece], metadata: dict[str, str], encoding: str = "raw") -> int: ...
+    def put(self, hash_: str, pieces: list[Piece], metadata: dict[str, str], encoding: str = "raw",
+            level: int = 3) -> int: ...
     def put_many(self, items: list[tuple[str, list[Piece], dict[str, str]]]) -> list[int]:
         """Several raw blobs at once (a store may batch their syncs); returns the bytes written per blob."""
         return [self.put(h, pieces, metadata) for h, pieces, metadata in items]
@@ -175,8 +176,10 @@ class LocalBlobStore(BlobStore):
     def path(self, hash_: str, encoding: str = "raw") -> str:
         return os.path.join(self.blob_dir, hash_[:2], hash_ + EXTENSIONS[encoding])
 
-    def put(self, hash_: str, pieces: list[Piece], metadata: dict[str, str], encoding: str = "raw") -> int:
-        buffers = raw_buffers(pieces, metadata) if encoding == "raw" else kvz_buffers(pieces, metadata)
+    def put(self, hash_: str, pieces: list[Piece], metadata: dict[str, str], encoding: str = "raw",
+            level: int = 3) -> int:
+        """Write one blob in ``encoding`` (zstd at ``level``), replacing its other form once durable."""
+        buffers = raw_buffers(pieces, metadata) if encoding == "raw" else kvz_buffers(pieces, metadata, level)
         written = durable_write(self.path(hash_, encoding), self.tmp_dir, buffers)
         other = self.path(hash_, "zstd" if encoding == "raw" else "raw")
         if os.path.exists(other):  # a recompression replaces the other form only once the new one is durable

@@ -117,6 +117,15 @@ class Index:
                                         f"the transaction was rolled back and nothing was committed") from exc
                     raise
 
+    @property
+    def users(self) -> int:
+        """Open ``Index`` objects of this process on this environment (Store handles share one)."""
+        return self._shared.users
+
+    def writer_lock(self) -> threading.RLock:
+        """The process-wide lock every write transaction of this environment runs under (a context manager)."""
+        return self._lock
+
     def meta_int(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
         raw = txn.get(name, db=self.db["meta"])
         return default if raw is None else struct.unpack("<q", raw)[0]

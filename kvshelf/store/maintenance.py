@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import CorruptData, IncompatibleFormat, KvShelfError
+from ..errors import CorruptData, IncompatibleFormat
 from . import manifest as mf
-from .index import Index
 from .manifest import ChunkMeta, Lease, Manifest, Summary
 from .prefix import all_boundaries
 from .results import Finding, GcReport
@@ -140,7 +139,7 @@ def gc_store(store: "Store", dry_run: bool = True) -> GcReport:
 
     expired = store._txn(sweep_leases) if not dry_run else _in_read(store, sweep_leases)
     try:
-        gate = store._save_gate(exclusive=True, timeout=10.0)
+        gate = store.save_gate(exclusive=True, timeout=10.0)
         gate.__enter__()
     except TimeoutError:
         return GcReport(dry_run, [], [], tmp, expired, 0, "saves kept the store busy; orphan sweep skipped")
@@ -181,15 +180,14 @@ def _alive(pid: int) -> bool:
 
 
 def rebuild_store_index(store: "Store") -> int:
-    """Replace the index by one built from the manifest files (offline: no other process may have it open)."""
-    store.flush()
-    if store.index._shared.users > 1:
-        raise KvShelfError("rebuild_index needs the only open handle on this store in this process (close the others)")
-    path = store.index.path
-    map_size = store.index.env.info()["map_size"]
-    store.index.close()
-    shutil.rmtree(path, ignore_errors=True)
-    store.index = Index(path, map_size=map_size)
+    """Replace the index by one built from the manifest files (offline: the store held ``exclusive``, so no other
+    process or handle has it open; ``StoreBusy`` otherwise)."""
+    with store.exclusive():
+        store.replace_index(lambda path: shutil.rmtree(path, ignore_errors=True))
+        return _reindex(store)
+
+
+def _reindex(store: "Store") -> int:
     found = []
     for sid_hex in store.blobs.iter_manifests():
         raw = store.blobs.get_manifest(sid_hex)

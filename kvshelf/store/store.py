@@ -15,7 +15,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,12 +30,14 @@ from ..codecs import CacheEntry, CodecProvider, default_provider
 from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
                       StoreFull)
 from . import manifest as mf
-from .blobfile import BlobReader, content_hash
+from . import openlock
+from .blobfile import BlobReader, Piece, content_hash
 from .blobs import LocalBlobStore, ensure_dir
 from .identity import Identity, namespace_key
 from .index import Index
 from .layout import BlobPlan, Destinations, fill_from_blob, plan_blobs
 from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
+from .openlock import StoreBusy
 from .prefix import (BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, continuation, positions,
                      tokens_array)
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
@@ -54,6 +56,10 @@ class _MissingBlobs(Exception):
 
 class _Gone(Exception):
     pass
+
+
+class _Stale(SnapshotNotFound):
+    """The manifest in hand names blobs the snapshot no longer references (it was rewritten in place)."""
 
 
 @dataclass
@@ -77,12 +83,19 @@ def _be64(n: int) -> bytes:
 
 
 class Store:
-    """One store directory opened under one ``Identity``. Thread-safe; several processes may open it at once."""
+    """One store directory opened under one ``Identity``. Thread-safe; several processes may open it at once.
 
-    def __init__(self, path: str | os.PathLike, identity: Identity, *, max_bytes: int | None = None,
+    ``admin=True`` (with no identity) opens it identity-blind for offline tools: the tools surface below works on
+    every identity's snapshots, while the identity-scoped calls (save, restore, lookup, sessions, delete) refuse.
+    """
+
+    def __init__(self, path: str | os.PathLike, identity: Identity | None, *, max_bytes: int | None = None,
                  chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
-                 map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0):
-        if not isinstance(identity, Identity):
+                 map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
+                 admin: bool = False):
+        if admin and identity is not None:
+            raise ValueError("an admin handle is identity-blind: pass identity=None with admin=True")
+        if not admin and not isinstance(identity, Identity):
             raise TypeError(f"identity must be a kvshelf Identity, got {type(identity).__name__}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
@@ -93,15 +106,22 @@ class Store:
         os.chmod(self.root, 0o700)
         self.identity, self.max_bytes, self.chunk_tokens = identity, max_bytes, chunk_tokens
         self.verify_reads, self.provider, self.lease_seconds = verify, provider or default_provider, lease_seconds
-        self.id_key = identity.key
+        self.admin = admin
+        self.id_key = identity.key if identity is not None else None
         self.blobs = LocalBlobStore(self.root)
-        self.blobs.reap_tmp()
-        self.index = Index(os.path.join(self.root, "index"), map_size=map_size)
-        self.block = BLOCK_TOKENS
         lock_dir = os.path.join(self.root, "locks")
         ensure_dir(lock_dir)
         self._gate_path = os.path.join(lock_dir, "save.lock")
         os.close(os.open(self._gate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        self._lock_key = os.path.realpath(self.root)
+        openlock.acquire(self._lock_key)  # before LMDB maps the index: "open" is exact (openlock.py)
+        try:
+            self.blobs.reap_tmp()
+            self.index = Index(os.path.join(self.root, "index"), map_size=map_size)
+        except BaseException:
+            openlock.release(self._lock_key)
+            raise
+        self.block = BLOCK_TOKENS
         self._lease_counter = 0
         self._lock = threading.RLock()
         self._deferred: list[tuple[bytes, bytes | None, list[str], int]] = []
@@ -130,18 +150,30 @@ class Store:
         if timer is not None:
             timer.cancel()
             timer.join()
-        if self._deferred:
-            self._txn(lambda txn: None)
-        self._closed = True
-        self.index.close()
+        try:
+            if self._deferred:
+                self._txn(lambda txn: None)
+        finally:
+            self._closed = True
+            self.index.close()
+            openlock.release(self._lock_key)
 
     def _check_open(self) -> None:
         if self._closed:
             raise KvShelfError(f"store {self.root} is closed")
 
+    def _check_scoped(self, what: str) -> None:
+        self._check_open()
+        if self.id_key is None:
+            raise KvShelfError(f"{what} needs a model identity: this handle on {self.root} was opened identity-blind "
+                               f"(admin=True) for offline tools")
+
     @contextmanager
-    def _save_gate(self, exclusive: bool = False, timeout: float = 30.0):
-        """Saves hold this shared between writing blobs and committing; orphan sweeps hold it exclusively."""
+    def save_gate(self, exclusive: bool = False, timeout: float = 30.0) -> Iterator[None]:
+        """The store-wide save gate (``locks/save.lock``, flock): saves hold it shared from their first blob write to
+        their commit; orphan sweeps and offline jobs hold it exclusively, so an in-flight save's blobs are never
+        taken for crash residue. Tools writing blobs of their own hold it shared the same way. ``TimeoutError`` when
+        it cannot be had within ``timeout`` seconds."""
         fd = os.open(self._gate_path, os.O_RDWR | os.O_CLOEXEC)
         try:
             deadline = time.monotonic() + timeout
@@ -158,6 +190,7 @@ class Store:
             os.close(fd)  # closing the description releases the lock
 
     def _ns_key(self, namespace: str) -> bytes:
+        self._check_scoped("a namespaced call")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
         return namespace_key(self.id_key, namespace)
@@ -170,13 +203,13 @@ class Store:
     # ------------------------------------------------------------------ saving
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
         """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written)."""
-        self._check_open()
+        self._check_scoped("save")
         return self._write(self._capture(session_id, tokens, caches, namespace))
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
                    namespace: str = "") -> Future:
         """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures."""
-        self._check_open()
+        self._check_scoped("save_async")
         capture = self._capture(session_id, tokens, caches, namespace)
         return self._writer.submit(lambda: self._write(capture), capture.nbytes)
 
@@ -224,13 +257,13 @@ class Store:
         written = reused = n_written = 0
         fresh: list[str] = []
         committed = False
-        with self._save_gate():
+        with self.save_gate():
             try:
                 todo = list(unique.values())
                 for attempt in range(5):
                     new = [ref for ref in todo if self.blobs.has(ref.hash) is None]
                     reused += sum(ref.nbytes for ref in todo) - sum(ref.nbytes for ref in new)
-                    self.blobs.put_many([(r.hash, by_hash[r.hash].pieces, self._blob_metadata(r)) for r in new])
+                    self.blobs.put_many([(r.hash, by_hash[r.hash].pieces, self.blob_metadata(r)) for r in new])
                     fresh.extend(r.hash for r in new)
                     written += sum(r.nbytes for r in new)
                     n_written += len(new)
@@ -258,7 +291,8 @@ class Store:
                             cap.namespace, n_written, len(unique) - n_written, time.perf_counter() - t0)
 
     @staticmethod
-    def _blob_metadata(ref: BlobRef) -> dict[str, str]:
+    def blob_metadata(ref: BlobRef) -> dict[str, str]:
+        """The safetensors metadata every chunk blob carries (format tag, content hash, token range)."""
         return {"format": "kvshelf-chunk-v1", "kvshelf.hash": ref.hash, "kvshelf.tokens": f"{ref.start}:{ref.stop}"}
 
     def _commit(self, txn: lmdb.Transaction, manifest: Manifest, replaces: bytes | None):
@@ -418,7 +452,7 @@ class Store:
     # ------------------------------------------------------------------ lookup
     def lookup(self, prompt_tokens: Sequence[int], namespace: str = "") -> PrefixHit | None:
         """The longest usable stored prefix of the prompt (API.md rule), or None. Reads no blobs."""
-        self._check_open()
+        self._check_scoped("lookup")
         prompt = tokens_array(prompt_tokens, "prompt_tokens")
         nsk = self._ns_key(namespace)
         self.counters["lookups"] += 1
@@ -504,7 +538,7 @@ class Store:
     # ------------------------------------------------------------------ restoring
     def restore(self, session_id: str, namespace: str = "") -> Restored:
         """The session's latest snapshot, whole."""
-        self._check_open()
+        self._check_scoped("restore")
         skey = self._session_key(session_id, namespace)
         for attempt in range(3):
             with self.index.read() as txn:
@@ -521,7 +555,7 @@ class Store:
 
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
-        self._check_open()
+        self._check_scoped("restore_snapshot")
         manifest = self.manifest(snapshot_id)
         self._check_identity(manifest)
         p = manifest.length if length is None else int(length)
@@ -542,7 +576,7 @@ class Store:
 
     def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]], _attempt: int = 0) -> RestoredBatch:
         """Several rows restored straight into one batched cache per layer, rows in request order."""
-        self._check_open()
+        self._check_scoped("restore_batch")
         if not requests:
             raise InvalidCacheState("restore_batch needs at least one request")
         plans = []
@@ -621,12 +655,19 @@ class Store:
 
     def _read_arrays(self, manifest: Manifest, p: int) -> tuple[list[CacheEntry], list[list[mx.array]]]:
         """Lease the snapshot, read the blobs covering [0, p) into fresh arrays, verify, release."""
-        self.provider.check_provider(manifest.provider)
-        entries = list(manifest.entries)
-        if p < manifest.length:
-            entries = [self.provider.for_entry(e).prefix_entry(e, p) for e in entries]
-        needed = [r for r in manifest.chunks if r.start < p] + list(manifest.own)
-        lease = self._lease(manifest, needed)
+        for attempt in range(4):
+            self.provider.check_provider(manifest.provider)
+            entries = list(manifest.entries)
+            if p < manifest.length:
+                entries = [self.provider.for_entry(e).prefix_entry(e, p) for e in entries]
+            needed = [r for r in manifest.chunks if r.start < p] + list(manifest.own)
+            try:
+                lease = self._lease(manifest, needed)
+                break
+            except _Stale:  # rewritten in place (compaction) since we read it: same id, same tokens, new chunks
+                if attempt == 3:
+                    raise
+                manifest = self.manifest(manifest.snapshot_id)
         ok = False
         try:
             dest = Destinations(entries)
@@ -657,6 +698,11 @@ class Store:
         def put(txn):
             if txn.get(bytes.fromhex(manifest.snapshot_id), db=self.index.db["manifests"]) is None:
                 raise _Gone
+            # Every blob must still be referenced now: an unreferenced one may already be unlinked (the manifest we
+            # hold was rewritten in place since we read it). Referenced + leased in this commit = safe to read.
+            if any(txn.get(bytes.fromhex(r.hash), db=self.index.db["chunks"]) is None for r in refs):
+                raise _Stale(f"snapshot {manifest.snapshot_id} of session {manifest.session_id!r} was rewritten "
+                             f"(compacted) after its manifest was read")
             txn.put(key, mf.encode(lease), db=self.index.db["leases"])
 
         try:
@@ -754,7 +800,7 @@ class Store:
 
     def delete(self, session_id: str, namespace: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
-        self._check_open()
+        self._check_scoped("delete")
         skey = self._session_key(session_id, namespace)
 
         def drop(txn):
@@ -770,7 +816,7 @@ class Store:
 
     def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
         """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""
-        self._check_open()
+        self._check_scoped("sessions")
         prefix = self.id_key if namespace is None else self.id_key + self._ns_key(namespace)
         out = []
         with self.index.read() as txn:
@@ -797,7 +843,7 @@ class Store:
             n_snapshots_all = txn.stat(self.index.db["manifests"])["entries"]
             own = own_bytes = 0
             cur = txn.cursor(db=self.index.db["lru"])
-            if cur.set_range(self.id_key):
+            if self.id_key is not None and cur.set_range(self.id_key):
                 for key in cur.iternext(keys=True, values=False):
                     if not key.startswith(self.id_key):
                         break
@@ -805,7 +851,8 @@ class Store:
                     s = mf.decode(txn.get(key[24:40], db=self.index.db["summaries"]), Summary, "summary")
                     own_bytes += s.nbytes
             n_quarantined = txn.stat(self.index.db["quarantine"])["entries"]
-        return {"root": self.root, "model_id": self.identity.model_id, "snapshots": own,
+        return {"root": self.root, "model_id": None if self.identity is None else self.identity.model_id,
+                "snapshots": own,
                 "snapshot_bytes": own_bytes, "snapshots_all_identities": n_snapshots_all, "blobs": n_chunks,
                 "stored_bytes": total, "max_bytes": self.max_bytes, "quarantined_sessions": n_quarantined,
                 "pending_bytes": self._writer.pending_bytes, **self.counters}
@@ -865,16 +912,54 @@ class Store:
         """A reader over one blob in whatever encoding it is stored (raw safetensors or zstd)."""
         return self.blobs.open(hash_, verify)
 
-    def rewrite_blob(self, hash_: str, encoding: str) -> int | None:
-        """Re-store a blob in ``encoding`` ("raw" or "zstd") under the same hash; returns stored bytes (None: skipped).
+    def summaries(self) -> dict[str, Summary]:
+        """Every indexed snapshot's summary record, all identities: snapshot id -> ``Summary`` (scope keys, session,
+        namespace, length, floor, trimmable, bytes, created, last used). Identity-blind, for offline tools."""
+        self._check_open()
+        with self.index.read() as txn:
+            rows = [(bytes(k).hex(), bytes(v)) for k, v in txn.cursor(db=self.index.db["summaries"])]
+        return {sid: mf.decode(raw, Summary, f"summary {sid}") for sid, raw in rows}
 
-        The content is read and verified first; the manifests do not change. Leased or unreferenced blobs are skipped.
+    @contextmanager
+    def lease(self, snapshot: Manifest | str, hashes: Sequence[str] | None = None) -> Iterator[Manifest]:
+        """Hold a reader's lease on a snapshot's blobs (all of them unless ``hashes`` names some) for the block:
+        no eviction, gc or recompression unlinks or rewrites them meanwhile. ``SnapshotNotFound`` when the snapshot
+        is gone. Yields the manifest. Leaving the block releases the lease without counting as a use; blobs that lost
+        their last reference meanwhile are left for ``gc`` (they are not unlinked here)."""
+        self._check_open()
+        manifest = snapshot if isinstance(snapshot, Manifest) else self.manifest(snapshot)
+        refs = list(manifest.blobs) if hashes is None else [BlobRef(h, 0, 0, 0) for h in hashes]
+        key = self._lease(manifest, refs)
+        try:
+            yield manifest
+        finally:
+            self._release(key, None, [])
+
+    def put_blobs(self, items: Sequence[tuple[BlobRef, list[Piece]]]) -> list[str]:
+        """Write the chunk blobs not already stored (raw, durable, named by ``ref.hash``, which must be the content
+        hash of the pieces); returns the hashes written. Hold ``save_gate()`` (shared) from this call until the
+        blobs are referenced by a commit, or a concurrent gc may take them for crash residue."""
+        new = []
+        for ref, pieces in items:
+            if ref.hash not in {r.hash for r, _ in new} and self.blobs.has(ref.hash) is None:
+                if content_hash(pieces) != ref.hash:
+                    raise CorruptData(f"blob pieces hash to {content_hash(pieces)}, not to the name {ref.hash}")
+                new.append((ref, pieces))
+        self.blobs.put_many([(r.hash, pieces, self.blob_metadata(r)) for r, pieces in new])
+        return [r.hash for r, _ in new]
+
+    def rewrite_blob(self, hash_: str, encoding: str, *, level: int = 3) -> int | None:
+        """Re-store a blob in ``encoding`` ("raw" or "zstd", at zstd ``level``) under the same hash; returns stored
+        bytes (None: skipped).
+
+        The content is read and verified first; the manifests do not change. Leased or unreferenced blobs are skipped,
+        and so is a blob already in ``encoding`` (a zstd blob is not recompressed at another level).
         """
-        from .blobfile import Piece
-
         if encoding not in ("raw", "zstd"):
             raise ValueError(f"encoding must be 'raw' or 'zstd', got {encoding!r}")
-        with self._save_gate():
+        if not isinstance(level, int) or not 1 <= level <= 22:
+            raise ValueError(f"zstd level must be an int in 1..22, got {level!r}")
+        with self.save_gate():
             info = self.chunk_info(hash_)
             if info is None or info.encoding == encoding or hash_ in self.leased_hashes():
                 return None
@@ -882,7 +967,7 @@ class Store:
                 bufs = reader.read_into([None] * len(reader.tensors))
                 pieces = [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
                 metadata = dict(reader.metadata)
-            stored = self.blobs.put(hash_, pieces, metadata, encoding)
+            stored = self.blobs.put(hash_, pieces, metadata, encoding, level=level)
 
             def update(txn):
                 key = bytes.fromhex(hash_)
@@ -898,18 +983,116 @@ class Store:
             self._txn(update)
             return stored
 
-    def replace_manifest(self, snapshot_id: str, new: Manifest) -> None:
-        """Atomically swap a snapshot's manifest for ``new`` (same session; its blobs must already be stored)."""
-        old = self.manifest(snapshot_id)
-        if (new.session_id, new.namespace, new.model_id) != (old.session_id, old.namespace, old.model_id):
-            raise InvalidCacheState("replace_manifest keeps the session, namespace and identity of the snapshot")
-        with self._save_gate():
-            self.blobs.put_manifest(new.snapshot_id, mf.encode(new))
-            dropped, freed = self._txn(lambda txn: self._commit(txn, new, replaces=bytes.fromhex(snapshot_id)))
+    def replace_manifest(self, snapshot_id: str, new: Manifest, *, expected: Manifest | None = None) -> bool:
+        """Atomically swap a snapshot's manifest for ``new`` (same session; its blobs must already be stored).
+
+        Everything is re-checked inside the one write transaction: the snapshot must still be indexed, still be its
+        session's latest, and (when ``expected`` is given: the manifest ``new`` was derived from) still hold exactly
+        ``expected``. Otherwise nothing changes and False is returned (a save or another compaction won the race);
+        the manifest file is put back as the index has it. True when swapped. Blobs the swap freed are unlinked
+        unless leased (a caller keeps them for readers by leasing them: ``lease``); ``gc`` takes them later.
+        """
+        self._check_open()
+        sid = bytes.fromhex(snapshot_id)
         if new.snapshot_id != snapshot_id:
-            self._after_drop(dropped, freed)
-        else:
-            self._reclaim(freed)
+            raise InvalidCacheState(f"replace_manifest keeps the snapshot id ({snapshot_id}), got {new.snapshot_id}")
+        base = expected if expected is not None else self.manifest(snapshot_id)
+        if (new.session_id, new.namespace, identity_key_of(new)) != (base.session_id, base.namespace,
+                                                                     identity_key_of(base)):
+            raise InvalidCacheState("replace_manifest keeps the session, namespace and identity of the snapshot")
+        skey = identity_key_of(base) + namespace_key(identity_key_of(base), base.namespace) \
+            + base.session_id.encode("utf-8", "surrogatepass")
+        db = self.index.db
+
+        def swap(txn):
+            current = txn.get(sid, db=db["manifests"])
+            if current is None or txn.get(skey, db=db["sessions"]) != sid or (
+                    expected is not None and bytes(current) != mf.encode(expected)):
+                # lost the race: put the manifest file back as the index has it (we hold the writer lock)
+                if current is None:
+                    self.blobs.delete_manifest(snapshot_id)
+                else:
+                    self.blobs.put_manifest(snapshot_id, bytes(current))
+                return None
+            return self._commit(txn, new, replaces=sid)
+
+        with self.save_gate():
+            self.blobs.put_manifest(new.snapshot_id, mf.encode(new))
+            result = self._txn(swap)
+        if result is None:
+            return False
+        self._reclaim(result[1])
+        return True
+
+    def replace_snapshot(self, old: Manifest, new: Manifest,
+                         blobs: Mapping[str, list[Piece]] | Sequence[tuple[BlobRef, list[Piece]]] = ()) -> bool:
+        """Rewrite a snapshot in place (same id, same session, e.g. compacted chunks): write the new blobs under the
+        save gate, swap the manifest atomically (``replace_manifest(expected=old)``), with ``old``'s blobs leased
+        across the swap so a reader that fetched the old manifest still finds every blob it names. The replaced blobs
+        are never unlinked here: they become unreferenced and ``gc`` removes them (run it a grace period later).
+
+        Returns False (and unlinks the new blobs it wrote that nothing references) when the snapshot was replaced,
+        removed or rewritten meanwhile; raises ``SnapshotNotFound`` when it is already gone at the start."""
+        items = list(blobs.items()) if isinstance(blobs, Mapping) else list(blobs)
+        refs = {r.hash: r for r in new.blobs}
+        if isinstance(blobs, Mapping):
+            items = [(refs[h], pieces) for h, pieces in items]
+        with self.lease(old):
+            written: list[str] = []
+            swapped = False
+            with self.save_gate():
+                try:
+                    for _attempt in range(5):
+                        written += self.put_blobs(items)
+                        try:
+                            swapped = self.replace_manifest(old.snapshot_id, new, expected=old)
+                            break
+                        except _MissingBlobs:  # present when checked, reaped (unreferenced) before the commit
+                            continue
+                    else:  # pragma: no cover - needs five lost races in a row
+                        raise KvShelfError(f"could not rewrite snapshot {old.snapshot_id}: blobs kept vanishing")
+                finally:
+                    if not swapped:
+                        self._reclaim(written)
+        return swapped
+
+    # ------------------------------------------------------------------ offline: this handle alone
+    @contextmanager
+    def exclusive(self, timeout: float = 10.0) -> Iterator[None]:
+        """Hold the store alone for an offline job (index compaction, ``rebuild_index``): no other process has it
+        open (``locks/open.lock``, see ``openlock.py``), no other handle of this process does, no save is in flight
+        (save gate held exclusively) and this process commits nothing else meanwhile. Raises ``StoreBusy`` naming
+        who is in the way; other processes opening the store wait until the block ends."""
+        self._check_open()
+        self.flush()
+        if self._deferred:
+            self._txn(lambda txn: None)
+        if openlock.users(self._lock_key) > 1 or self.index.users > 1:
+            raise StoreBusy(f"other store handles in this process have {self.root} open")
+        try:
+            gate = self.save_gate(exclusive=True, timeout=timeout)
+            gate.__enter__()
+        except TimeoutError:
+            raise StoreBusy(f"saves kept the store at {self.root} busy for {timeout:.0f}s") from None
+        try:
+            with self.index.writer_lock(), openlock.exclusive(self._lock_key):
+                yield
+        finally:
+            gate.__exit__(None, None, None)
+
+    def replace_index(self, install: Callable[[str], None]) -> None:
+        """Inside ``exclusive()``: close the LMDB environment, run ``install(index_dir)`` (e.g. rename a compacted
+        copy over ``data.mdb``, or clear the directory for a rebuild), then open the index again."""
+        self._check_open()
+        if not openlock.is_exclusive(self._lock_key):
+            raise StoreBusy("replace_index needs the store held exclusively (use it inside store.exclusive())")
+        path = self.index.path
+        map_size = self.index.env.info()["map_size"]
+        self.index.close()
+        try:
+            install(path)
+        finally:
+            self.index = Index(path, map_size=map_size)
 
 
 def identity_key_of(manifest: Manifest) -> bytes:
@@ -929,11 +1112,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,
-               chunk_tokens: int = 256, **options: Any) -> Store:
-    """Open (creating if needed) the store at ``path`` under ``identity`` (use as a context manager)."""
-    if identity is None:
+               chunk_tokens: int = 256, admin: bool = False, **options: Any) -> Store:
+    """Open (creating if needed) the store at ``path`` under ``identity`` (use as a context manager).
+
+    ``admin=True`` without an identity opens it identity-blind for offline tools (see ``Store``)."""
+    if identity is None and not admin:
         raise TypeError("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
-    return Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, **options)
+    return Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, admin=admin, **options)
 
 
-__all__ = ["Store", "open_store"]
+__all__ = ["Store", "StoreBusy", "open_store"]

@@ -1,9 +1,9 @@
 """The offline tools' view of a store: every identity and namespace at once, read from manifests and chunk records.
 
-A :class:`~kvshelf.store.Store` is opened under one identity (serving processes only ever see their own model);
-operators need to see everything. The store exposes identity-blind hooks for exactly this (``iter_manifests``,
-``manifest``, ``iter_chunks``, ``chunk_info``, ``leased_hashes``, ``verify``, ``gc``, ``rebuild_index``); the
-admin handle opens the store under a placeholder identity that no snapshot is ever made under and uses only those.
+A :class:`~kvshelf.store.Store` is normally opened under one identity (serving processes only ever see their own
+model); operators need to see everything. ``open_admin`` opens it identity-blind (``open_store(path, admin=True)``) and
+uses only the store's documented tools surface (``iter_manifests``, ``manifest``, ``summaries``, ``iter_chunks``,
+``chunk_info``, ``leased_hashes``, ``verify``, ``gc``, ``rebuild_index``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from typing import Any
 import msgspec
 
 from ..errors import IncompatibleFormat, KvShelfError, SnapshotNotFound
-from ..store import Identity, Store, open_store
+from ..store import Store, StoreBusy, open_store
 from ..store.manifest import Manifest
 
-ADMIN_IDENTITY = Identity("kvshelf-admin", config_fingerprint="offline-tools", tokenizer_hash="")
 _SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}$")
 IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash", "namespace")
 
@@ -42,7 +41,7 @@ def open_admin(path: str | os.PathLike[str], *, create: bool = False) -> Iterato
     if not create and not is_store(path):
         raise StoreMissing(f"no kvshelf store at {path} (expected {Path(path) / 'index' / 'data.mdb'}); "
                            f"pass --store DIR or set KVSHELF_STORE")
-    store = open_store(str(path), identity=ADMIN_IDENTITY)
+    store = open_store(str(path), admin=True)
     try:
         yield store
     finally:
@@ -58,14 +57,8 @@ def manifests(store: Store, **filters: str | None) -> list[Manifest]:
 
 
 def _last_used(store: Store) -> dict[str, float]:
-    """Snapshot id -> last use (seconds), from the session listing of each identity."""
-    from ..store.manifest import Summary, decode
-
-    out = {}
-    with store.index.read() as txn:  # summaries carry last use; no identity-blind listing exposes it yet
-        for sid, raw in txn.cursor(db=store.index.db["summaries"]):
-            out[bytes(sid).hex()] = decode(raw, Summary, "summary").last_used_ns / 1e9
-    return out
+    """Snapshot id -> last use (seconds), from the store's identity-blind summaries."""
+    return {sid: summary.last_used_ns / 1e9 for sid, summary in store.summaries().items()}
 
 
 def format_of(entry: dict[str, Any]) -> str:
@@ -286,21 +279,18 @@ def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
 
 
 def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Rebuild the index from the blob directory (offline: refuses while another process has the store open)."""
-    from .lmdb_files import other_holders
-
+    """Rebuild the index from the blob directory (offline: ``StoreBusy`` while another process has the store open)."""
     if not (Path(path) / "blobs").is_dir():
         raise StoreMissing(f"no kvshelf blob directory at {Path(path) / 'blobs'}")
-    holders = other_holders(Path(path) / "index")
-    if holders:
-        raise KvShelfError(f"the index at {path} is open in other processes {sorted(holders)}; "
-                           f"rebuild-index is an offline repair: stop them first")
     started = time.perf_counter()
     with open_admin(path, create=True) as store:
-        count = store.rebuild_index()
+        try:
+            count = store.rebuild_index()
+        except StoreBusy as exc:
+            raise StoreBusy(f"{exc}; rebuild-index is an offline repair: stop the other users first") from None
         totals = blob_totals(store)
     return {"snapshots": count, **totals, "seconds": round(time.perf_counter() - started, 3)}
 
 
 __all__ = ["open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
-           "resolve", "format_of", "orphans", "blob_totals", "ADMIN_IDENTITY", "StoreMissing"]
+           "resolve", "format_of", "orphans", "blob_totals", "StoreMissing"]

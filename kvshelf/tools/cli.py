@@ -29,6 +29,16 @@ def _duration(text: str, allow_zero: bool = False) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _zstd_level(text: str) -> int:
+    try:
+        level = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"zstd level must be an integer 1-22, got {text!r}") from None
+    if not 1 <= level <= 22:
+        raise argparse.ArgumentTypeError(f"zstd level must be 1-22, got {level}")
+    return level
+
+
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -78,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     p.add_argument("--cold-after", type=lambda t: _duration(t, allow_zero=True), default=3600.0, metavar="DURATION",
                    help="a chunk not used for this long is cold (default 1h; 0s: every chunk)")
+    p.add_argument("--level", type=_zstd_level, default=3, metavar="N",
+                   help="zstd level for cold chunks, 1-22 (default 3; higher: smaller and slower to write)")
     p = add("export", "Write a session's latest snapshot as one portable safetensors file.")
     p.add_argument("session", help="session id")
     p.add_argument("file", type=Path, help="output file (written atomically, mode 0600)")
@@ -237,7 +249,7 @@ def cmd_compact(args: argparse.Namespace, pr: Printer) -> int:
     from .compaction import compact
 
     with admin.open_admin(_store_dir(args)) as store, pr.progress("compacting", None):
-        report = compact(store, cold_after=args.cold_after, dry_run=args.dry_run)
+        report = compact(store, cold_after=args.cold_after, dry_run=args.dry_run, level=args.level)
     doc = to_data(report) | {"ratio": round(report.ratio, 4)}
 
     def human(console) -> None:

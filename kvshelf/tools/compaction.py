@@ -5,17 +5,21 @@ Steps, in order (each reported with its count and bytes before/after; ``dry_run`
 1. ``orphans``    remove crash residue (unindexed blobs, manifest files, dead tmp files) — ``Store.gc``.
 2. ``densify``    paged snapshots whose pools hold blocks no page uses get a dense block table (``densify.py``).
 3. ``merge``      runs of undersized chunks of one snapshot that no other snapshot shares become one blob.
-4. ``recompress`` raw chunks not used for ``cold_after`` seconds are stored as zstd over byte-shuffled float planes
-                  (``Store.rewrite_blob``: same content hash, the reader handles both); a chunk that does not shrink
-                  goes back to raw. Hot chunks stay raw for zero-copy restores.
+4. ``recompress`` raw chunks not used for ``cold_after`` seconds are stored as zstd (at ``level``) over byte-shuffled
+                  float planes (``Store.rewrite_blob``: same content hash, the reader handles both); a chunk that does
+                  not shrink goes back to raw. Hot chunks stay raw for zero-copy restores.
+   ``decompress`` zstd chunks used within the last ``cold_after`` seconds (hot again) go back to raw.
 5. ``release``    blobs that steps 2-3 replaced are removed, at least ``grace`` seconds after the last swap.
-6. ``index``      the LMDB file is rewritten by a compacting copy and swapped in atomically — only when no other
-                  process has the index open (rule and reasons in ``lmdb_files.py``); otherwise skipped and said so.
+6. ``index``      the LMDB file is rewritten by a compacting copy and swapped in atomically — only while this handle
+                  holds the store alone (``Store.exclusive``: the open lock says no other process has it open);
+                  otherwise skipped with the reason.
 
-Safe beside serving processes: new blobs are written and indexed (``Store.replace_manifest``, one LMDB transaction,
-same snapshot id) before anything old is removed; snapshots that a live reader holds (leases) are skipped; the old
-blobs are themselves leased by this process across the swap, so a reader that fetched the old manifest just before
-the swap still finds every blob it names, and they are only unlinked ``grace`` seconds later.
+Safe beside serving processes: a snapshot is rewritten by ``Store.replace_snapshot`` — new blobs written under the
+save gate, then one LMDB transaction swaps the manifest (same snapshot id) after re-checking that the snapshot is
+still its session's latest and unchanged (a save that won the race keeps its snapshot; the rewrite is skipped and
+its blobs unlinked). Snapshots a live reader holds (leases) are skipped; the old blobs are leased across the swap, so
+a reader that fetched the old manifest just before it still finds every blob it names, and they are only unlinked by
+the ``gc`` of step 5, ``grace`` seconds later. Only the store's public surface is used.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import numpy as np
 import zstandard
 
 from ..errors import CorruptData, KvShelfError, SnapshotNotFound
-from ..store import Store
-from ..store.blobfile import Piece, content_hash, storage_dtype
+from ..store import Store, StoreBusy
+from ..store.blobfile import KVZ_MAGIC, Piece, content_hash, storage_dtype
 from ..store.layout import Destinations, fill_from_blob, plan_blobs
 from ..store.manifest import BlobRef, Manifest
 from . import lmdb_files
@@ -90,24 +94,16 @@ def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
     return dest.finish()
 
 
-def _put(store: Store, ref: BlobRef, pieces: list[Piece]) -> None:
-    if store.blobs.has(ref.hash) is None:
-        store.blobs.put(ref.hash, pieces, store._blob_metadata(ref))
+def _swap(store: Store, old: Manifest, new: Manifest, todo: list[tuple[BlobRef, list[Piece]]]) -> None:
+    """Write the new blobs and swap the manifest (``Store.replace_snapshot``: save gate held, old blobs leased across
+    the swap and left for a later ``gc``). A snapshot replaced or removed meanwhile raises ``_Lost``."""
+    if not store.replace_snapshot(old, new, todo):
+        raise _Lost(f"snapshot {old.snapshot_id} of session {old.session_id!r} was saved again, removed or rewritten "
+                    f"while it was being compacted; left as it is")
 
 
-def _swap(store: Store, old: Manifest, new: Manifest, write: Callable[[], None]) -> None:
-    """Write the new blobs, then swap the manifest, with the old blobs leased across the swap (never unlinked here).
-
-    The save gate is held shared from the first blob write to the commit, so a concurrent ``gc`` cannot take the new
-    blobs for crash residue.
-    """
-    lease = store._lease(old, list(old.blobs))
-    try:
-        with store._save_gate():
-            write()
-            store.replace_manifest(old.snapshot_id, new)
-    finally:
-        store._release(lease, None, [])
+class _Lost(KvShelfError):
+    pass
 
 
 def _leased(store: Store, manifest: Manifest, leased: set[str]) -> bool:
@@ -137,7 +133,7 @@ def _densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
         (own if plan.stop == 0 else chunks).append(ref)
         todo.append((ref, plan.pieces))
     new = msgspec.structs.replace(m, entries=entries, chunks=chunks, own=own)
-    _swap(store, m, new, lambda: [_put(store, ref, pieces) for ref, pieces in todo])
+    _swap(store, m, new, todo)
     return before, sum(r.nbytes for r in own)
 
 
@@ -205,25 +201,34 @@ def _merge_one(store: Store, m: Manifest, bins: list[list[BlobRef]]) -> None:
         elif replacement[r.hash] is not None:
             chunks.append(replacement[r.hash])
     new = msgspec.structs.replace(m, chunks=chunks)
-    _swap(store, m, new, lambda: [_put(store, ref, pieces) for ref, pieces in todo])
+    _swap(store, m, new, todo)
 
 
 # --- step 4: recompression ---------------------------------------------------------------------------------------
-def estimate_zstd(store: Store, hash_: str) -> int:
+def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
     """The bytes a blob's tensor data would take as zstd over byte-shuffled float planes (for ``--dry-run``)."""
     with store.open_blob(hash_, verify=False) as reader:
         bufs = reader.read_into([None] * len(reader.tensors))
         header = reader.data_start
-        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        cctx = zstandard.ZstdCompressor(level=level)
         stream = b"".join(shuffle(b, shuffle_itemsize(t.dtype)) for t, b in zip(reader.tensors, bufs))
     return header + 8 + len(cctx.compress(stream))
 
 
+def _raw_overhead(store: Store, hash_: str) -> int:
+    """The bytes of a blob's safetensors framing (its raw file = framing + payload), for ``--dry-run``."""
+    with store.open_blob(hash_, verify=False) as reader:
+        return reader.data_start - (len(KVZ_MAGIC) if reader.compressed else 0)
+
+
 # --- the job -----------------------------------------------------------------------------------------------------
 def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, grace: float = 2.0,
-            merge: bool = True, densify_pages: bool = True, compact_index: bool = True,
+            merge: bool = True, densify_pages: bool = True, compact_index: bool = True, level: int = ZSTD_LEVEL,
             log: Callable[[str], None] = lambda _m: None) -> CompactionReport:
-    """Compact ``store`` losslessly (see the module docstring); ``cold_after`` in seconds (0: every chunk is cold)."""
+    """Compact ``store`` losslessly (see the module docstring); ``cold_after`` in seconds (0: every chunk is cold);
+    ``level``: the zstd level cold chunks are written at (1-22)."""
+    if not isinstance(level, int) or not 1 <= level <= 22:
+        raise ValueError(f"zstd level must be an int in 1..22, got {level!r}")
     started = time.perf_counter()
     bytes_before = _disk_bytes(store)
     steps: list[CompactionStep] = []
@@ -249,7 +254,7 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
                 continue
             try:
                 before, after = _densify_one(store, m, dry_run)
-            except (SnapshotNotFound, CorruptData) as exc:  # replaced, evicted or quarantined meanwhile
+            except (SnapshotNotFound, CorruptData, _Lost) as exc:  # replaced, evicted or quarantined meanwhile
                 step.skipped.append(f"{m.snapshot_id}: {exc}")
                 continue
             last_swap = None if dry_run else time.monotonic()
@@ -273,7 +278,7 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
                 if not dry_run:
                     _merge_one(store, m, bins)
                     last_swap = time.monotonic()
-            except (SnapshotNotFound, CorruptData) as exc:
+            except (SnapshotNotFound, CorruptData, _Lost) as exc:
                 step.skipped.append(f"{m.snapshot_id}: {exc}")
                 continue
             step.count += merged - len(bins)  # files saved
@@ -281,38 +286,44 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
             step.bytes_after += sum(r.nbytes for b in bins for r in b)
             step.items.append(m.snapshot_id)
 
-    # 4. recompress cold chunks
+    # 4. recompress cold chunks; chunks that became hot again go back to raw (zero-copy restores)
     step = CompactionStep("recompress")
     steps.append(step)
+    hot = CompactionStep("decompress")
     now_ns = time.time_ns()
     leased = store.leased_hashes()
     leased_chunks = 0
     for h, meta in list(store.iter_chunks()):
-        if meta.encoding != "raw" or (now_ns - meta.last_used_ns) / 1e9 < cold_after:
+        cold = (now_ns - meta.last_used_ns) / 1e9 >= cold_after
+        target = step if cold and meta.encoding == "raw" else hot if not cold and meta.encoding == "zstd" else None
+        if target is None:
             continue
         if h in leased:
-            step.skipped.append(h)
+            target.skipped.append(h)
             leased_chunks += 1
             continue
         try:
-            if dry_run:
-                after = estimate_zstd(store, h)
+            if target is hot:
+                after = meta.nbytes + _raw_overhead(store, h) if dry_run else store.rewrite_blob(h, "raw")
+            elif dry_run:
+                after = estimate_zstd(store, h, level)
                 if after >= meta.stored_bytes:
                     continue
             else:
-                after = store.rewrite_blob(h, "zstd")
-                if after is None:
-                    continue
-                if after >= meta.stored_bytes:  # incompressible: keep the zero-copy form
+                after = store.rewrite_blob(h, "zstd", level=level)
+                if after is not None and after >= meta.stored_bytes:  # incompressible: keep the zero-copy form
                     store.rewrite_blob(h, "raw")
                     continue
+            if after is None:
+                continue
         except (CorruptData, FileNotFoundError) as exc:
-            step.skipped.append(f"{h}: {exc}")
+            target.skipped.append(f"{h}: {exc}")
             continue
-        step.count += 1
-        step.bytes_before += meta.stored_bytes
-        step.bytes_after += after
-        step.items.append(h)
+        target.count += 1
+        target.bytes_before += meta.stored_bytes
+        target.bytes_after += after
+        target.items.append(h)
+    steps.append(hot)
 
     # 5. release what steps 2-3 replaced
     step = CompactionStep("release")
@@ -337,43 +348,26 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
 
 
 def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
-    index_dir = os.path.join(store.root, "index")
+    """Shrink the LMDB file by a compacting copy swapped in — only while this handle holds the store alone
+    (``Store.exclusive``: no other process or handle has it open); otherwise skipped with the reason."""
     step = CompactionStep("index")
-    data = os.path.join(index_dir, "data.mdb")
+    data = os.path.join(store.root, "index", "data.mdb")
     step.bytes_before = step.bytes_after = os.stat(data).st_size
-    others = lmdb_files.other_holders(index_dir)
-    if others:
-        step.note = f"skipped: index open in other processes {sorted(others)}"
+    try:
+        with store.exclusive():
+            copy = lmdb_files.compact_copy(store.index.env, os.path.join(store.root, "tmp"))
+            step.bytes_after = os.stat(copy).st_size
+            if dry_run or step.bytes_after >= step.bytes_before:
+                lmdb_files.discard(copy)
+                if not dry_run:
+                    step.bytes_after = step.bytes_before
+                    step.note = "already compact"
+                return step
+            store.replace_index(lambda index_dir: lmdb_files.swap_in(copy, index_dir))
+    except StoreBusy as exc:
+        step.bytes_after = step.bytes_before
+        step.note = f"skipped: {exc}"
         return step
-    if store.index._shared.users != 1:
-        step.note = "skipped: other store handles in this process use the index"
-        return step
-    work = os.path.join(store.root, "tmp")
-    with store._save_gate(exclusive=True):
-        copy = lmdb_files.compact_copy(store.index.env, index_dir, work)
-        step.bytes_after = os.stat(copy).st_size
-        if dry_run or step.bytes_after >= step.bytes_before:
-            os.unlink(copy)
-            os.rmdir(copy.parent)
-            if not dry_run:
-                step.bytes_after = step.bytes_before
-                step.note = "already compact"
-            return step
-        others = lmdb_files.other_holders(index_dir)
-        if others:
-            os.unlink(copy)
-            os.rmdir(copy.parent)
-            step.bytes_after = step.bytes_before
-            step.note = f"skipped: index opened by {sorted(others)} during the copy"
-            return step
-        from ..store.index import Index
-
-        map_size = store.index.env.info()["map_size"]
-        store.index.close()
-        try:
-            lmdb_files.swap_in(copy, index_dir)
-        finally:
-            store.index = Index(index_dir, map_size=map_size)
     step.count = 1
     return step
 
