@@ -70,10 +70,15 @@ def family_of(session: str) -> int:
     return int(session[1 : session.index("-")])
 
 
-def _rng(*parts: object) -> np.random.Generator:
+def xxh_int(*parts: object) -> int:
+    """A stable 64-bit number for ``parts`` (Python's ``hash`` of a str changes between processes)."""
     import xxhash
 
-    return np.random.default_rng(xxhash.xxh64_intdigest("/".join(map(str, parts)).encode()))
+    return xxhash.xxh64_intdigest("/".join(map(str, parts)).encode())
+
+
+def _rng(*parts: object) -> np.random.Generator:
+    return np.random.default_rng(xxh_int(*parts))
 
 
 @lru_cache(maxsize=64)

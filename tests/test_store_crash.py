@@ -96,6 +96,12 @@ def check_store(
         assert (again.orphan_blobs, again.orphan_manifests, again.tmp_files) == ([], [], []), f"gc left {again}"
         assert store.verify() == []  # blobs were re-hashed above; gc only removed unreferenced ones
         check(ids)
+        for session in ids[:: max(1, len(ids) // 3)]:  # the prefix index serves what survived, cut anywhere
+            r = store.restore(session)
+            cut = 1 + sw.xxh_int(session) % r.length if sw.caches_trimmable() else r.length
+            prefix = store.restore_prefix(sw.session_tokens(session, cut) + [sw.VOCAB + 1])
+            assert prefix is not None and prefix.length == cut, f"{session}[:{cut}]: {prefix and prefix.length}"
+            assert sw.mismatch(prefix.caches, session, cut) is None
         referenced = store.stats()["blobs"]
         assert len(after) == referenced, f"{len(after)} blob files on disk, {referenced} referenced"
     tmp = store_dir / "tmp"
