@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(a tiny smoke-test size)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per figure after one warm-up (default 3)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results path (default {DEFAULT_OUT})")
+    p.add_argument("--markdown", type=Path, default=None,
+                   help="also write the machine facts and the table to this markdown file")
     args = p.parse_args(argv)
     only = {m.strip() for m in args.only.split(",") if m.strip()}
     bad = only - set(ALL)
@@ -74,10 +77,16 @@ def run(argv: list[str] | None = None) -> dict:
         ctx.drop()
     rows.sort(key=lambda r: int(r.measure))
     elapsed = time.perf_counter() - started
+    table = render_table(rows)
+    footer = (f"(times: min / median of {args.reps} after a warm-up; ratio = kvshelf median ÷ baseline median; "
+              f"{elapsed:.0f} s in all)")
     print()
-    print(render_table(rows))
-    print(f"\n(times: min / median of {args.reps} after a warm-up; ratio = kvshelf median ÷ baseline median; "
-          f"{elapsed:.0f} s in all)")
+    print(table)
+    print("\n" + footer)
+    if args.markdown is not None:
+        cmd = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.markdown.write_text(f"`{cmd.strip()}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+                                 f"```\n{render_machine(machine, versions)}\n```\n\n{table}\n\n{footer}\n")
     write_json(args.out, args={"only": sorted(args.only, key=int), "size": args.size, "reps": args.reps},
                machine=machine, versions=versions, rows=rows, facts=ctx.facts, elapsed_s=elapsed)
     print(f"wrote {args.out}")
