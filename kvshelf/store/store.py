@@ -38,14 +38,11 @@ from .index import Index
 from .layout import BlobPlan, Destinations, fill_from_blob, plan_blobs
 from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
 from .openlock import StoreBusy
-from .prefix import (BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, continuation, positions,
-                     tokens_array)
+from .lookup import LazyTokens, _Lookup
+from .prefix import BLOCK_TOKENS, all_boundaries, tokens_array
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .writer import BackgroundWriter
 
-LOOKUP_LEVELS = 4          # boundaries examined below the deepest stored one
-LOOKUP_CANDIDATES = 32     # snapshots token-compared per lookup at most (plus the neighbours below)
-NEIGHBOURS = 4             # dups examined on each side of the prompt's continuation at a boundary
 _NOT_FOUND = object()
 
 
@@ -451,89 +448,21 @@ class Store:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, prompt_tokens: Sequence[int], namespace: str = "") -> PrefixHit | None:
-        """The longest usable stored prefix of the prompt (API.md rule), or None. Reads no blobs."""
+        """The longest usable stored prefix of the prompt (API.md rule), or None. Reads no blobs.
+
+        A list prompt is converted (and checked) only as far as the lookup reads it, so a miss costs microseconds
+        however long the prompt; arrays are converted whole (that is cheap)."""
         self._check_scoped("lookup")
-        prompt = tokens_array(prompt_tokens, "prompt_tokens")
+        prompt = LazyTokens(prompt_tokens, "prompt_tokens")
         nsk = self._ns_key(namespace)
         self.counters["lookups"] += 1
         with self.index.read() as txn:
-            best = self._lookup(txn, nsk, prompt)
+            best = _Lookup(self, txn, nsk, prompt).run()
         if best is None:
             return None
         self.counters["hits"] += 1
         p, summary, sid, _rank = best
         return PrefixHit(summary.session_id, sid.hex(), p, summary.namespace, summary.length)
-
-    def _lookup(self, txn, nsk: bytes, prompt: np.ndarray):
-        n = len(prompt)
-        if n < 2:
-            return None
-        db = self.index.db
-        pos = positions(n, self.block)
-        lo, hi = -1, len(pos) - 1  # invariant: boundary pos[lo] is stored (-1: none); beyond hi is not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if txn.get(boundary_hash(nsk, prompt, pos[mid]), db=db["prefix"]) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        best = None
-        seen: set[bytes] = set()
-        cur = txn.cursor(db=db["prefix"])
-
-        def consider(value: bytes) -> None:
-            nonlocal best
-            sid = bytes(value[-16:])
-            if sid in seen:
-                return
-            seen.add(sid)
-            cand = self._usable(txn, sid, prompt)
-            if cand is not None:
-                rank = (cand[0], max(cand[1].last_used_ns, self._touched.get(sid, 0)))
-                if best is None or rank > best[3]:
-                    best = (cand[0], cand[1], sid, rank)
-
-        for level in range(lo, max(lo - LOOKUP_LEVELS, -1), -1):
-            # candidates first met at this level match fewer than pos[level + 1] tokens
-            if len(seen) >= LOOKUP_CANDIDATES or (best is not None and level + 1 < len(pos)
-                                                  and best[0] >= pos[level + 1]):
-                break
-            key = boundary_hash(nsk, prompt, pos[level])
-            if not cur.set_key(key):
-                continue
-            # Dups are sorted by the tokens that follow the boundary: the snapshots continuing most like the prompt
-            # sit around the prompt's own continuation, so look there first (both sides), then at the first dups.
-            query = continuation(prompt, pos[level], self.block)
-            if not cur.set_range_dup(key, query):
-                cur.set_key(key)
-                cur.last_dup()
-            for _ in range(NEIGHBOURS):
-                consider(cur.value())
-                if not cur.next_dup():
-                    break
-            if cur.set_range_dup(key, query) or (cur.set_key(key) and cur.last_dup()):
-                for _ in range(NEIGHBOURS):
-                    if not cur.prev_dup():
-                        break
-                    consider(cur.value())
-            if cur.set_key(key):
-                for value in cur.iternext_dup():
-                    if len(seen) >= LOOKUP_CANDIDATES:
-                        break
-                    consider(value)
-        return best
-
-    def _usable(self, txn, sid: bytes, prompt: np.ndarray):
-        raw = txn.get(sid, db=self.index.db["summaries"])
-        toks = txn.get(sid, db=self.index.db["tokens"])
-        if raw is None or toks is None:
-            return None
-        summary = mf.decode(raw, Summary, f"summary {sid.hex()}")
-        stored = np.frombuffer(toks, dtype="<i8")
-        p = min(common_prefix(stored, prompt), len(prompt) - 1)
-        if p <= 0 or p < summary.minimum_reusable_offset or (p != summary.length and not summary.trimmable):
-            return None
-        return p, summary
 
     # ------------------------------------------------------------------ restoring
     def restore(self, session_id: str, namespace: str = "") -> Restored:
