@@ -42,7 +42,8 @@ from . import lmdb_files
 from .densify import densify, dropped_blocks, is_dense
 from .shuffle import shuffle, shuffle_itemsize
 
-ZSTD_LEVEL = 3  # what the store's .kvz writer uses
+ZSTD_LEVEL = 3  # what the store's .kvz writer uses by default
+LEASE_RETRIES = (0.05, 0.1, 0.2, 0.4)  # seconds before leased snapshots are tried again
 
 
 @dataclass
@@ -135,6 +136,25 @@ def _densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
     new = msgspec.structs.replace(m, entries=entries, chunks=chunks, own=own)
     _swap(store, m, new, todo)
     return before, sum(r.nbytes for r in own)
+
+
+def _densify_into(store: Store, m: Manifest, dry_run: bool, step: CompactionStep) -> None:
+    try:
+        before, after = _densify_one(store, m, dry_run)
+    except (SnapshotNotFound, CorruptData, _Lost) as exc:  # replaced, evicted or quarantined meanwhile
+        step.skipped.append(f"{m.snapshot_id}: {exc}")
+        return
+    step.count += 1
+    step.bytes_before += before
+    step.bytes_after += after
+    step.items.append(m.snapshot_id)
+
+
+def _current(store: Store, m: Manifest) -> Manifest | None:
+    try:
+        return store.manifest(m.snapshot_id)
+    except SnapshotNotFound:
+        return None
 
 
 # --- step 3: merging undersized chunks --------------------------------------------------------------------------------
@@ -244,24 +264,26 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     steps.append(step)
     last_swap = None
     if densify_pages:
-        leased = store.leased_hashes()
-        for m in store.iter_manifests():
-            if all(is_dense(e) for e in m.entries):
-                continue
-            if _leased(store, m, leased):
-                step.skipped.append(m.snapshot_id)
-                skipped_leased.add(m.snapshot_id)
-                continue
-            try:
-                before, after = _densify_one(store, m, dry_run)
-            except (SnapshotNotFound, CorruptData, _Lost) as exc:  # replaced, evicted or quarantined meanwhile
-                step.skipped.append(f"{m.snapshot_id}: {exc}")
-                continue
-            last_swap = None if dry_run else time.monotonic()
-            step.count += 1
-            step.bytes_before += before
-            step.bytes_after += after
-            step.items.append(m.snapshot_id)
+        todo = [m for m in store.iter_manifests() if not all(is_dense(e) for e in m.entries)]
+        for attempt in range(len(LEASE_RETRIES) + 1):  # a reader's lease lasts milliseconds: try leased ones again
+            if attempt:
+                time.sleep(LEASE_RETRIES[attempt - 1])
+                todo = [_current(store, m) for m in todo]
+                todo = [m for m in todo if m is not None]
+            leased, later = store.leased_hashes(), []
+            for m in todo:
+                if _leased(store, m, leased):
+                    later.append(m)
+                    continue
+                _densify_into(store, m, dry_run, step)
+            todo = later
+            if not todo:
+                break
+        for m in todo:
+            step.skipped.append(m.snapshot_id)
+            skipped_leased.add(m.snapshot_id)
+        if step.count and not dry_run:
+            last_swap = time.monotonic()
 
     # 3. merge undersized chunks
     step = CompactionStep("merge")
