@@ -49,6 +49,10 @@ class StoreFull(KvShelfError, OSError):
     """The disk (ENOSPC) or the byte budget cannot take a write; nothing was committed."""
 
 
+class StoreBusy(KvShelfError):
+    """The store is in use by someone else (another process, another handle, a save) and the call needs it alone."""
+
+
 __all__ = [
     "KvShelfError",
     "InvalidCacheState",
@@ -58,4 +62,5 @@ __all__ = [
     "IdentityMismatch",
     "SnapshotNotFound",
     "StoreFull",
+    "StoreBusy",
 ]

@@ -18,13 +18,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import KvShelfError
+from ..errors import StoreBusy
 
 OPEN_TIMEOUT = 30.0
-
-
-class StoreBusy(KvShelfError):
-    """The store is in use by someone else (another process, another handle, a save) and the call needs it alone."""
 
 
 class _Held:
