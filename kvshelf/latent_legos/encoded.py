@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import CacheRangeError, InvalidCacheState
+from .cache_parts import extract_one_row, source_row_states
 from .contracts import LatentAttentionState
 from .family_codec import FamilyCodec
 from .formats import LatentFormat, format_key
@@ -271,20 +272,14 @@ class EncodedLatentCache(RightJustifiedRows):
 
     def merge_rows(self, rows: Sequence[EncodedLatentCache]) -> None:
         """Rows of every source, in order (an empty source contributes one zero-length unconverted row)."""
-        sources = self._check_merge_sources(rows)
-        states = []
-        for source in sources:
-            if source.batch_size is None:
-                empty = [mx.zeros((1, 0, w), dtype=mx.float32) for w in self.geometry.widths]
-                states.append(EncodedRowState(self._codec.empty_planes(1), empty, 0, source._unrowed_minimum))
-            else:
-                states.extend(source.row_state(r) for r in range(source.batch_size))
-        self.merge_row_states(states)
+        def empty(source: EncodedLatentCache) -> EncodedRowState:
+            shadow = [mx.zeros((1, 0, w), dtype=mx.float32) for w in self.geometry.widths]
+            return EncodedRowState(self._codec.empty_planes(1), shadow, 0, source._unrowed_minimum)
+
+        self.merge_row_states(source_row_states(self._check_merge_sources(rows), empty))
 
     def extract_row(self, row: int) -> EncodedLatentCache:
-        out = self.make_empty_batch()
-        out.merge_row_states([self.row_state(row)])
-        return out
+        return extract_one_row(self, row)
 
     def dispose(self) -> None:
         self._reset_rows()

@@ -1,4 +1,4 @@
-"""The right-justified row layout shared by ``MLACache`` and ``EncodedLatentCache``.
+"""The right-justified row layout shared by ``MLACache`` and ``EncodedLatentCache`` (its bookkeeping by ``TokenRows``).
 
 Every held array is ``[B, width, w]``; row b occupies columns ``[width - row_offsets[b], width)`` and every
 column before that is padding holding zeros. A subclass says which arrays it holds (``_stored``/``_publish``)
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..errors import CacheRangeError, InvalidCacheState
+from .cache_parts import describe
 from .contracts import PrefillPadding
 from .geometry import LatentGeometry
 from .rows import check_keep, non_negative, roll_rows_right, take_rows, zero_leading
@@ -43,16 +44,10 @@ def round_start(before: list[int], rows: int) -> list[int]:
     return before
 
 
-class RightJustifiedRows:
-    """Row bookkeeping for right-justified caches (see the module docstring)."""
-
-    geometry: LatentGeometry
-
-    def __init__(self, geometry: LatentGeometry) -> None:
-        if not isinstance(geometry, LatentGeometry):
-            raise InvalidCacheState(f"geometry must be a LatentGeometry (got {type(geometry).__name__})")
-        self.geometry = geometry
-        self._reset_rows()
+class RowBookkeeping:
+    """Per-row offsets of a right-justified layout (``RightJustifiedRows`` and the kv ``TokenRows``): every row
+    ends at column ``_width`` and row b holds its last ``_offsets[b]`` columns. Prefill padding, speculative rounds
+    and which rows stay are kept here; a subclass trims and lays its storage out again (``trim``/``_relayout``)."""
 
     def _reset_rows(self) -> None:
         self._batch: int | None = None
@@ -62,25 +57,20 @@ class RightJustifiedRows:
         self._prefill_pending = False
         self._round: list[int] | None = None
 
-    # -- subclass hooks ------------------------------------------------------------------------------------------
-    def _stored(self) -> list[mx.array]:
-        """Every held array ``[B, width, w]`` (``[]`` while width is 0)."""
-        raise NotImplementedError
-
-    def _publish(self, arrays: list[mx.array]) -> None:
-        """Replace the held arrays with ``arrays`` (same order as ``_stored``; ``[]`` when width becomes 0)."""
-        raise NotImplementedError
-
     def _create_rows(self, batch: int) -> None:
         """Per-row metadata for ``batch`` fresh rows."""
 
-    def _select_rows(self, keep: list[int]) -> None:
-        """Per-row metadata follows ``filter_rows``."""
+    def _relayout(self, shifts: Sequence[int]) -> None:
+        """Row b drops its last ``shifts[b]`` positions; padding is zeroed and padding common to all rows removed."""
+        raise NotImplementedError
+
+    def trim(self, n: int) -> int:
+        raise NotImplementedError
 
     # -- row layout ----------------------------------------------------------------------------------------------
     @property
     def offset(self) -> int:
-        """The physical width: every row ends at this column."""
+        """The physical width, i.e. the write head: every row ends at this column (mlx-lm's serial ``offset``)."""
         return self._width
 
     @property
@@ -98,39 +88,26 @@ class RightJustifiedRows:
     def is_trimmable(self) -> bool:
         return True
 
-    def _require_serial_rows(self, what: str) -> None:
-        if self._prefill_pending:
-            raise InvalidCacheState(f"{what} needs a finalized prefill; call finalize_prefill() first")
-
     def _begin_rows(self, batch: int) -> None:
         self._batch, self._offsets, self._width = batch, [0] * batch, 0
         self._create_rows(batch)
 
-    # -- trim and the speculative transaction ------------------------------------------------------------------
-    def trim(self, n: int) -> int:
-        non_negative(n, "trim count")
-        if n == 0:
-            return 0
-        shortest = min(self._offsets) if self._offsets else 0
-        if n > shortest:
-            raise CacheRangeError(f"cannot trim {n} positions: the shortest row holds {shortest}")
-        keep = self._width - n
-        self._publish([a[:, :keep, :] for a in self._stored()] if keep else [])
-        self._width = keep
-        self._offsets = [o - n for o in self._offsets]
-        return n
-
+    # -- the speculative transaction ---------------------------------------------------------------------------
     def spec_round_begin(self) -> None:
         self._round = list(self._offsets)
 
     def spec_round_commit(self) -> None:
         self._round = None
 
+    def _round_before(self, round_offsets: list[int]) -> list[int]:
+        """Row offsets the rollback measures appends from."""
+        return round_offsets
+
     def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
-        """Keep ``keep`` of the positions each row appended since begin; the rest never read again."""
+        """Keep ``keep`` (one count or one per row) of the positions each row appended since begin."""
         if self._round is None:
             raise InvalidCacheState("spec_round_rollback without spec_round_begin")
-        before = round_start(self._round, len(self._offsets))
+        before = self._round_before(self._round)
         counts = check_keep_counts(keep, [o - b for o, b in zip(self._offsets, before)])
         rejected = [o - b - k for o, b, k in zip(self._offsets, before, counts)]
         if len(set(rejected)) <= 1:
@@ -138,19 +115,6 @@ class RightJustifiedRows:
         else:
             self._relayout(rejected)
         self._round = None
-
-    def _relayout(self, shifts: Sequence[int]) -> None:
-        """Each row drops its last ``shifts[b]`` positions; padding is zeroed and common padding removed."""
-        offsets = [o - s for o, s in zip(self._offsets, shifts)]
-        pads = [self._width - o for o in offsets]
-        drop = min(max(0, min(pads, default=0)), self._width)
-        arrays = self._stored()
-        if arrays:
-            arrays = zero_leading(roll_rows_right(arrays, shifts), pads)
-            arrays = [a[:, drop:, :] for a in arrays] if drop < self._width else []
-        self._publish(arrays)
-        self._width -= drop
-        self._offsets = offsets
 
     # -- prefill padding -------------------------------------------------------------------------------------------
     def prepare_prefill(self, padding: PrefillPadding) -> None:
@@ -179,6 +143,89 @@ class RightJustifiedRows:
         self._ends, self._prefill_pending = None, False
 
     # -- rows leaving --------------------------------------------------------------------------------------------
+    def _keep_row_bookkeeping(self, keep: list[int], width: int) -> None:
+        """After ``filter_rows`` restaged the storage: rows ``keep`` remain, ``width`` columns wide."""
+        self._batch, self._width = len(keep), width
+        self._offsets = [self._offsets[k] for k in keep]
+        if self._ends is not None:
+            self._ends = [self._ends[k] for k in keep]
+        if self._round is not None:
+            self._round = [self._round[k] for k in keep]
+
+
+def check_merge_sources(dest: object, rows: Sequence[object]) -> list[object]:
+    """The sources of ``dest.merge_rows``: same class, signature and geometry, prefill finalized; ``dest`` empty."""
+    if dest.batch_size is not None:
+        raise InvalidCacheState("merge_rows needs an empty destination cache (make_empty_batch())")
+    rows = list(rows)
+    if not rows:
+        raise InvalidCacheState("merge_rows needs at least one source cache")
+    for source in rows:
+        if type(source) is not type(dest) or source.signature() != dest.signature():
+            raise InvalidCacheState(f"cannot merge {describe(source)} into {dest.signature()}")
+        if source.geometry != dest.geometry:
+            raise InvalidCacheState(f"cannot merge geometry {source.geometry} into {dest.geometry}")
+        source._require_serial_rows("merge_rows")
+    return rows
+
+
+class RightJustifiedRows(RowBookkeeping):
+    """Row bookkeeping for right-justified caches (see the module docstring)."""
+
+    geometry: LatentGeometry
+
+    def __init__(self, geometry: LatentGeometry) -> None:
+        if not isinstance(geometry, LatentGeometry):
+            raise InvalidCacheState(f"geometry must be a LatentGeometry (got {type(geometry).__name__})")
+        self.geometry = geometry
+        self._reset_rows()
+
+    # -- subclass hooks ------------------------------------------------------------------------------------------
+    def _stored(self) -> list[mx.array]:
+        """Every held array ``[B, width, w]`` (``[]`` while width is 0)."""
+        raise NotImplementedError
+
+    def _publish(self, arrays: list[mx.array]) -> None:
+        """Replace the held arrays with ``arrays`` (same order as ``_stored``; ``[]`` when width becomes 0)."""
+        raise NotImplementedError
+
+    def _select_rows(self, keep: list[int]) -> None:
+        """Per-row metadata follows ``filter_rows``."""
+
+    def _require_serial_rows(self, what: str) -> None:
+        if self._prefill_pending:
+            raise InvalidCacheState(f"{what} needs a finalized prefill; call finalize_prefill() first")
+
+    # -- trim and the speculative transaction ------------------------------------------------------------------
+    def trim(self, n: int) -> int:
+        non_negative(n, "trim count")
+        if n == 0:
+            return 0
+        shortest = min(self._offsets) if self._offsets else 0
+        if n > shortest:
+            raise CacheRangeError(f"cannot trim {n} positions: the shortest row holds {shortest}")
+        keep = self._width - n
+        self._publish([a[:, :keep, :] for a in self._stored()] if keep else [])
+        self._width = keep
+        self._offsets = [o - n for o in self._offsets]
+        return n
+
+    def _round_before(self, round_offsets: list[int]) -> list[int]:
+        return round_start(round_offsets, len(self._offsets))
+
+    def _relayout(self, shifts: Sequence[int]) -> None:
+        offsets = [o - s for o, s in zip(self._offsets, shifts)]
+        pads = [self._width - o for o in offsets]
+        drop = min(max(0, min(pads, default=0)), self._width)
+        arrays = self._stored()
+        if arrays:
+            arrays = zero_leading(roll_rows_right(arrays, shifts), pads)
+            arrays = [a[:, drop:, :] for a in arrays] if drop < self._width else []
+        self._publish(arrays)
+        self._width -= drop
+        self._offsets = offsets
+
+    # -- rows leaving --------------------------------------------------------------------------------------------
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` in that order; padding columns common to the survivors are removed."""
         keep = check_keep(keep, self._batch)
@@ -187,28 +234,11 @@ class RightJustifiedRows:
         width = self._width - drop
         arrays = take_rows(self._stored(), keep, drop) if width else []
         self._publish(arrays)
-        self._batch, self._width = len(keep), width
-        self._offsets = [self._offsets[k] for k in keep]
-        if self._ends is not None:
-            self._ends = [self._ends[k] for k in keep]
-        if self._round is not None:
-            self._round = [self._round[k] for k in keep]
+        self._keep_row_bookkeeping(keep, width)
         self._select_rows(keep)
 
     def _check_merge_sources(self, rows: Sequence[object]) -> list[object]:
-        if self._batch is not None:
-            raise InvalidCacheState("merge_rows needs an empty destination cache (make_empty_batch())")
-        rows = list(rows)
-        if not rows:
-            raise InvalidCacheState("merge_rows needs at least one source cache")
-        for source in rows:
-            if type(source) is not type(self) or source.signature() != self.signature():
-                got = source.signature() if hasattr(source, "signature") else type(source).__name__
-                raise InvalidCacheState(f"cannot merge {got} into {self.signature()}")
-            if source.geometry != self.geometry:
-                raise InvalidCacheState(f"cannot merge geometry {source.geometry} into {self.geometry}")
-            source._require_serial_rows("merge_rows")
-        return rows
+        return check_merge_sources(self, rows)
 
     def signature(self) -> str:
         raise NotImplementedError

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import CacheRangeError, InvalidCacheState
+from .cache_parts import ReuseFloor, extract_one_row, source_row_states
 from .contracts import LatentAttentionState
 from .geometry import LatentGeometry
 from .justified import RightJustifiedRows
@@ -33,7 +34,7 @@ class MLARowState:
     minimum_reusable_offset: int = 0
 
 
-class MLACache(RightJustifiedRows):
+class MLACache(ReuseFloor, RightJustifiedRows):
     """float32 latent ``[B, T, kv_lora_rank]``, RoPE key ``[B, T, rope_head_dim]`` and optional DSA index keys.
 
     Rows are right-justified with zero left padding. Reads are the stored bits, so every other latent lego is
@@ -52,14 +53,6 @@ class MLACache(RightJustifiedRows):
     @property
     def state(self) -> list[mx.array]:
         return list(self._families)
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        return self._minimum
-
-    @minimum_reusable_offset.setter
-    def minimum_reusable_offset(self, value: int) -> None:
-        self._minimum = non_negative(value, "minimum_reusable_offset")
 
     def bytes_per_token(self) -> int:
         return self.geometry.f32_bytes_per_token()
@@ -163,19 +156,13 @@ class MLACache(RightJustifiedRows):
 
     def merge_rows(self, rows: Sequence[MLACache]) -> None:
         """Rows of every source, in order (an empty source contributes one zero-length row); sources unchanged."""
-        sources = self._check_merge_sources(rows)
-        states = []
-        for source in sources:
-            if source.batch_size is None:
-                states.append(MLARowState([mx.zeros((1, 0, w)) for w in self.geometry.widths], 0, 0))
-            else:
-                states.extend(source.row_state(r) for r in range(source.batch_size))
-        self.merge_row_states(states)
+        def empty(_: MLACache) -> MLARowState:
+            return MLARowState([mx.zeros((1, 0, w)) for w in self.geometry.widths], 0, 0)
+
+        self.merge_row_states(source_row_states(self._check_merge_sources(rows), empty))
 
     def extract_row(self, row: int) -> MLACache:
-        out = self.make_empty_batch()
-        out.merge_row_states([self.row_state(row)])
-        return out
+        return extract_one_row(self, row)
 
     def dispose(self) -> None:
         self._reset_rows()

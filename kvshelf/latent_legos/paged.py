@@ -17,7 +17,8 @@ from .contracts import LatentAttentionState, PrefillPadding
 from .family_codec import FamilyCodec
 from .formats import LatentFormat, format_key
 from .geometry import LatentGeometry
-from .justified import check_keep_counts, round_start
+from .cache_parts import ReuseFloor
+from .justified import check_keep_counts, check_merge_sources, round_start
 from .pages import LatentPages, _positive
 from .rows import (
     append_inputs,
@@ -31,7 +32,7 @@ from .rows import (
 )
 
 
-class PagedLatentCache:
+class PagedLatentCache(ReuseFloor):
     """Paged latent state, one ``LatentPages`` per row (see the module docstring)."""
 
     def __init__(self, geometry: LatentGeometry, format: LatentFormat | None = None, block_size: int = 256) -> None:
@@ -82,14 +83,6 @@ class PagedLatentCache:
     @property
     def state(self) -> list[mx.array]:
         return [pool for row in self._rows for pool in row.pools]
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        return self._minimum
-
-    @minimum_reusable_offset.setter
-    def minimum_reusable_offset(self, value: int) -> None:
-        self._minimum = non_negative(value, "minimum_reusable_offset")
 
     def bytes_per_token(self) -> int:
         return self._codec.bytes_per_token()
@@ -224,18 +217,7 @@ class PagedLatentCache:
             raise InvalidCacheState(f"{what} needs a finalized prefill; call finalize_prefill() first")
 
     def merge_rows(self, rows: Sequence[PagedLatentCache]) -> None:
-        if self._rows:
-            raise InvalidCacheState("merge_rows needs an empty destination cache (make_empty_batch())")
-        rows = list(rows)
-        if not rows:
-            raise InvalidCacheState("merge_rows needs at least one source cache")
-        for source in rows:
-            if type(source) is not PagedLatentCache or source.signature() != self.signature():
-                got = source.signature() if hasattr(source, "signature") else type(source).__name__
-                raise InvalidCacheState(f"cannot merge {got} into {self.signature()}")
-            if source.geometry != self.geometry:
-                raise InvalidCacheState(f"cannot merge geometry {source.geometry} into {self.geometry}")
-            source._require_serial_rows("merge_rows")
+        rows = check_merge_sources(self, rows)
         merged = []
         for source in rows:
             merged.extend([r.clone() for r in source._rows] or [LatentPages(self.block_size)])

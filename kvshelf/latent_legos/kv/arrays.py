@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from ...errors import CacheRangeError, InvalidCacheState
+from ..cache_parts import ReuseFloor, describe, extract_one_row, source_row_states
 from ..contracts import PrefillPadding
 from ..justified import check_keep_counts
 from ..rows import check_keep, check_row, non_negative, owned
@@ -33,7 +34,7 @@ class ArraysRowState:
     minimum_reusable_offset: int = 0
 
 
-class ArraysCache:
+class ArraysCache(ReuseFloor):
     """Recurrent state slots (see the module docstring)."""
 
     def __init__(self, size: int, left_padding: Sequence[int] | None = None) -> None:
@@ -123,14 +124,6 @@ class ArraysCache:
     @property
     def left_pad(self) -> list[int]:
         return [0] * (self._batch or 0)
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        return self._minimum
-
-    @minimum_reusable_offset.setter
-    def minimum_reusable_offset(self, value: int) -> None:
-        self._minimum = non_negative(value, "minimum_reusable_offset")
 
     @property
     def state(self) -> list[mx.array]:
@@ -259,24 +252,17 @@ class ArraysCache:
         self._minimum = max(s.minimum_reusable_offset for s in states)
 
     def merge_rows(self, rows: Sequence[ArraysCache]) -> None:
-        rows = list(rows)
-        if not rows:
-            raise InvalidCacheState("merge_rows needs at least one source cache")
-        states = []
-        for source in rows:
+        def check(source: Any) -> None:
             if type(source) is not ArraysCache or source.size_slots != self.size_slots:
-                got = source.signature() if hasattr(source, "signature") else type(source).__name__
-                raise InvalidCacheState(f"cannot merge {got} into {self.signature()}")
-            if source.batch_size is None:
-                states.append(ArraysRowState([None] * self.size_slots, 0, source.minimum_reusable_offset))
-            else:
-                states.extend(source.row_state(r) for r in range(source.batch_size))
-        self.merge_row_states(states)
+                raise InvalidCacheState(f"cannot merge {describe(source)} into {self.signature()}")
+
+        def empty(source: ArraysCache) -> ArraysRowState:
+            return ArraysRowState([None] * self.size_slots, 0, source.minimum_reusable_offset)
+
+        self.merge_row_states(source_row_states(rows, empty, check))
 
     def extract_row(self, row: int) -> ArraysCache:
-        out = self.make_empty_batch()
-        out.merge_row_states([self.row_state(row)])
-        return out
+        return extract_one_row(self, row)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         if self._batch is None:

@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from ...errors import CacheRangeError, InvalidCacheState
+from ..cache_parts import ReuseFloor, describe, extract_one_row, source_row_states
 from ..contracts import PrefillPadding
 from ..justified import check_keep_counts
 from ..rows import check_keep, check_row, non_negative, owned
@@ -50,7 +51,7 @@ def _positive(value: object, name: str) -> int:
     return value
 
 
-class RotatingKVCache:
+class RotatingKVCache(ReuseFloor):
     """A sliding-window key/value ring (see the module docstring)."""
 
     step = STEP
@@ -109,14 +110,6 @@ class RotatingKVCache:
     @property
     def rope_offset(self) -> int:
         return self._offset
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        return self._minimum
-
-    @minimum_reusable_offset.setter
-    def minimum_reusable_offset(self, value: int) -> None:
-        self._minimum = non_negative(value, "minimum_reusable_offset")
 
     @property
     def state(self) -> list[mx.array]:
@@ -371,26 +364,20 @@ class RotatingKVCache:
         self._minimum = max(s.minimum_reusable_offset for s in states)
 
     def merge_rows(self, rows: Sequence[RotatingKVCache]) -> None:
-        rows = list(rows)
-        if not rows:
-            raise InvalidCacheState("merge_rows needs at least one source cache")
-        states = []
-        for source in rows:
+        def check(source: Any) -> None:
             if type(source) is not RotatingKVCache or (source.max_size, source.keep) != (self.max_size, self.keep):
-                got = source.signature() if hasattr(source, "signature") else type(source).__name__
                 raise InvalidCacheState(
-                    f"cannot merge {got} into a rotating cache of max_size {self.max_size}, keep {self.keep}"
+                    f"cannot merge {describe(source)} into a rotating cache of max_size {self.max_size}, "
+                    f"keep {self.keep}"
                 )
-            if source.batch_size is None:
-                states.append(RingRowState(None, None, 0, 0, source.minimum_reusable_offset))
-            else:
-                states.extend(source.row_state(r) for r in range(source.batch_size))
-        self.merge_row_states(states)
+
+        def empty(source: RotatingKVCache) -> RingRowState:
+            return RingRowState(None, None, 0, 0, source.minimum_reusable_offset)
+
+        self.merge_row_states(source_row_states(rows, empty, check))
 
     def extract_row(self, row: int) -> RotatingKVCache:
-        out = self.make_empty_batch()
-        out.merge_row_states([self.row_state(row)])
-        return out
+        return extract_one_row(self, row)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         if self._batch is None:

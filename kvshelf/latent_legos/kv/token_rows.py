@@ -17,8 +17,8 @@ from typing import Any
 import mlx.core as mx
 
 from ...errors import InvalidCacheState
-from ..contracts import PrefillPadding
-from ..justified import check_keep_counts
+from ..cache_parts import ReuseFloor, describe, extract_one_row, source_row_states
+from ..justified import RowBookkeeping
 from ..rows import check_keep, check_row, non_negative, owned, prefill_leads, row_roll_indices
 from .masks import attention_mask
 
@@ -67,7 +67,7 @@ def check_kv_inputs(keys: Any, values: Any) -> tuple[int, int, int]:
     return b, h, length
 
 
-class TokenRows:
+class TokenRows(ReuseFloor, RowBookkeeping):
     """Row bookkeeping and storage for the token-axis key/value caches (see the module docstring)."""
 
     step = STEP
@@ -77,12 +77,7 @@ class TokenRows:
         self._reset_rows()
 
     def _reset_rows(self) -> None:
-        self._batch: int | None = None
-        self._offsets: list[int] = []
-        self._width = 0
-        self._ends: list[int] | None = None
-        self._prefill_pending = False
-        self._round: list[int] | None = None
+        super()._reset_rows()
         self._minimum = 0
 
     # -- subclass hooks ------------------------------------------------------------------------------------------
@@ -102,36 +97,11 @@ class TokenRows:
 
     # -- row layout ----------------------------------------------------------------------------------------------
     @property
-    def offset(self) -> int:
-        """The write head: every row ends at this column (mlx-lm's ``offset`` for a serial cache)."""
-        return self._width
-
-    @property
-    def batch_size(self) -> int | None:
-        return self._batch
-
-    @property
-    def row_offsets(self) -> list[int]:
-        return list(self._offsets)
-
-    @property
-    def left_pad(self) -> list[int]:
-        return [self._width - o for o in self._offsets]
-
-    @property
     def rope_offset(self) -> int | mx.array:
         """RoPE position of the next column per row: an int when rows agree, else int32 ``[B]`` (mlx-lm batches)."""
         if len(set(self._offsets)) <= 1:
             return self._offsets[0] if self._offsets else 0
         return mx.array(self._offsets, dtype=mx.int32)
-
-    @property
-    def minimum_reusable_offset(self) -> int:
-        return self._minimum
-
-    @minimum_reusable_offset.setter
-    def minimum_reusable_offset(self, value: int) -> None:
-        self._minimum = non_negative(value, "minimum_reusable_offset")
 
     @property
     def state(self) -> list[mx.array]:
@@ -163,9 +133,6 @@ class TokenRows:
 
     def projected_bytes(self, tokens: int) -> int:
         return non_negative(tokens, "tokens") * self.bytes_per_token()
-
-    def is_trimmable(self) -> bool:
-        return True
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """mlx-lm's mask for an N-token step before the append; rows with left padding get an array mask."""
@@ -211,9 +178,6 @@ class TokenRows:
                     f"[{plane.shape[0]}, {plane.shape[1]}, T, {plane.shape[3]}] {plane.dtype}"
                 )
 
-    def _begin_rows(self, batch: int) -> None:
-        self._batch, self._offsets, self._width = batch, [0] * batch, 0
-
     # -- trim and the speculative transaction ------------------------------------------------------------------
     def trim(self, n: int) -> int:
         """Drop the last ``n`` positions of every row (clamped to the shortest row, as mlx-lm); returns the count."""
@@ -223,26 +187,7 @@ class TokenRows:
             self._offsets = [o - n for o in self._offsets]
         return n
 
-    def spec_round_begin(self) -> None:
-        self._round = list(self._offsets)
-
-    def spec_round_commit(self) -> None:
-        self._round = None
-
-    def spec_round_rollback(self, keep: int | Sequence[int]) -> None:
-        """Keep ``keep`` (one count or one per row) of the positions each row appended since begin."""
-        if self._round is None:
-            raise InvalidCacheState("spec_round_rollback without spec_round_begin")
-        counts = check_keep_counts(keep, [o - b for o, b in zip(self._offsets, self._round)])
-        rejected = [o - b - k for o, b, k in zip(self._offsets, self._round, counts)]
-        if len(set(rejected)) <= 1:
-            self.trim(rejected[0] if rejected else 0)
-        else:
-            self._relayout(rejected)
-        self._round = None
-
     def _relayout(self, shifts: Sequence[int]) -> None:
-        """Row b drops its last ``shifts[b]`` positions; padding is zeroed and padding common to all rows removed."""
         offsets = [o - s for o, s in zip(self._offsets, shifts)]
         pads = [self._width - o for o in offsets]
         drop = min(max(0, min(pads, default=0)), self._width)
@@ -254,32 +199,6 @@ class TokenRows:
         self._planes = planes
         self._width -= drop
         self._offsets = offsets
-
-    # -- prefill padding -------------------------------------------------------------------------------------------
-    def prepare_prefill(self, padding: PrefillPadding) -> None:
-        if not isinstance(padding, PrefillPadding):
-            raise InvalidCacheState(f"prepare_prefill takes a PrefillPadding (got {type(padding).__name__})")
-        rows = len(padding.lengths)
-        if self._batch is not None and rows != self._batch:
-            raise InvalidCacheState(f"prefill padding names {rows} rows, the cache has {self._batch}")
-        left = padding.left_padding or [0] * rows
-        if any(left) and self._width > 0:
-            raise InvalidCacheState("left padding can only be added to a cache with no stored positions")
-        if self._batch is None:
-            self._begin_rows(rows)
-        self._offsets = [o - p for o, p in zip(self._offsets, left)]
-        right = padding.right_padding
-        self._ends = [o + n for o, n in zip(self._offsets, padding.lengths)] if right and any(right) else None
-        self._prefill_pending = True
-
-    def finalize_prefill(self) -> None:
-        """Trailing padding rolls to the front (as zeros) and padding common to every row is dropped."""
-        if not self._prefill_pending:
-            return
-        ends = self._ends
-        shifts = [max(0, o - e) for o, e in zip(self._offsets, ends)] if ends else [0] * len(self._offsets)
-        self._relayout(shifts)
-        self._ends, self._prefill_pending = None, False
 
     # -- rows joining and leaving ------------------------------------------------------------------------------------
     def _require_rows(self, what: str) -> None:
@@ -371,24 +290,17 @@ class TokenRows:
 
         A source with no rows contributes one zero-length row.
         """
-        rows = list(rows)
-        if not rows:
-            raise InvalidCacheState("merge_rows needs at least one source cache")
-        states: list[KvRowState] = []
-        for source in rows:
+
+        def check(source: Any) -> None:
             if not self._compatible(source):
-                got = source.signature() if hasattr(source, "signature") else type(source).__name__
-                raise InvalidCacheState(f"cannot merge {got} into {self.signature()}")
-            if source.batch_size is None:
-                states.append(KvRowState([], 0, source.minimum_reusable_offset))
-            else:
-                states.extend(source.row_state(r) for r in range(source.batch_size))
-        self.merge_row_states(states)
+                raise InvalidCacheState(f"cannot merge {describe(source)} into {self.signature()}")
+
+        self.merge_row_states(
+            source_row_states(rows, lambda source: KvRowState([], 0, source.minimum_reusable_offset), check)
+        )
 
     def extract_row(self, row: int) -> TokenRows:
-        out = self._new_empty()
-        out.merge_row_states([self.row_state(row)])
-        return out
+        return extract_one_row(self, row)
 
     def filter_rows(self, keep: Sequence[int]) -> None:
         """Keep rows ``keep`` in that order; padding columns common to the survivors are removed."""
@@ -399,12 +311,7 @@ class TokenRows:
         drop = min(min(pads[k] for k in keep), self._width)
         index = mx.array(keep, dtype=mx.int32)
         self._planes = [mx.take(p[:, :, drop : self._width, :], index, axis=0) for p in self._planes]
-        self._batch, self._width = len(keep), self._width - drop
-        self._offsets = [self._offsets[k] for k in keep]
-        if self._ends is not None:
-            self._ends = [self._ends[k] for k in keep]
-        if self._round is not None:
-            self._round = [self._round[k] for k in keep]
+        self._keep_row_bookkeeping(keep, self._width - drop)
 
     def _adopt_rows_of(self, source: TokenRows, planes: list[mx.array]) -> None:
         """Take ``source``'s row bookkeeping with new ``planes`` (conversions between storage kinds)."""
