@@ -22,10 +22,8 @@ from .formats import LatentFormat, format_key
 from .geometry import LatentGeometry
 from .justified import RightJustifiedRows
 from .rows import (
-    append_inputs,
     check_f32,
     check_row,
-    check_token_room,
     non_negative,
     owned,
     pad_left,
@@ -122,9 +120,7 @@ class EncodedLatentCache(RightJustifiedRows):
     def append_latent(
         self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None
     ) -> LatentAttentionState:
-        families = append_inputs(self.geometry, latent, rope, index_keys, self._batch)
-        batch, length = latent.shape[0], latent.shape[1]
-        check_token_room(self.geometry, self._offsets, length)
+        families, batch, length = self._check_append(latent, rope, index_keys)
         offsets = self._offsets if self._batch is not None else [0] * batch
         converted = self._converted if self._batch is not None else [False] * batch
         families = zero_prefill_leads(families, prefill_leads(offsets))
@@ -233,13 +229,7 @@ class EncodedLatentCache(RightJustifiedRows):
     def merge_row_states(self, states: Sequence[EncodedRowState]) -> None:
         """Fill this EMPTY cache with ``states`` as rows (right-justified, zero left padding); the shadow is kept
         iff some row is unconverted, converted rows' shadow holding zeros."""
-        if self._batch is not None:
-            raise InvalidCacheState("merge_row_states needs an empty destination cache")
-        states = list(states)
-        if not states:
-            raise InvalidCacheState("merge needs at least one row")
-        for state in states:
-            self._check_state(state)
+        states = self._states_to_merge(states)
         width = max(s.offset for s in states)
         converted = [s.shadow is None for s in states]
         planes, shadow = [], None
@@ -263,12 +253,6 @@ class EncodedLatentCache(RightJustifiedRows):
         self._offsets = [s.offset for s in states]
         self._converted = converted
         self._minimum = [s.minimum_reusable_offset for s in states]
-
-    def restore_row(self, state: EncodedRowState) -> None:
-        """Replace this cache's contents with one row, adopting its arrays (the codecs' load path)."""
-        self._check_state(state)
-        self.dispose()
-        self.merge_row_states([state])
 
     def merge_rows(self, rows: Sequence[EncodedLatentCache]) -> None:
         """Rows of every source, in order (an empty source contributes one zero-length unconverted row)."""

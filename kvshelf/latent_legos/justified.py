@@ -17,7 +17,15 @@ from ..errors import CacheRangeError, InvalidCacheState
 from .cache_parts import describe
 from .contracts import PrefillPadding
 from .geometry import LatentGeometry
-from .rows import check_keep, non_negative, roll_rows_right, take_rows, zero_leading
+from .rows import (
+    append_inputs,
+    check_keep,
+    check_token_room,
+    non_negative,
+    roll_rows_right,
+    take_rows,
+    zero_leading,
+)
 
 
 def check_keep_counts(keep: int | Sequence[int], appended: Sequence[int]) -> list[int]:
@@ -239,6 +247,36 @@ class RightJustifiedRows(RowBookkeeping):
 
     def _check_merge_sources(self, rows: Sequence[object]) -> list[object]:
         return check_merge_sources(self, rows)
+
+    # -- appending and rows joining ------------------------------------------------------------------------------
+    def _check_state(self, state: object) -> None:
+        """Raise unless ``state`` is a row state this cache can hold."""
+        raise NotImplementedError
+
+    def _check_append(
+        self, latent: mx.array, rope: mx.array, index_keys: mx.array | None
+    ) -> tuple[list[mx.array], int, int]:
+        """The appended families, their batch and length, after checking them against geometry, rows and room."""
+        families = append_inputs(self.geometry, latent, rope, index_keys, self._batch)
+        check_token_room(self.geometry, self._offsets, latent.shape[1])
+        return families, latent.shape[0], latent.shape[1]
+
+    def _states_to_merge(self, states: Sequence[object]) -> list[object]:
+        """``merge_row_states``'s checked rows (at least one; this cache must be empty)."""
+        if self._batch is not None:
+            raise InvalidCacheState("merge_row_states needs an empty destination cache")
+        states = list(states)
+        if not states:
+            raise InvalidCacheState("merge needs at least one row")
+        for state in states:
+            self._check_state(state)
+        return states
+
+    def restore_row(self, state: object) -> None:
+        """Replace this cache's contents with one row, adopting its arrays (the codecs' load path)."""
+        self._check_state(state)
+        self.dispose()
+        self.merge_row_states([state])
 
     def signature(self) -> str:
         raise NotImplementedError

@@ -13,10 +13,8 @@ from .contracts import LatentAttentionState
 from .geometry import LatentGeometry
 from .justified import RightJustifiedRows
 from .rows import (
-    append_inputs,
     check_f32,
     check_row,
-    check_token_room,
     non_negative,
     owned,
     pad_left,
@@ -71,9 +69,7 @@ class MLACache(ReuseFloor, RightJustifiedRows):
     def append_latent(
         self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None
     ) -> LatentAttentionState:
-        families = append_inputs(self.geometry, latent, rope, index_keys, self._batch)
-        batch, length = latent.shape[0], latent.shape[1]
-        check_token_room(self.geometry, self._offsets, length)
+        families, batch, length = self._check_append(latent, rope, index_keys)
         if self._batch is None:
             self._begin_rows(batch)
         families = zero_prefill_leads(families, prefill_leads(self._offsets))
@@ -131,13 +127,7 @@ class MLACache(ReuseFloor, RightJustifiedRows):
 
     def merge_row_states(self, states: Sequence[MLARowState]) -> None:
         """Fill this EMPTY cache with ``states`` as rows (right-justified, zero left padding)."""
-        if self._batch is not None:
-            raise InvalidCacheState("merge_row_states needs an empty destination cache")
-        states = list(states)
-        if not states:
-            raise InvalidCacheState("merge needs at least one row")
-        for state in states:
-            self._check_state(state)
+        states = self._states_to_merge(states)
         width = max(s.offset for s in states)
         families = []
         if width:
@@ -147,12 +137,6 @@ class MLACache(ReuseFloor, RightJustifiedRows):
         self._families, self._width = families, width
         self._offsets = [s.offset for s in states]
         self._minimum = max(s.minimum_reusable_offset for s in states)
-
-    def restore_row(self, state: MLARowState) -> None:
-        """Replace this cache's contents with one row (the codecs' load path)."""
-        self._check_state(state)
-        self.dispose()
-        self.merge_row_states([state])
 
     def merge_rows(self, rows: Sequence[MLACache]) -> None:
         """Rows of every source, in order (an empty source contributes one zero-length row); sources unchanged."""
