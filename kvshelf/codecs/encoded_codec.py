@@ -17,7 +17,7 @@ from . import validate
 from .dtypes import mlx_dtype
 from .header import CacheEntry
 from .latent_common import (
-    check_prefix,
+    RowStateCodec,
     family_layouts,
     family_names,
     format_fields,
@@ -26,8 +26,6 @@ from .latent_common import (
     geometry_of,
     make_slots,
     plane_layout,
-    prefix_tensors,
-    replace_entry,
     require_serial,
     same_layout,
     snapshot_floor,
@@ -37,7 +35,7 @@ from .validate import SlotSpec
 KIND = "latent-encoded"
 
 
-class EncodedCodec:
+class EncodedCodec(RowStateCodec):
     kind = KIND
 
     def __repr__(self) -> str:
@@ -100,9 +98,7 @@ class EncodedCodec:
         validate.check_positions(entry, index, entry.max_tokens)
         validate.check_slots(entry, index, specs)
 
-    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> EncodedRowState:
-        self.validate(entry, index)
-        validate.check_arrays(entry, index, arrays, verify)
+    def _state_of(self, entry: CacheEntry, arrays: Sequence[mx.array], index: int | None) -> EncodedRowState:
         geometry = geometry_of(entry, index)
         layouts = family_layouts(entry, index, geometry, format_of(entry, index))
         planes, at = [], 0
@@ -117,26 +113,5 @@ class EncodedCodec:
     def _empty(self, entry: CacheEntry, index: int | None) -> EncodedLatentCache:
         return EncodedLatentCache(geometry_of(entry, index), format_of(entry, index), entry.quantized_kv_start)
 
-    def load(
-        self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None
-    ) -> EncodedLatentCache:
-        state = self._row_state(entry, arrays, verify, index)
-        cache = self._empty(entry, index)
-        cache.restore_row(state)
-        return cache
-
-    def load_batch(
-        self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *, verify: bool = True
-    ) -> EncodedLatentCache:
+    def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
         same_layout(entries, arrays_per_row, KIND)
-        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
-        cache = self._empty(entries[0], 0)
-        cache.merge_row_states(states)
-        return cache
-
-    def header_trimmable(self, entry: CacheEntry) -> bool:
-        return True
-
-    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
-        check_prefix(entry, p)
-        return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p))

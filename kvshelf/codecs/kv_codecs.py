@@ -28,7 +28,15 @@ from ..latent_legos.kv.rotating import RingRowState
 from ..latent_legos.kv.turbo import HEAD_DIMS
 from . import dtypes, validate
 from .header import CacheEntry
-from .latent_common import check_prefix, make_slots, prefix_tensors, replace_entry, require_serial, snapshot_floor
+from .latent_common import (
+    RowStateCodec,
+    check_prefix,
+    make_slots,
+    prefix_tensors,
+    replace_entry,
+    require_serial,
+    snapshot_floor,
+)
 from .validate import SlotSpec
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
@@ -68,7 +76,7 @@ def check_common(entry: CacheEntry, index: int | None, kind: str, fields: Sequen
     validate.check_positions(entry, index, None)
 
 
-class TokenKvCodec:
+class TokenKvCodec(RowStateCodec):
     """The token-axis kinds: planes ``[1, H, T, w]`` of a ``TokenRows`` cache, token axis 2."""
 
     kind: str
@@ -139,34 +147,14 @@ class TokenKvCodec:
         check_common(entry, index, self.kind, self.format_fields, keys)
         validate.check_slots(entry, index, self.specs(entry, index))
 
-    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> KvRowState:
-        self.validate(entry, index)
-        validate.check_arrays(entry, index, arrays, verify)
+    def _state_of(self, entry: CacheEntry, arrays: Sequence[mx.array], index: int | None) -> KvRowState:
         return KvRowState(list(arrays), entry.offset, entry.minimum_reusable_offset)
 
-    def load(
-        self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None
-    ) -> Any:
-        state = self._row_state(entry, arrays, verify, index)
-        cache = self.new_cache(entry, index)
-        cache.merge_row_states([state])
-        return cache
+    def _empty(self, entry: CacheEntry, index: int | None) -> Any:
+        return self.new_cache(entry, index)
 
-    def load_batch(
-        self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *, verify: bool = True
-    ) -> Any:
+    def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
         check_rows(entries, arrays_per_row, self.kind, ("bits", "group_size", "k_bits", "v_bits"))
-        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
-        cache = self.new_cache(entries[0], 0)
-        cache.merge_row_states(states)
-        return cache
-
-    def header_trimmable(self, entry: CacheEntry) -> bool:
-        return True
-
-    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
-        check_prefix(entry, p)
-        return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p))
 
 
 def check_rows(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], kind: str,
@@ -277,7 +265,7 @@ class TurboKvCodec(TokenKvCodec):
         ]
 
 
-class RotatingKvCodec:
+class RotatingKvCodec(RowStateCodec):
     """The ring as laid out: whole ``[1, H, S, D]`` buffers, no token axis; a prefix exists only before the wrap."""
 
     kind = "rotating"
@@ -340,33 +328,23 @@ class RotatingKvCodec:
             SlotSpec("values", dtype, (1, heads, buffer, dv), None),
         ])
 
-    def _row_state(
-        self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None
-    ) -> RingRowState:
-        self.validate(entry, index)
-        validate.check_arrays(entry, index, arrays, verify)
+    def _state_of(self, entry: CacheEntry, arrays: Sequence[mx.array], index: int | None) -> RingRowState:
         keys, values = (arrays[0], arrays[1]) if arrays else (None, None)
         return RingRowState(keys, values, entry.offset, entry.extra["idx"], entry.minimum_reusable_offset)
 
-    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True,
-             index: int | None = None) -> RotatingKVCache:
-        state = self._row_state(entry, arrays, verify, index)
+    def _empty(self, entry: CacheEntry, index: int | None) -> RotatingKVCache:
         max_size, keep, _ = self._ring(entry, index)
-        cache = RotatingKVCache(max_size, keep)
-        cache.merge_row_states([state])
-        return cache
+        return RotatingKVCache(max_size, keep)
 
-    def load_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *,
-                   verify: bool = True) -> RotatingKVCache:
+    def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
         check_rows(entries, arrays_per_row, self.kind, ())
-        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
+
+    def _batch_cache(self, entries: Sequence[CacheEntry]) -> RotatingKVCache:
         max_size, keep, _ = self._ring(entries[0], 0)
         for i, entry in enumerate(entries):
             if self._ring(entry, i)[:2] != (max_size, keep):
                 raise InvalidCacheState(f"rotating: row {i} has another max_size/keep than row 0")
-        cache = RotatingKVCache(max_size, keep)
-        cache.merge_row_states(states)
-        return cache
+        return RotatingKVCache(max_size, keep)
 
     def header_trimmable(self, entry: CacheEntry) -> bool:
         return entry.offset < extra_int(entry, None, "max_size")
@@ -383,7 +361,7 @@ class RotatingKvCodec:
         return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p), extra=extra)
 
 
-class ArraysCodec:
+class ArraysCodec(RowStateCodec):
     """Recurrent slots, one tensor per present slot, no token axis; reusable at the exact length only."""
 
     kind = "arrays"
@@ -435,33 +413,23 @@ class ArraysCodec:
             raise validate.incompatible(entry, index, "tensors", message)
         validate.check_slots(entry, index, specs)
 
-    def _row_state(
-        self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None
-    ) -> ArraysRowState:
-        self.validate(entry, index)
-        validate.check_arrays(entry, index, arrays, verify)
+    def _state_of(self, entry: CacheEntry, arrays: Sequence[mx.array], index: int | None) -> ArraysRowState:
         slots: list[mx.array | None] = [None] * entry.extra["size"]
         for j, array in zip(self._present(entry, index), arrays):
             slots[j] = array
         return ArraysRowState(slots, entry.offset, entry.minimum_reusable_offset)
 
-    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True,
-             index: int | None = None) -> ArraysCache:
-        state = self._row_state(entry, arrays, verify, index)
-        cache = ArraysCache(entry.extra["size"])
-        cache.merge_row_states([state])
-        return cache
+    def _empty(self, entry: CacheEntry, index: int | None) -> ArraysCache:
+        return ArraysCache(entry.extra["size"])
 
-    def load_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *,
-                   verify: bool = True) -> ArraysCache:
+    def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
         check_rows(entries, arrays_per_row, self.kind, ())
-        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
+
+    def _batch_cache(self, entries: Sequence[CacheEntry]) -> ArraysCache:
         sizes = {e.extra["size"] for e in entries}
         if len(sizes) != 1:
             raise InvalidCacheState(f"arrays: rows have different slot counts {sorted(sizes)}")
-        cache = ArraysCache(sizes.pop())
-        cache.merge_row_states(states)
-        return cache
+        return ArraysCache(sizes.pop())
 
     def header_trimmable(self, entry: CacheEntry) -> bool:
         return False

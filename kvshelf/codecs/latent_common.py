@@ -1,4 +1,4 @@
-"""What the latent codecs share: geometry and format fields, slot layouts, serial-row checks, prefix cuts.
+"""What the codecs share: geometry and format fields, slot layouts, serial-row checks, prefix cuts, row-state loads.
 
 The three latent kinds differ only in which tensors they hold; the header vocabulary (geometry, format, floor) and
 the way header values become library objects are the same, so header errors read the same for every kind.
@@ -192,3 +192,57 @@ def same_layout(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence
         for i, entry in enumerate(entries[1:], start=1):
             if entry.pages is None or entry.pages.block_size != first.pages.block_size:
                 raise InvalidCacheState(f"{what}: row {i} has another block size than row 0")
+
+
+class RowStateCodec:
+    """``load``/``load_batch`` and the plain prefix rule for codecs whose caches take rows as row states.
+
+    An entry's checked arrays become one row state (``_state_of``), an empty cache takes the rows through
+    ``merge_row_states``. A subclass gives ``validate``, ``_state_of``, ``_empty`` (the cache one entry's row goes
+    into) and ``_check_batch`` (what rows batched together share); ``_batch_cache`` may check more across rows.
+    """
+
+    kind: str
+
+    def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        raise NotImplementedError
+
+    def _state_of(self, entry: CacheEntry, arrays: Sequence[mx.array], index: int | None) -> Any:
+        raise NotImplementedError
+
+    def _empty(self, entry: CacheEntry, index: int | None) -> Any:
+        raise NotImplementedError
+
+    def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
+        raise NotImplementedError
+
+    def _batch_cache(self, entries: Sequence[CacheEntry]) -> Any:
+        """The empty cache a batch's rows go into (after every row state was made)."""
+        return self._empty(entries[0], 0)
+
+    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> Any:
+        self.validate(entry, index)
+        validate.check_arrays(entry, index, arrays, verify)
+        return self._state_of(entry, arrays, index)
+
+    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None) -> Any:
+        state = self._row_state(entry, arrays, verify, index)
+        cache = self._empty(entry, index)
+        cache.merge_row_states([state])
+        return cache
+
+    def load_batch(
+        self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *, verify: bool = True
+    ) -> Any:
+        self._check_batch(entries, arrays_per_row)
+        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
+        cache = self._batch_cache(entries)
+        cache.merge_row_states(states)
+        return cache
+
+    def header_trimmable(self, entry: CacheEntry) -> bool:
+        return True
+
+    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
+        check_prefix(entry, p)
+        return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p))

@@ -14,13 +14,11 @@ from ..latent_legos.mla import MLACache, MLARowState
 from . import validate
 from .header import CacheEntry
 from .latent_common import (
-    check_prefix,
+    RowStateCodec,
     family_names,
     geometry_fields,
     geometry_of,
     make_slots,
-    prefix_tensors,
-    replace_entry,
     require_serial,
     same_layout,
     snapshot_floor,
@@ -28,7 +26,7 @@ from .latent_common import (
 from .validate import SlotSpec
 
 
-class MLACodec:
+class MLACodec(RowStateCodec):
     """One codec per kind: ``dsa`` selects caches (and entries) with DSA index keys."""
 
     def __init__(self, dsa: bool) -> None:
@@ -82,29 +80,11 @@ class MLACodec:
         validate.check_positions(entry, index, entry.max_tokens)
         validate.check_slots(entry, index, specs)
 
-    def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> MLARowState:
-        self.validate(entry, index)
-        validate.check_arrays(entry, index, arrays, verify)
+    def _state_of(self, entry: CacheEntry, arrays: Sequence[mx.array], index: int | None) -> MLARowState:
         return MLARowState(arrays=list(arrays), offset=entry.offset, minimum_reusable_offset=entry.minimum_reusable_offset)
 
-    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None) -> MLACache:
-        state = self._row_state(entry, arrays, verify, index)
-        cache = MLACache(geometry_of(entry, index))
-        cache.merge_row_states([state])
-        return cache
+    def _empty(self, entry: CacheEntry, index: int | None) -> MLACache:
+        return MLACache(geometry_of(entry, index))
 
-    def load_batch(
-        self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *, verify: bool = True
-    ) -> MLACache:
+    def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
         same_layout(entries, arrays_per_row, self.kind)
-        states = [self._row_state(e, a, verify, i) for i, (e, a) in enumerate(zip(entries, arrays_per_row))]
-        cache = MLACache(geometry_of(entries[0], 0))
-        cache.merge_row_states(states)
-        return cache
-
-    def header_trimmable(self, entry: CacheEntry) -> bool:
-        return True
-
-    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
-        check_prefix(entry, p)
-        return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p))
