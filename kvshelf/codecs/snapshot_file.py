@@ -104,8 +104,9 @@ def check_identity(header: SnapshotHeader, expect: Any) -> None:
 # writing
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename or a new file in ``directory`` durable (every layer that publishes files uses this one)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -159,7 +160,7 @@ def save_snapshot(
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException as exc:
         try:
             os.unlink(tmp)

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ..codecs.snapshot_file import fsync_dir
 from ..errors import CorruptData, StoreFull
 from .blobfile import BlobReader, Piece, kvz_buffers, raw_buffers
 
@@ -41,14 +42,6 @@ def ensure_dir(path: str) -> None:
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
         os.chmod(path, DIR_MODE)
         fsync_dir(os.path.dirname(path))
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def durable_write(final: str, tmp_dir: str, buffers: list) -> int:
@@ -265,7 +258,7 @@ class LocalBlobStore(BlobStore):
         removed = []
         for name in os.listdir(self.tmp_dir):
             pid_text = name.split("-", 1)[0]
-            if pid_text.isdigit() and _alive(int(pid_text)):
+            if pid_text.isdigit() and pid_alive(int(pid_text)):
                 continue
             removed.append(name)
             if not dry_run:
@@ -276,7 +269,8 @@ class LocalBlobStore(BlobStore):
         return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one we may not signal still counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import CorruptData, IncompatibleFormat
 from . import manifest as mf
+from .blobs import pid_alive
 from .manifest import ChunkMeta, Lease, Manifest, Summary
 from .prefix import all_boundaries
 from .results import Finding, GcReport
@@ -130,7 +131,7 @@ def gc_store(store: "Store", dry_run: bool = True) -> GcReport:
         dead = []
         for key, raw in txn.cursor(db=db["leases"]):
             lease = mf.decode(raw, Lease, "lease")
-            if lease.expires <= now or not _alive(lease.pid):
+            if lease.expires <= now or not pid_alive(lease.pid):
                 dead.append(bytes(key))
         if not dry_run:
             for key in dead:
@@ -171,12 +172,6 @@ def gc_store(store: "Store", dry_run: bool = True) -> GcReport:
 def _in_read(store: "Store", fn):
     with store.index.read() as txn:
         return fn(txn)
-
-
-def _alive(pid: int) -> bool:
-    from .store import _pid_alive
-
-    return _pid_alive(pid)
 
 
 def rebuild_store_index(store: "Store") -> int:

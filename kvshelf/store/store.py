@@ -32,7 +32,7 @@ from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfE
 from . import manifest as mf
 from . import openlock
 from .blobfile import BlobReader, Piece, content_hash
-from .blobs import LocalBlobStore, ensure_dir
+from .blobs import LocalBlobStore, ensure_dir, pid_alive
 from .identity import Identity, namespace_key
 from .index import Index
 from .layout import BlobPlan, Destinations, fill_from_blob, plan_blobs
@@ -411,7 +411,7 @@ class Store:
             if bytes(key) in released:  # released by this handle, deletion deferred to its next write
                 continue
             lease = mf.decode(raw, Lease, "lease")
-            if lease.expires > now and _pid_alive(lease.pid):
+            if lease.expires > now and pid_alive(lease.pid):
                 sids.add(lease.snapshot_id)
                 hashes.update(lease.hashes)
         return sids, hashes
@@ -1028,16 +1028,6 @@ def identity_key_of(manifest: Manifest) -> bytes:
     from .identity import identity_key
 
     return identity_key(manifest.model_id, manifest.config_fingerprint, manifest.tokenizer_hash)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,

@@ -14,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
+from ..codecs.snapshot_file import fsync_dir
+
 
 def compact_copy(env, work_dir: str | os.PathLike[str]) -> Path:
     """Write a compacted copy of ``env`` into a fresh directory under ``work_dir``; returns its data.mdb."""
@@ -32,11 +34,7 @@ def swap_in(copy: Path, index_dir: str | os.PathLike[str]) -> None:
     """Atomically replace ``index_dir/data.mdb`` by ``copy`` (rename + directory fsync), then drop the work dir."""
     final = Path(index_dir) / "data.mdb"
     os.replace(copy, final)
-    fd = os.open(index_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(index_dir)
     shutil.rmtree(copy.parent, ignore_errors=True)
 
 

@@ -32,6 +32,7 @@ from typing import Any
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from ..codecs.snapshot_file import fsync_dir
 from ..errors import CorruptData, IdentityMismatch, IncompatibleFormat, InvalidCacheState, KvShelfError
 
 SUFFIX = ".safetensors"
@@ -110,14 +111,6 @@ def _write_private(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class InboxWatcher:
     """Polls (woken early by watchdog) an inbox directory and hands settled snapshot files to ``ingest``."""
 
@@ -182,7 +175,7 @@ class InboxWatcher:
             target = _unique_target(self.inbox / FAILED, path.name)
             _write_private(target.with_name(target.name + ".reason.txt"), reason)
             os.replace(path, target)
-            _fsync_dir(self.inbox / FAILED)
+            fsync_dir(self.inbox / FAILED)
             self._seen.pop(path.name, None)
             self.log(f"failed {path.name}: {reason.strip()}")
             outcome = WatchOutcome(path.name, FAILED, reason.strip())
@@ -196,7 +189,7 @@ class InboxWatcher:
         else:
             target = _unique_target(self.inbox / DONE, path.name)
             os.replace(path, target)
-            _fsync_dir(self.inbox / DONE)
+            fsync_dir(self.inbox / DONE)
             self._seen.pop(path.name, None)
             self.log(f"ingested {path.name}")
             outcome = WatchOutcome(path.name, DONE, "", result)
