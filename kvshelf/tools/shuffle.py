@@ -19,28 +19,29 @@ def _as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def shuffle(data: bytes | bytearray | memoryview | np.ndarray, itemsize: int) -> bytes:
-    """Element bytes -> ``itemsize`` consecutive streams (stream k holds byte k of every element)."""
+def _transpose(data: bytes | bytearray | memoryview | np.ndarray, itemsize: int, unshuffling: bool) -> bytes:
+    """The bytes as an element-by-byte matrix, transposed (what both directions do, with their own checks)."""
     raw = _as_u8(data)
+    what = "unshuffle" if unshuffling else "shuffle"
     if itemsize < 1:
-        raise InvalidCacheState(f"shuffle: itemsize must be >= 1, got {itemsize}")
+        raise InvalidCacheState(f"{what}: itemsize must be >= 1, got {itemsize}")
     if raw.size % itemsize:
-        raise InvalidCacheState(f"shuffle: {raw.size} bytes is not a whole number of {itemsize}-byte elements")
+        # A stored stream that does not split evenly is damage; caller-given elements that do not are misuse.
+        error, unit = (CorruptData, "streams") if unshuffling else (InvalidCacheState, "elements")
+        raise error(f"{what}: {raw.size} bytes is not a whole number of {itemsize}-byte {unit}")
     if itemsize == 1:
         return raw.tobytes()
-    return raw.reshape(-1, itemsize).T.tobytes()
+    return (raw.reshape(itemsize, -1) if unshuffling else raw.reshape(-1, itemsize)).T.tobytes()
+
+
+def shuffle(data: bytes | bytearray | memoryview | np.ndarray, itemsize: int) -> bytes:
+    """Element bytes -> ``itemsize`` consecutive streams (stream k holds byte k of every element)."""
+    return _transpose(data, itemsize, unshuffling=False)
 
 
 def unshuffle(data: bytes | bytearray | memoryview | np.ndarray, itemsize: int) -> bytes:
     """Inverse of :func:`shuffle`: ``itemsize`` streams back to whole elements, byte for byte."""
-    raw = _as_u8(data)
-    if itemsize < 1:
-        raise InvalidCacheState(f"unshuffle: itemsize must be >= 1, got {itemsize}")
-    if raw.size % itemsize:
-        raise CorruptData(f"unshuffle: {raw.size} bytes is not a whole number of {itemsize}-byte streams")
-    if itemsize == 1:
-        return raw.tobytes()
-    return raw.reshape(itemsize, -1).T.tobytes()
+    return _transpose(data, itemsize, unshuffling=True)
 
 
 # Which dtypes are float planes worth shuffling (the integer planes of quantized formats are packed bits and
