@@ -208,3 +208,15 @@ def test_sigterm_while_a_file_is_in_hand_finishes_it(tmp_path) -> None:
         assert s.verify(deep=True) == []
         assert s.gc(dry_run=True).orphan_blobs == []
     assert not (store / "tmp").exists() or list((store / "tmp").iterdir()) == []
+
+
+def test_human_output_of_gc_rebuild_index_and_watch(store_copy, tmp_path) -> None:
+    """The subcommands whose human (non --json) output no other test reads."""
+    dry = run_cli("gc", "--dry-run", "--store", str(store_copy))
+    assert dry.returncode == 0 and dry.stdout.strip() == "would remove 0 blob(s), 0 B", dry.stdout
+    rebuilt = run_cli("rebuild-index", "--store", str(store_copy))
+    assert rebuilt.returncode == 0 and "rebuilt index" in rebuilt.stdout, rebuilt.stdout
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    watched = run_cli("watch", str(inbox), "--store", str(store_copy), "--settle", "0.2s", "--exit-when-idle", "0.5s")
+    assert watched.returncode == 0 and watched.stdout.strip() == "watch stopped: 0 ingested, 0 failed", watched.stdout
