@@ -6,6 +6,9 @@ import numpy as np
 from codec_cases import Case, append, bits, describe, filled, read_bits
 
 from kvshelf import Identity, open_store
+from kvshelf.codecs import CodecProvider
+from kvshelf.codecs.mla_codec import MLACodec
+from kvshelf.latent_legos import MLACache
 
 IDENTITY = Identity("test-model", config_fingerprint="cfg-1", tokenizer_hash="tok-1")
 LAYERS = 2
@@ -37,3 +40,35 @@ def open_test_store(path, **options):
 
 
 __all__ = ["IDENTITY", "LAYERS", "session", "token_ids", "same_caches", "open_test_store", "bits"]
+
+
+class RingCache(MLACache):
+    """A cache kind whose prefixes are not valid states (like a wrapped rotating window): reusable only whole."""
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+class RingCodec(MLACodec):
+    def __init__(self):
+        super().__init__(dsa=False)
+        self.kind = "test-ring"
+
+    def matches(self, cache):
+        return isinstance(cache, RingCache)
+
+    def header_trimmable(self, entry):
+        return False
+
+
+class PlainCodec(MLACodec):
+    def __init__(self):
+        super().__init__(dsa=False)
+
+    def matches(self, cache):
+        return type(cache) is MLACache
+
+
+def ring_provider(name: str) -> CodecProvider:
+    """A provider that stores plain ``MLACache`` and the untrimmable ``RingCache`` as two kinds."""
+    return CodecProvider(name, [PlainCodec(), RingCodec()])

@@ -8,11 +8,9 @@ import time
 import mlx.core as mx
 import pytest
 from codec_cases import CASES_BY_ID, append
-from store_cases import IDENTITY, open_test_store, same_caches, session, token_ids
+from store_cases import IDENTITY, RingCache, open_test_store, ring_provider, same_caches, session, token_ids
 
 from kvshelf import Identity
-from kvshelf.codecs import CodecProvider
-from kvshelf.codecs.mla_codec import MLACodec
 from kvshelf.errors import IdentityMismatch, InvalidCacheState, SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
 from kvshelf.store.prefix import boundary_hash, continuation, positions, tokens_array
@@ -21,34 +19,7 @@ MLA = CASES_BY_ID["mla-f32-nodsa"]
 LENGTHS = (40, 30, 30)  # 100 tokens: six 16-token boundaries
 
 
-class RingCache(MLACache):
-    """A cache kind whose prefixes are not valid states (like a wrapped rotating window)."""
-
-    def is_trimmable(self) -> bool:
-        return False
-
-
-class RingCodec(MLACodec):
-    def __init__(self):
-        super().__init__(dsa=False)
-        self.kind = "test-ring"
-
-    def matches(self, cache):
-        return isinstance(cache, RingCache)
-
-    def header_trimmable(self, entry):
-        return False
-
-
-class PlainCodec(MLACodec):
-    def __init__(self):
-        super().__init__(dsa=False)
-
-    def matches(self, cache):
-        return type(cache) is MLACache
-
-
-PROVIDER = CodecProvider("test-ring-provider-v1", [PlainCodec(), RingCodec()])
+PROVIDER = ring_provider("test-ring-provider-v1")
 
 
 def ring_session(n: int, seed: int = 0):

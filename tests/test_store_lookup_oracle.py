@@ -11,44 +11,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from store_cases import RingCache, ring_provider
 
 from kvshelf import Identity, open_store
-from kvshelf.codecs import CodecProvider
-from kvshelf.codecs.mla_codec import MLACodec
 from kvshelf.latent_legos import LatentGeometry, MLACache
 
 GEOMETRY = LatentGeometry(kv_lora_rank=8, rope_head_dim=8)
 IDENTITY = Identity("oracle-model")
 
 
-class RingCache(MLACache):
-    """A cache whose prefixes are not valid states (like a wrapped rotating window): reusable only whole."""
-
-    def is_trimmable(self) -> bool:
-        return False
-
-
-class RingCodec(MLACodec):
-    def __init__(self):
-        super().__init__(dsa=False)
-        self.kind = "test-ring"
-
-    def matches(self, cache):
-        return isinstance(cache, RingCache)
-
-    def header_trimmable(self, entry):
-        return False
-
-
-class PlainCodec(MLACodec):
-    def __init__(self):
-        super().__init__(dsa=False)
-
-    def matches(self, cache):
-        return type(cache) is MLACache
-
-
-PROVIDER = CodecProvider("test-oracle-provider-v1", [PlainCodec(), RingCodec()])
+PROVIDER = ring_provider("test-oracle-provider-v1")
 
 
 def caches(n: int, trimmable: bool, floor: int) -> list:
