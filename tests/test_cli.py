@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tools_data import MODEL, make_caches, populate, run_cli, run_json, same_reads, tokens_for  # noqa: E402
+from tools_data import (  # noqa: E402
+    MODEL,
+    make_caches,
+    private_copy,
+    run_cli,
+    run_json,
+    same_reads,
+    template_store,
+    tokens_for,
+)
 
 from kvshelf import open_store  # noqa: E402
 from kvshelf.store.manifest import BlobRef  # noqa: E402
@@ -19,17 +28,13 @@ SUBCOMMANDS = ["demo", "ls", "show", "stats", "verify", "gc", "compact", "export
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("cli") / "store"
-    populate(root)
-    return root
+    return template_store(tmp_path_factory, "cli")
 
 
 @pytest.fixture
 def fresh_store(store_dir, tmp_path) -> Path:
     """A private copy of the module's store, for commands that change it."""
-    root = tmp_path / "store"
-    shutil.copytree(store_dir, root)
-    return root
+    return private_copy(store_dir, tmp_path)
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS)

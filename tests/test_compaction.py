@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tools_data import MODEL, OTHER, populate, reads, tokens_for  # noqa: E402
+from tools_data import MODEL, OTHER, private_copy, reads, template_store, tokens_for  # noqa: E402
 
 from kvshelf import open_store  # noqa: E402
 from kvshelf.tools.admin import open_admin  # noqa: E402
@@ -24,16 +23,12 @@ from kvshelf.tools.densify import is_dense  # noqa: E402
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("compaction") / "store"
-    populate(root)
-    return root
+    return template_store(tmp_path_factory, "compaction")
 
 
 @pytest.fixture
 def store_dir(template, tmp_path) -> Path:
-    root = tmp_path / "store"
-    shutil.copytree(template, root)
-    return root
+    return private_copy(template, tmp_path)
 
 
 def _bits(arrays) -> list[bytes]:

@@ -16,7 +16,17 @@ import msgspec
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tools_data import MODEL, OTHER, make_caches, populate, reads, run_cli, run_json, tokens_for  # noqa: E402
+from tools_data import (  # noqa: E402
+    MODEL,
+    OTHER,
+    make_caches,
+    private_copy,
+    reads,
+    run_cli,
+    run_json,
+    template_store,
+    tokens_for,
+)
 
 from kvshelf import open_store  # noqa: E402
 from kvshelf.errors import KvShelfError  # noqa: E402
@@ -31,16 +41,12 @@ TOOLS = Path(__file__).parent.parent / "kvshelf" / "tools"
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("surface") / "store"
-    populate(root, kinds=("mla", "paged-f32"))
-    return root
+    return template_store(tmp_path_factory, "surface", kinds=("mla", "paged-f32"))
 
 
 @pytest.fixture
 def store_dir(template, tmp_path) -> Path:
-    root = tmp_path / "store"
-    shutil.copytree(template, root)
-    return root
+    return private_copy(template, tmp_path)
 
 
 @pytest.fixture(autouse=True)

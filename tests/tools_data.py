@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,20 @@ def populate(root: Path, *, kinds=tuple(SCHEMES), other_identity: bool = True) -
         with open_store(root, identity=OTHER, chunk_tokens=CHUNK) as store:
             store.save("s-other", tokens_for(50, 7), make_caches("mla", 50, 7))
     return plan
+
+
+def template_store(tmp_path_factory, name: str, **populate_options) -> Path:
+    """A module's populated store (built once per module; tests that change it work on a ``private_copy``)."""
+    root = tmp_path_factory.mktemp(name) / "store"
+    populate(root, **populate_options)
+    return root
+
+
+def private_copy(template: Path, tmp_path: Path) -> Path:
+    """A test's own copy of a template store, for tests that change it."""
+    root = tmp_path / "store"
+    shutil.copytree(template, root)
+    return root
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
