@@ -125,7 +125,7 @@ def test_bad_files_land_in_failed_with_their_reason_and_nothing_in_the_store(tmp
     (inbox / "notes.txt").write_text("not a snapshot")
     proc = start(store, inbox, "--model-id", MODEL.model_id, "--exit-when-idle", "1s")
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    assert proc.returncode == 1, err  # rejected files are problems found
     assert done(inbox) == ["good.safetensors"]
     assert failed(inbox) == ["corrupted.safetensors", "foreign.safetensors", "truncated.safetensors"]
     reason = {n: (inbox / "failed" / f"{n}.reason.txt").read_text() for n in failed(inbox)}
@@ -214,7 +214,8 @@ def test_sigkill_mid_ingest_then_restart_ingests_each_file_once(tmp_path) -> Non
     assert set(before) >= {n.removesuffix(".safetensors") for n in done(inbox)}
     again = start(store, inbox, "--exit-when-idle", "1s")
     _out, err = again.communicate(timeout=120)
-    assert again.returncode == 0 and done(inbox) == names, err and failed(inbox) == []
+    assert again.returncode == 0, err
+    assert done(inbox) == names and failed(inbox) == []
     after = sessions(store)
     assert set(after) == {n.removesuffix(".safetensors") for n in names}
     assert {k: after[k] for k in before} == before  # a file committed before the kill was not saved again

@@ -309,7 +309,7 @@ def cmd_watch(args: argparse.Namespace, pr: Printer) -> int:
     doc = {"done": stats.done, "failed": stats.failed, "compactions": stats.compactions,
            "files": [to_data(o) | {"result": None} for o in stats.outcomes]}
     pr.emit(doc, lambda c: c.print(f"watch stopped: {stats.done} ingested, {stats.failed} failed"))
-    return OK
+    return PROBLEMS if stats.failed else OK  # a rejected file is a problem found, like verify's corruption
 
 
 COMMANDS = {
