@@ -52,6 +52,16 @@ def round_start(before: list[int], rows: int) -> list[int]:
     return before
 
 
+def padding_rows(padding: object, batch: int | None) -> int:
+    """The rows a ``prepare_prefill`` padding names, which must be the cache's rows once it has any."""
+    if not isinstance(padding, PrefillPadding):
+        raise InvalidCacheState(f"prepare_prefill takes a PrefillPadding (got {type(padding).__name__})")
+    rows = len(padding.lengths)
+    if batch is not None and rows != batch:
+        raise InvalidCacheState(f"prefill padding names {rows} rows, the cache has {batch}")
+    return rows
+
+
 class RowBookkeeping:
     """Per-row offsets of a right-justified layout (``RightJustifiedRows`` and the kv ``TokenRows``): every row
     ends at column ``_width`` and row b holds its last ``_offsets[b]`` columns. Prefill padding, speculative rounds
@@ -126,11 +136,7 @@ class RowBookkeeping:
 
     # -- prefill padding -------------------------------------------------------------------------------------------
     def prepare_prefill(self, padding: PrefillPadding) -> None:
-        if not isinstance(padding, PrefillPadding):
-            raise InvalidCacheState(f"prepare_prefill takes a PrefillPadding (got {type(padding).__name__})")
-        rows = len(padding.lengths)
-        if self._batch is not None and rows != self._batch:
-            raise InvalidCacheState(f"prefill padding names {rows} rows, the cache has {self._batch}")
+        rows = padding_rows(padding, self._batch)
         left = padding.left_padding or [0] * rows
         if any(left) and self._width > 0:
             raise InvalidCacheState("left padding can only be added to a cache with no stored positions")

@@ -18,7 +18,7 @@ from .family_codec import FamilyCodec
 from .formats import LatentFormat, format_key
 from .geometry import LatentGeometry
 from .cache_parts import ReuseFloor
-from .justified import check_keep_counts, check_merge_sources, round_start
+from .justified import check_keep_counts, check_merge_sources, padding_rows, round_start
 from .pages import LatentPages, _positive
 from .rows import (
     append_inputs,
@@ -163,11 +163,7 @@ class PagedLatentCache(ReuseFloor):
 
     # -- prefill padding -----------------------------------------------------------------------------------------------
     def prepare_prefill(self, padding: PrefillPadding) -> None:
-        if not isinstance(padding, PrefillPadding):
-            raise InvalidCacheState(f"prepare_prefill takes a PrefillPadding (got {type(padding).__name__})")
-        rows = len(padding.lengths)
-        if self._rows and rows != len(self._rows):
-            raise InvalidCacheState(f"prefill padding names {rows} rows, the cache has {len(self._rows)}")
+        rows = padding_rows(padding, self.batch_size)
         left = padding.left_padding or [0] * rows
         if any(left) and self.offset > 0:
             raise InvalidCacheState("left padding can only be added to a cache with no stored positions")

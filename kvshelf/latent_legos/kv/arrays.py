@@ -21,7 +21,7 @@ import mlx.core as mx
 from ...errors import CacheRangeError, InvalidCacheState
 from ..cache_parts import ReuseFloor, describe, extract_one_row, source_row_states
 from ..contracts import PrefillPadding
-from ..justified import check_keep_counts
+from ..justified import check_keep_counts, padding_rows
 from ..rows import check_keep, check_row, non_negative, owned
 
 
@@ -172,11 +172,7 @@ class ArraysCache(ReuseFloor):
 
     # -- prefill padding -------------------------------------------------------------------------------------------
     def prepare_prefill(self, padding: PrefillPadding) -> None:
-        if not isinstance(padding, PrefillPadding):
-            raise InvalidCacheState(f"prepare_prefill takes a PrefillPadding (got {type(padding).__name__})")
-        rows = len(padding.lengths)
-        if self._batch is not None and rows != self._batch:
-            raise InvalidCacheState(f"prefill padding names {rows} rows, the cache has {self._batch}")
+        rows = padding_rows(padding, self._batch)
         left = padding.left_padding or [0] * rows
         if any(left) and any(self._offsets):
             raise InvalidCacheState("left padding can only be added to a cache with no consumed positions")

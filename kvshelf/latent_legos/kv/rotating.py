@@ -25,7 +25,7 @@ import mlx.core as mx
 from ...errors import CacheRangeError, InvalidCacheState
 from ..cache_parts import ReuseFloor, describe, extract_one_row, source_row_states
 from ..contracts import PrefillPadding
-from ..justified import check_keep_counts
+from ..justified import check_keep_counts, padding_rows
 from ..rows import check_keep, check_row, non_negative, owned
 from .masks import causal_mask
 from .plain import check_kv_dtypes
@@ -284,11 +284,7 @@ class RotatingKVCache(ReuseFloor):
 
     # -- prefill padding (rings take unpadded rows only) -----------------------------------------------------------
     def prepare_prefill(self, padding: PrefillPadding) -> None:
-        if not isinstance(padding, PrefillPadding):
-            raise InvalidCacheState(f"prepare_prefill takes a PrefillPadding (got {type(padding).__name__})")
-        rows = len(padding.lengths)
-        if self._batch is not None and rows != self._batch:
-            raise InvalidCacheState(f"prefill padding names {rows} rows, the cache has {self._batch}")
+        rows = padding_rows(padding, self._batch)
         if any(padding.left_padding or ()) or any(padding.right_padding or ()):
             raise InvalidCacheState("a rotating cache takes unpadded prefill only (a ring has no padding columns)")
         if self._batch is None:
