@@ -225,7 +225,9 @@ class RowStateCodec:
         validate.check_arrays(entry, index, arrays, verify)
         return self._state_of(entry, arrays, index)
 
-    def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None) -> Any:
+    def load(
+        self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None
+    ) -> Any:
         state = self._row_state(entry, arrays, verify, index)
         cache = self._empty(entry, index)
         cache.merge_row_states([state])
