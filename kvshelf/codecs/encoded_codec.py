@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from ..latent_legos.encoded import EncodedLatentCache, EncodedRowState
 from . import validate
+from .batch_plan import BatchPlan, right_justified
 from .dtypes import mlx_dtype
 from .header import CacheEntry
 from .latent_common import (
@@ -115,3 +116,25 @@ class EncodedCodec(RowStateCodec):
 
     def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
         same_layout(entries, arrays_per_row, KIND)
+
+    def _plan(self, entries: list[CacheEntry]) -> BatchPlan:
+        geometry = geometry_of(entries[0], 0)
+        layouts = family_layouts(entries[0], 0, geometry, format_of(entries[0], 0))
+        offsets = [e.offset for e in entries]
+        width, rows = max(offsets), len(entries)
+        tensors, slot = [], 0
+        for name, layout in zip(family_names(geometry), layouts):
+            for i, (dtype, w) in enumerate(layout):
+                tensors.append(right_justified(f"{name}.{i}", dtype, (rows, width, w), 1, width, [slot] * rows, offsets))
+                slot += 1
+        if any(e.shadow for e in entries):  # converted rows have no shadow slot: their rows stay zero
+            for f, (name, w) in enumerate(zip(family_names(geometry), geometry.widths)):
+                slots = [slot + f if e.shadow else None for e in entries]
+                tensors.append(right_justified(f"{name}.shadow", "float32", (rows, width, w), 1, width, slots, offsets))
+        return BatchPlan(tuple(tensors))
+
+    def _adopt(self, cache: EncodedLatentCache, entries: list[CacheEntry], arrays: list[mx.array]) -> None:
+        count = sum(len(layout) for layout in family_layouts(entries[0], 0, cache.geometry, cache.format))
+        shadow = arrays[count:] if any(e.shadow for e in entries) else None
+        cache.adopt_batch(arrays[:count], shadow, [e.offset for e in entries], [not e.shadow for e in entries],
+                          [e.minimum_reusable_offset for e in entries])

@@ -27,6 +27,7 @@ from ..latent_legos.kv.arrays import ArraysRowState
 from ..latent_legos.kv.rotating import RingRowState
 from ..latent_legos.kv.turbo import HEAD_DIMS
 from . import dtypes, validate
+from .batch_plan import BatchPlan, right_justified
 from .header import CacheEntry
 from .latent_common import (
     RowStateCodec,
@@ -155,6 +156,30 @@ class TokenKvCodec(RowStateCodec):
 
     def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
         check_rows(entries, arrays_per_row, self.kind, ("bits", "group_size", "k_bits", "v_bits"))
+
+    def _plan(self, entries: list[CacheEntry]) -> BatchPlan | None:
+        """Rows right-justified at the batch width inside ``[B, H, capacity, w]`` planes, as ``merge_row_states``
+        lays them; rows without head geometry (never appended to) stay zero. Rows whose head geometry differs
+        have no plan: ``load_batch`` refuses them with its own message."""
+        shaped = [e for e in entries if e.tensors]
+        if not shaped:
+            return BatchPlan(())
+        template = shaped[0].tensors
+        if any([(t.dtype, t.shape[1], t.shape[3]) for t in e.tensors] !=
+               [(t.dtype, t.shape[1], t.shape[3]) for t in template] for e in shaped):
+            return None
+        offsets = [e.offset for e in entries]
+        width, rows = max(offsets), len(entries)
+        step = self.cache_type.step
+        capacity = (width + step) // step * step
+        return BatchPlan(tuple(
+            right_justified(t.name, t.dtype, (rows, t.shape[1], capacity, t.shape[3]), 2, width,
+                            [j if e.tensors else None for e in entries], offsets)
+            for j, t in enumerate(template)
+        ))
+
+    def _adopt(self, cache: Any, entries: list[CacheEntry], arrays: list[mx.array]) -> None:
+        cache.adopt_batch(arrays, [e.offset for e in entries], max(e.minimum_reusable_offset for e in entries))
 
 
 def check_rows(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], kind: str,

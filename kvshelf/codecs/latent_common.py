@@ -19,6 +19,7 @@ from ..latent_legos.encodings import family_encoding
 from ..latent_legos.formats import AffineFormat, TurboFormat
 from ..latent_legos.geometry import LatentGeometry
 from . import dtypes, validate
+from .batch_plan import BatchPlan
 from .checksum import checksum
 from .header import CacheEntry, TensorSlot
 from .validate import SlotSpec
@@ -241,6 +242,27 @@ class RowStateCodec:
         cache = self._batch_cache(entries)
         cache.merge_row_states(states)
         return cache
+
+    def batch_plan(self, entries: Sequence[CacheEntry]) -> BatchPlan | None:
+        """Where each row's tensors land in the batched cache (entries checked as ``load_batch`` checks them), or
+        None when this kind has no direct path (the reader then uses ``load_batch``)."""
+        entries = list(entries)
+        self._check_batch(entries, [()] * len(entries))
+        for i, entry in enumerate(entries):
+            self.validate(entry, i)
+        return self._plan(entries)
+
+    def _plan(self, entries: list[CacheEntry]) -> BatchPlan | None:
+        return None
+
+    def adopt_batch(self, entries: Sequence[CacheEntry], arrays: Sequence[mx.array]) -> Any:
+        """The batched cache around ``arrays`` (one per tensor of ``batch_plan(entries)``, filled), without copying."""
+        cache = self._batch_cache(list(entries))
+        self._adopt(cache, list(entries), list(arrays))
+        return cache
+
+    def _adopt(self, cache: Any, entries: list[CacheEntry], arrays: list[mx.array]) -> None:
+        raise NotImplementedError(f"{self.kind}: no batch plan, so nothing to adopt")
 
     def header_trimmable(self, entry: CacheEntry) -> bool:
         return True

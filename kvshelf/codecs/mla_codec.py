@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..latent_legos.mla import MLACache, MLARowState
 from . import validate
+from .batch_plan import BatchPlan, right_justified
 from .header import CacheEntry
 from .latent_common import (
     RowStateCodec,
@@ -88,3 +89,15 @@ class MLACodec(RowStateCodec):
 
     def _check_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]]) -> None:
         same_layout(entries, arrays_per_row, self.kind)
+
+    def _plan(self, entries: list[CacheEntry]) -> BatchPlan:
+        geometry = geometry_of(entries[0], 0)
+        offsets = [e.offset for e in entries]
+        width, rows = max(offsets), len(entries)
+        return BatchPlan(tuple(
+            right_justified(name, "float32", (rows, width, w), 1, width, [f] * rows, offsets)
+            for f, (name, w) in enumerate(zip(family_names(geometry), geometry.widths))
+        ))
+
+    def _adopt(self, cache: MLACache, entries: list[CacheEntry], arrays: list[mx.array]) -> None:
+        cache.adopt_batch(arrays, [e.offset for e in entries], max(e.minimum_reusable_offset for e in entries))

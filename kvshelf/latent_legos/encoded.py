@@ -254,6 +254,52 @@ class EncodedLatentCache(RightJustifiedRows):
         self._converted = converted
         self._minimum = [s.minimum_reusable_offset for s in states]
 
+    def adopt_batch(
+        self,
+        planes: Sequence[mx.array],
+        shadow: Sequence[mx.array] | None,
+        offsets: Sequence[int],
+        converted: Sequence[bool],
+        minimums: Sequence[int],
+    ) -> None:
+        """Take flat ``planes`` (and the f32 ``shadow`` iff some row is unconverted), each ``[B, max(offsets), w]``
+        with rows right-justified and zeros elsewhere (converted rows' shadow too), as this EMPTY cache's rows,
+        without copying: what ``merge_row_states`` builds, when the store's batched restore wrote rows in place."""
+        if self._batch is not None:
+            raise InvalidCacheState("adopt_batch needs an empty destination cache")
+        offsets = [non_negative(o, "row offset") for o in offsets]
+        rows = len(offsets)
+        if not rows or len(converted) != rows or len(minimums) != rows:
+            raise InvalidCacheState(f"adopt_batch needs one offset, converted flag and floor per row (got {rows}, "
+                                    f"{len(converted)}, {len(minimums)})")
+        width = max(offsets)
+        if width > self.geometry.token_limit:
+            raise CacheRangeError(f"row of {width} positions exceeds max_tokens {self.geometry.max_tokens}")
+        shapes = self._codec.flat_plane_shapes()
+        planes = list(planes)
+        if len(planes) != len(shapes):
+            raise InvalidCacheState(f"adopt_batch got {len(planes)} planes, {self.signature()} stores {len(shapes)}")
+        for i, (plane, (w, dtype)) in enumerate(zip(planes, shapes)):
+            if tuple(plane.shape) != (rows, width, w) or plane.dtype != dtype:
+                raise InvalidCacheState(f"batched plane {i} is {list(plane.shape)} {plane.dtype}; expected "
+                                        f"{[rows, width, w]} {dtype}")
+        converted = [bool(c) for c in converted]
+        if all(converted) != (shadow is None):
+            raise InvalidCacheState("adopt_batch needs a shadow exactly when some row is unconverted")
+        if shadow is not None:
+            shadow = list(shadow)
+            if len(shadow) != len(self.geometry.widths):
+                raise InvalidCacheState(f"batched shadow has {len(shadow)} families, geometry has "
+                                        f"{len(self.geometry.widths)}")
+            for f, (values, w) in enumerate(zip(shadow, self.geometry.widths)):
+                check_f32(f"batched shadow family {f}", values, (rows, width, w))
+        minimums = [non_negative(m, "minimum_reusable_offset") for m in minimums]
+        self._begin_rows(rows)
+        self._planes = planes if width else []
+        self._shadow = shadow if width else None
+        self._width, self._offsets = width, offsets
+        self._converted, self._minimum = converted, minimums
+
     def merge_rows(self, rows: Sequence[EncodedLatentCache]) -> None:
         """Rows of every source, in order (an empty source contributes one zero-length unconverted row)."""
         def empty(source: EncodedLatentCache) -> EncodedRowState:

@@ -138,6 +138,28 @@ class MLACache(ReuseFloor, RightJustifiedRows):
         self._offsets = [s.offset for s in states]
         self._minimum = max(s.minimum_reusable_offset for s in states)
 
+    def adopt_batch(self, families: Sequence[mx.array], offsets: Sequence[int], minimum: int) -> None:
+        """Take ``families`` (``[B, max(offsets), w]`` each, rows right-justified, zeros in the left padding) as this
+        EMPTY cache's rows, without copying: what ``merge_row_states`` builds, when the caller (the store's batched
+        restore) already wrote the rows into place."""
+        if self._batch is not None:
+            raise InvalidCacheState("adopt_batch needs an empty destination cache")
+        offsets = [non_negative(o, "row offset") for o in offsets]
+        if not offsets:
+            raise InvalidCacheState("adopt_batch needs at least one row")
+        width = max(offsets)
+        if width > self.geometry.token_limit:
+            raise CacheRangeError(f"row of {width} positions exceeds max_tokens {self.geometry.max_tokens}")
+        families = list(families)
+        if len(families) != len(self.geometry.widths):
+            raise InvalidCacheState(f"adopt_batch got {len(families)} families, geometry has {len(self.geometry.widths)}")
+        for name, array, w in zip(("latent", "rope key", "index keys"), families, self.geometry.widths):
+            check_f32(f"batched {name}", array, (len(offsets), width, w))
+        self._begin_rows(len(offsets))
+        self._families, self._width = (families if width else []), width
+        self._offsets = offsets
+        self._minimum = non_negative(minimum, "minimum_reusable_offset")
+
     def merge_rows(self, rows: Sequence[MLACache]) -> None:
         """Rows of every source, in order (an empty source contributes one zero-length row); sources unchanged."""
         def empty(_: MLACache) -> MLARowState:

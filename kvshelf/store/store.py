@@ -35,7 +35,7 @@ from .blobfile import BlobReader, Piece, content_hash
 from .blobs import LocalBlobStore, ensure_dir, pid_alive
 from .identity import Identity, namespace_key
 from .index import Index
-from .layout import BlobPlan, Destinations, fill_from_blob, plan_blobs
+from .layout import BatchDestinations, BlobPlan, Destinations, fill_from_blob, plan_blobs
 from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
 from .openlock import StoreBusy
 from .lookup import LazyTokens, _Lookup
@@ -57,6 +57,17 @@ class _Gone(Exception):
 
 class _Stale(SnapshotNotFound):
     """The manifest in hand names blobs the snapshot no longer references (it was rewritten in place)."""
+
+
+@dataclass
+class _Read:
+    """One snapshot being read: its (cut) entries, the blobs covering the cut, and the lease held on them."""
+
+    manifest: Manifest
+    entries: list[CacheEntry]
+    needed: list[BlobRef]
+    lease: bytes | None
+    ok: bool = False
 
 
 @dataclass
@@ -126,7 +137,8 @@ class Store:
         self._deferred_timer: threading.Timer | None = None
         self._writer = BackgroundWriter(max_pending_bytes)
         self.counters = {"blobs_read": 0, "bytes_read": 0, "blobs_written": 0, "bytes_written": 0,
-                         "bytes_reused": 0, "lookups": 0, "hits": 0, "quarantined": 0, "evicted": 0}
+                         "bytes_reused": 0, "lookups": 0, "hits": 0, "quarantined": 0, "evicted": 0,
+                         "batch_layers_direct": 0, "batch_layers_fallback": 0}
         self._closed = self._closing = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -525,22 +537,52 @@ class Store:
                 plans.append((manifest, manifest.length))
         for manifest, p in plans:
             self._check_cut(manifest, p)
+        reads: list[_Read] = []
         try:
-            rows = [self._read_arrays(m, p) for m, p in plans]
-        except SnapshotNotFound:
-            # a session was saved again (or deleted) meanwhile: plan again from the current pointers, a few times
-            if _attempt >= 2 or all(isinstance(r, PrefixHit) for r in requests):
-                raise
-            return self.restore_batch(requests, _attempt=_attempt + 1)
-        n_layers = len(rows[0][0])
-        if any(len(entries) != n_layers for entries, _ in rows):
-            raise InvalidCacheState(f"restore_batch rows have different layer counts: {[len(e) for e, _ in rows]}")
-        caches = []
-        for layer in range(n_layers):
-            entries = [entries[layer] for entries, _ in rows]
-            arrays = [arrays[layer] for _, arrays in rows]
-            caches.append(self.provider.for_entry(entries[0]).load_batch(entries, arrays, verify=False))
+            try:
+                for manifest, p in plans:
+                    reads.append(self._open_read(manifest, p))
+            except SnapshotNotFound:
+                # a session was saved again (or deleted) meanwhile: plan again from the current pointers, a few times
+                if _attempt >= 2 or all(isinstance(r, PrefixHit) for r in requests):
+                    raise
+                for read in reads:
+                    self._close_read(read)
+                return self.restore_batch(requests, _attempt=_attempt + 1)
+            caches = self._read_batch(reads)
+            for read in reads:
+                read.ok = True
+        finally:
+            for read in reads:
+                self._close_read(read)
         return RestoredBatch(caches, [p for _, p in plans], [list(m.tokens[:p]) for m, p in plans])
+
+    def _read_batch(self, reads: list[_Read]) -> list[Any]:
+        """Every row read straight into one destination per batched tensor of each layer whose codec gives a
+        ``batch_plan``, then wrapped by ``adopt_batch``; other layers go through per-row arrays and ``load_batch``."""
+        n_layers = len(reads[0].entries)
+        if any(len(r.entries) != n_layers for r in reads):
+            raise InvalidCacheState(f"restore_batch rows have different layer counts: {[len(r.entries) for r in reads]}")
+        codecs, plans = [], []
+        for layer in range(n_layers):
+            entries = [r.entries[layer] for r in reads]
+            codec = self.provider.for_entry(entries[0])
+            codecs.append(codec)
+            plan_of = getattr(codec, "batch_plan", None)  # a foreign codec may have no direct path
+            plans.append(plan_of(entries) if plan_of is not None else None)
+        dest = BatchDestinations(plans, [r.entries for r in reads])
+        for b, read in enumerate(reads):
+            self._fill(read, dest.row(b), also=[r for r in reads if r is not read])
+        caches = []
+        for layer, (codec, (batched, per_row)) in enumerate(zip(codecs, dest.finish())):
+            entries = [r.entries[layer] for r in reads]
+            if batched is not None:
+                self.counters["batch_layers_direct"] += 1
+                caches.append(codec.adopt_batch(entries, batched))
+            else:
+                self.counters["batch_layers_fallback"] += 1
+                caches.append(codec.load_batch(entries, per_row, verify=False))
+        return caches
 
     def _check_cut(self, manifest: Manifest, p: int) -> None:
         if not 0 <= p <= manifest.length:
@@ -584,6 +626,17 @@ class Store:
 
     def _read_arrays(self, manifest: Manifest, p: int) -> tuple[list[CacheEntry], list[list[mx.array]]]:
         """Lease the snapshot, read the blobs covering [0, p) into fresh arrays, verify, release."""
+        read = self._open_read(manifest, p)
+        try:
+            dest = Destinations(read.entries)
+            self._fill(read, dest)
+            read.ok = True
+            return read.entries, dest.finish()
+        finally:
+            self._close_read(read)
+
+    def _open_read(self, manifest: Manifest, p: int) -> _Read:
+        """The entries cut to ``p`` and the blobs covering [0, p), leased (re-reading a manifest compacted since)."""
         for attempt in range(4):
             self.provider.check_provider(manifest.provider)
             entries = list(manifest.entries)
@@ -591,32 +644,35 @@ class Store:
                 entries = [self.provider.for_entry(e).prefix_entry(e, p) for e in entries]
             needed = [r for r in manifest.chunks if r.start < p] + list(manifest.own)
             try:
-                lease = self._lease(manifest, needed)
-                break
+                return _Read(manifest, entries, needed, self._lease(manifest, needed))
             except _Stale:  # rewritten in place (compaction) since we read it: same id, same tokens, new chunks
                 if attempt == 3:
                     raise
                 manifest = self.manifest(manifest.snapshot_id)
-        ok = False
-        try:
-            dest = Destinations(entries)
-            for ref in needed:
-                try:
-                    with self.blobs.open(ref.hash, verify=self.verify_reads) as reader:
-                        self.counters["bytes_read"] += fill_from_blob(reader, ref, dest)
-                        self.counters["blobs_read"] += 1
-                except CorruptData as exc:
-                    self._release(lease, None, needed)
-                    lease = None
-                    self.quarantine(manifest.snapshot_id, str(exc))
-                    raise CorruptData(f"session {manifest.session_id!r} (snapshot {manifest.snapshot_id}): chunk "
-                                      f"{ref.hash} covering tokens [{ref.start}, {ref.stop}) failed verification: "
-                                      f"{exc}; the snapshot is quarantined") from None
-            ok = True
-            return entries, dest.finish()
-        finally:
-            if lease is not None:
-                self._release(lease, bytes.fromhex(manifest.snapshot_id) if ok else None, needed)
+        raise AssertionError("unreachable")
+
+    def _fill(self, read: _Read, dest, also: Sequence[_Read] = ()) -> None:
+        """Read every needed blob into ``dest``; a blob failing verification releases this read's lease (and those
+        of ``also``, reads of the same batch), quarantines the snapshot and raises ``CorruptData``."""
+        manifest = read.manifest
+        for ref in read.needed:
+            try:
+                with self.blobs.open(ref.hash, verify=self.verify_reads) as reader:
+                    self.counters["bytes_read"] += fill_from_blob(reader, ref, dest)
+                    self.counters["blobs_read"] += 1
+            except CorruptData as exc:
+                for other in (read, *also):
+                    self._close_read(other)
+                self.quarantine(manifest.snapshot_id, str(exc))
+                raise CorruptData(f"session {manifest.session_id!r} (snapshot {manifest.snapshot_id}): chunk "
+                                  f"{ref.hash} covering tokens [{ref.start}, {ref.stop}) failed verification: "
+                                  f"{exc}; the snapshot is quarantined") from None
+
+    def _close_read(self, read: _Read) -> None:
+        """Release the lease once (a successful read also counts as a use of the snapshot)."""
+        if read.lease is not None:
+            lease, read.lease = read.lease, None
+            self._release(lease, bytes.fromhex(read.manifest.snapshot_id) if read.ok else None, read.needed)
 
     def _lease(self, manifest: Manifest, refs: list[BlobRef]) -> bytes:
         with self._lock:

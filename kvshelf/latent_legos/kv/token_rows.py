@@ -279,6 +279,29 @@ class TokenRows(ReuseFloor, RowBookkeeping):
         self._offsets = [s.offset for s in states]
         self._minimum = max(s.minimum_reusable_offset for s in states)
 
+    def adopt_batch(self, planes: Sequence[mx.array], offsets: Sequence[int], minimum: int) -> None:
+        """Take ``planes`` (``[B, H, capacity, w]``, capacity ``(max(offsets) // 256 + 1) * 256``, rows
+        right-justified ending at column ``max(offsets)``, zeros elsewhere; ``[]`` when no row has head geometry) as
+        this cache's rows, without copying: what ``merge_row_states`` builds, when the store wrote rows in place."""
+        offsets = [non_negative(o, "row offset") for o in offsets]
+        if not offsets:
+            raise InvalidCacheState("adopt_batch needs at least one row")
+        width = max(offsets)
+        planes = list(planes)
+        capacity = (width + self.step) // self.step * self.step
+        if not planes and width:
+            raise InvalidCacheState(f"adopt_batch: rows hold up to {width} positions but no planes were given")
+        for j, plane in enumerate(planes):
+            if (not isinstance(plane, mx.array) or plane.ndim != 4 or plane.shape[0] != len(offsets)
+                    or plane.shape[2] != capacity):
+                got = list(plane.shape) if isinstance(plane, mx.array) else type(plane).__name__
+                raise InvalidCacheState(f"batched plane {j} is {got}; expected [{len(offsets)}, H, {capacity}, w]")
+        self._reset_rows()
+        self._planes = planes
+        self._begin_rows(len(offsets))
+        self._width, self._offsets = width, offsets
+        self._minimum = non_negative(minimum, "minimum_reusable_offset")
+
     def _compatible(self, other: Any) -> bool:
         return type(other) is type(self) and other.signature() == self.signature()
 
