@@ -218,6 +218,7 @@ def run_crash_worker(store_dir: str, seed: int, log_path: str) -> int:
         for step in plan:
             caches = build_caches(step.session, step.length)
             tokens = session_tokens(step.session, step.length)
+            log.write(f"saving {step.session} {step.length}\n")  # a kill from here to "saved" lands mid-save
             if step.mode == "async":
                 store.save_async(step.session, tokens, caches)
                 store.flush()

@@ -22,7 +22,7 @@ import pytest
 import store_workers as sw
 
 WORKER = Path(__file__).with_name("store_workers.py")
-KILLS = 50  # kill points that hit a live worker
+KILLS = 50  # kill points that hit a live worker after it opened the store (early kills come on top)
 KILLS_PER_STORE = 5  # then a fresh store, so each check stays cheap
 
 
@@ -115,7 +115,7 @@ def test_sigkill_at_random_moments_leaves_a_consistent_store(tmp_path: Path) -> 
     seed = _seed()
     print(f"\ncrash test seed {seed} (set KVSHELF_TEST_SEED={seed} to replay)")
     rng = random.Random(seed)
-    kills = runs = reclaimed = checked = 0
+    kills = early_kills = mid_save = runs = reclaimed = checked = 0
     worker_s = check_s = 0.0
     progress: list[int] = []  # saves completed by each killed run
     started = time.monotonic()
@@ -133,8 +133,9 @@ def test_sigkill_at_random_moments_leaves_a_consistent_store(tmp_path: Path) -> 
             [sys.executable, str(WORKER), "crash", "--store", str(store_dir), "--seed", str(run_seed), "--log", str(log)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
+        early = rng.random() < 0.15
         try:
-            if rng.random() < 0.15:
+            if early:
                 time.sleep(rng.uniform(0.0, 0.6))  # anywhere from start-up through open into the first saves
             else:
                 _wait_ready(log, proc)
@@ -146,12 +147,16 @@ def test_sigkill_at_random_moments_leaves_a_consistent_store(tmp_path: Path) -> 
             proc.wait(timeout=30)
         err = proc.stderr.read()
         proc.stderr.close()
+        lines = _read_log(log)
         if alive:
             assert proc.returncode == -signal.SIGKILL, f"worker ended with {proc.returncode}: {err}"
-            kills += 1
+            if early or "ready" not in lines:
+                early_kills += 1
+            else:
+                kills += 1
+                mid_save += bool(lines) and lines[-1].startswith("saving ")
         else:
             assert proc.returncode == 0, f"worker failed (seed {run_seed}): {err}"
-        lines = _read_log(log)
         saved = [line.split() for line in lines if line.startswith("saved ")]
         progress.append(len(saved))
         for _, session, length in saved:
@@ -165,8 +170,10 @@ def test_sigkill_at_random_moments_leaves_a_consistent_store(tmp_path: Path) -> 
         reclaimed += removed
     elapsed = time.monotonic() - started
     print(
-        f"{kills} kills in {runs} runs, {elapsed:.1f} s; saves completed per run {progress}; "
+        f"{kills} kills after open ({mid_save} mid-save) + {early_kills} early, in {runs} runs, {elapsed:.1f} s; "
+        f"saves completed per run {progress}; "
         f"{checked} sessions checked; gc reclaimed {reclaimed} orphan blobs; "
         f"{worker_s:.1f} s in workers, {check_s:.1f} s checking"
     )
     assert kills == KILLS
+    assert mid_save >= KILLS // 2, f"only {mid_save} of {kills} kills landed inside a save"
