@@ -577,11 +577,11 @@ class Store:
         for layer, (codec, (batched, per_row)) in enumerate(zip(codecs, dest.finish())):
             entries = [r.entries[layer] for r in reads]
             if batched is not None:
-                self.counters["batch_layers_direct"] += 1
                 caches.append(codec.adopt_batch(entries, batched))
             else:
-                self.counters["batch_layers_fallback"] += 1
                 caches.append(codec.load_batch(entries, per_row, verify=False))
+        self.counters["batch_layers_direct"] += sum(plan is not None for plan in plans)
+        self.counters["batch_layers_fallback"] += sum(plan is None for plan in plans)
         return caches
 
     def _check_cut(self, manifest: Manifest, p: int) -> None:
