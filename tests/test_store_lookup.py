@@ -8,7 +8,7 @@ import time
 import mlx.core as mx
 import pytest
 from codec_cases import CASES_BY_ID, append
-from store_cases import IDENTITY, RingCache, open_test_store, ring_provider, same_caches, session, token_ids
+from store_cases import RingCache, open_test_store, ring_provider, same_caches, session, token_ids
 
 from kvshelf import Identity
 from kvshelf.errors import IdentityMismatch, InvalidCacheState, SnapshotNotFound

@@ -8,7 +8,6 @@ writer lock while unlinking. ``rebuild_index`` re-indexes every manifest file wh
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections import Counter

@@ -7,11 +7,9 @@ Exit codes: 0 all is well, 1 problems found (corruption, orphans, a failed impor
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ..errors import KvShelfError
 from .paths import ENV_VAR, default_store_path
