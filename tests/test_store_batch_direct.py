@@ -10,15 +10,24 @@ from __future__ import annotations
 import os
 
 import pytest
-from codec_cases import FORMATS, Case, all_cases, append, bits, describe, filled, read_bits
+from codec_cases import (
+    FORMATS,
+    Case,
+    all_cases,
+    append,
+    bits,
+    describe,
+    filled,
+    read_bits,
+)
 from kv_cases import MAKERS, flat, kv, same
+from store_cases import open_test_store, token_ids
 
 from kvshelf import Identity, open_store
 from kvshelf.codecs.mla_codec import MLACodec
 from kvshelf.errors import CorruptData, InvalidCacheState, SnapshotNotFound
 from kvshelf.latent_legos import EncodedLatentCache, MLACache
 from kvshelf.latent_legos.kv import ArraysCache, RotatingKVCache
-from store_cases import open_test_store, token_ids
 
 LAYERS = 2
 LATENT = all_cases()

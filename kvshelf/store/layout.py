@@ -7,7 +7,8 @@ blob. Pieces are zero-copy numpy views of the evaluated MLX arrays (bf16 through
 Reading: each destination MLX array is allocated once (``mx.zeros`` evaluated, then checked to own a full C-contiguous
 buffer), a writable numpy view of it is taken, and blob tensors are ``preadv``-ed straight into the right slices; the
 content hash is computed from that memory. Pieces that straddle the cut ``p`` or a non-contiguous region go through a
-temporary buffer.
+temporary buffer. A batched restore (``BatchDestinations``) allocates one array per tensor of each layer's codec
+``BatchPlan`` instead, and each row's blobs are read into that row's window of it (``RowDestinations``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-
 from msgspec.structs import replace
 
 from ..codecs.batch_plan import BatchPlan
@@ -178,7 +178,7 @@ class BatchDestinations:
             for entries in rows
         ]
 
-    def row(self, b: int) -> "RowDestinations":
+    def row(self, b: int) -> RowDestinations:
         return RowDestinations(self, b)
 
     def finish(self) -> list[tuple[list[mx.array] | None, list[list[mx.array]] | None]]:
@@ -252,5 +252,13 @@ def fill_from_blob(reader, ref: BlobRef, dest: Destinations) -> int:
     return reader.data_bytes
 
 
-__all__ = ["host_view", "plan_blobs", "BlobPlan", "Destinations", "BatchDestinations", "RowDestinations",
-           "owned_zeros", "fill_from_blob"]
+__all__ = [
+    "BatchDestinations",
+    "BlobPlan",
+    "Destinations",
+    "RowDestinations",
+    "fill_from_blob",
+    "host_view",
+    "owned_zeros",
+    "plan_blobs",
+]
