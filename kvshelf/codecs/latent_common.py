@@ -22,7 +22,6 @@ from . import dtypes, validate
 from .batch_plan import BatchPlan
 from .checksum import checksum
 from .header import CacheEntry, TensorSlot
-from .validate import SlotSpec
 
 FAMILIES = ("latent", "rope", "index")
 
