@@ -49,3 +49,23 @@ def test_one_flipped_bit_changes_the_checksum():
     before = checksum(mx.array(host))
     host[37] ^= 0x10
     assert checksum(mx.array(host)) != before
+
+
+def test_snapshot_without_checksums_leaves_slots_empty_and_loads_the_same():
+    """The store hashes whole chunks, so it snapshots with ``checksums=False``: same entry, empty checksums."""
+    import mlx.core as mx
+
+    from kvshelf.codecs import default_provider
+    from kvshelf.latent_legos import LatentGeometry, MLACache
+
+    cache = MLACache(LatentGeometry(32, 16, 16))
+    cache.append_latent(mx.random.normal((1, 5, 32)), mx.random.normal((1, 5, 16)), mx.random.normal((1, 5, 16)))
+    full, arrays = default_provider.snapshot(cache)
+    bare, bare_arrays = default_provider.snapshot(cache, checksums=False)
+    assert all(slot.checksum for slot in full.tensors)
+    assert [slot.checksum for slot in bare.tensors] == [""] * len(full.tensors)
+    assert [(s.name, s.dtype, s.shape, s.token_axis, s.nbytes) for s in bare.tensors] == [
+        (s.name, s.dtype, s.shape, s.token_axis, s.nbytes) for s in full.tensors
+    ]
+    loaded = default_provider.load(bare, bare_arrays)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(loaded.state, cache.state))

@@ -26,8 +26,11 @@ class Codec(Protocol):
         """Whether this codec persists ``cache`` (the provider requires exactly one match)."""
         ...
 
-    def snapshot(self, cache: Any) -> tuple[CacheEntry, list[mx.array]]:
-        """Serial state only: the entry (checksums filled in) and owned arrays in slot order."""
+    def snapshot(self, cache: Any, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
+        """Serial state only: the entry and owned arrays in slot order.
+
+        ``checksums=False`` leaves every slot's checksum empty: the store hashes whole chunks itself, and skipping
+        the per-tensor pass is what lets ``save_async`` return without reading the tensors."""
         ...
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
@@ -116,8 +119,8 @@ class CodecProvider:
         for index, entry in enumerate(header.caches):
             self.for_entry(entry).validate(entry, index)
 
-    def snapshot(self, cache: Any) -> tuple[CacheEntry, list[mx.array]]:
-        return self.for_cache(cache).snapshot(cache)
+    def snapshot(self, cache: Any, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
+        return self.for_cache(cache).snapshot(cache, checksums=checksums)
 
     def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None) -> Any:
         return self.for_entry(entry).load(entry, arrays, verify=verify, index=index)

@@ -45,7 +45,7 @@ class EncodedCodec(RowStateCodec):
     def matches(self, cache: object) -> bool:
         return isinstance(cache, EncodedLatentCache)
 
-    def snapshot(self, cache: EncodedLatentCache) -> tuple[CacheEntry, list[mx.array]]:
+    def snapshot(self, cache: EncodedLatentCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
         require_serial(cache)
         geometry, fmt = cache.geometry, cache.format
         layouts = [plane_layout(fmt, w) for w in geometry.widths]
@@ -68,7 +68,7 @@ class EncodedCodec(RowStateCodec):
             minimum_reusable_offset=floor,
             quantized_kv_start=cache.start,
             shadow=shadow is not None,
-            tensors=make_slots(named),
+            tensors=make_slots(named, checksums),
             **geometry_fields(geometry),
             **format_fields(fmt),
         )

@@ -106,7 +106,7 @@ class TokenKvCodec(RowStateCodec):
         raise NotImplementedError
 
     # -- the codec -------------------------------------------------------------------------------------------------
-    def snapshot(self, cache: Any) -> tuple[CacheEntry, list[mx.array]]:
+    def snapshot(self, cache: Any, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
         require_serial(cache)
         extra: dict[str, Any] = {}
         arrays: list[mx.array] = []
@@ -122,7 +122,7 @@ class TokenKvCodec(RowStateCodec):
             if self.has_dtype:
                 extra["dtype"] = dtypes.dtype_name(arrays[0 if self.kind == "kv" else 1].dtype)  # model dtype
         names = [name for name, _, _ in self.plane_layout(None, None, 0, 0, None)] if arrays else []
-        slots = make_slots([(name, array, 2) for name, array in zip(names, arrays)])
+        slots = make_slots([(name, array, 2) for name, array in zip(names, arrays)], checksums)
         entry = CacheEntry(
             kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=slots, extra=extra,
             **self.fields_of(cache),
@@ -302,7 +302,7 @@ class RotatingKvCodec(RowStateCodec):
     def matches(self, cache: object) -> bool:
         return type(cache) is RotatingKVCache
 
-    def snapshot(self, cache: RotatingKVCache) -> tuple[CacheEntry, list[mx.array]]:
+    def snapshot(self, cache: RotatingKVCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
         require_serial(cache)
         extra: dict[str, Any] = {"max_size": cache.max_size, "keep": cache.keep, "idx": 0}
         arrays: list[mx.array] = []
@@ -317,7 +317,7 @@ class RotatingKvCodec(RowStateCodec):
                     buffer=state.keys.shape[2], kv_heads=state.keys.shape[1], k_head_dim=state.keys.shape[3],
                     v_head_dim=state.values.shape[3], dtype=dtypes.dtype_name(state.keys.dtype),
                 )
-        slots = make_slots([(name, a, None) for name, a in zip(("keys", "values"), arrays)])
+        slots = make_slots([(name, a, None) for name, a in zip(("keys", "values"), arrays)], checksums)
         entry = CacheEntry(kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=slots, extra=extra)
         self.validate(entry)
         return entry, arrays
@@ -397,7 +397,7 @@ class ArraysCodec(RowStateCodec):
     def matches(self, cache: object) -> bool:
         return type(cache) is ArraysCache
 
-    def snapshot(self, cache: ArraysCache) -> tuple[CacheEntry, list[mx.array]]:
+    def snapshot(self, cache: ArraysCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
         require_serial(cache)
         slots: list[mx.array | None] = [None] * cache.size_slots
         offset = floor = 0
@@ -408,7 +408,7 @@ class ArraysCodec(RowStateCodec):
         present = "".join("0" if a is None else "1" for a in slots)
         named = [(f"slot.{j}", a, None) for j, a in enumerate(slots) if a is not None]
         entry = CacheEntry(
-            kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=make_slots(named),
+            kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=make_slots(named, checksums),
             extra={"size": cache.size_slots, "present": present},
         )
         self.validate(entry)

@@ -40,7 +40,7 @@ class MLACodec(RowStateCodec):
     def matches(self, cache: object) -> bool:
         return isinstance(cache, MLACache) and cache.geometry.has_index == self.dsa
 
-    def snapshot(self, cache: MLACache) -> tuple[CacheEntry, list[mx.array]]:
+    def snapshot(self, cache: MLACache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
         require_serial(cache)
         geometry = cache.geometry
         if cache.batch_size is None:  # never appended to: zero positions of every family
@@ -50,7 +50,7 @@ class MLACodec(RowStateCodec):
             state = cache.row_state(0)
             arrays, offset = list(state.arrays), state.offset
             floor = snapshot_floor(state.minimum_reusable_offset, offset)
-        slots = make_slots([(name, array, 1) for name, array in zip(family_names(geometry), arrays)])
+        slots = make_slots([(name, array, 1) for name, array in zip(family_names(geometry), arrays)], checksums)
         entry = CacheEntry(
             kind=self.kind, offset=offset, minimum_reusable_offset=floor, tensors=slots, **geometry_fields(geometry)
         )

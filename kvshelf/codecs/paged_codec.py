@@ -56,7 +56,7 @@ class PagedCodec:
             return [f"{name}.pool" for name in names]
         return [f"{name}.{i}.pool" for name, layout in zip(names, layouts) for i in range(len(layout))]
 
-    def snapshot(self, cache: PagedLatentCache) -> tuple[CacheEntry, list[mx.array]]:
+    def snapshot(self, cache: PagedLatentCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
         require_serial(cache)
         geometry, fmt, block_size = cache.geometry, cache.format, cache.block_size
         flat_layout = [spec for w in geometry.widths for spec in plane_layout(fmt, w)]
@@ -77,7 +77,7 @@ class PagedCodec:
             offset=offset,
             minimum_reusable_offset=snapshot_floor(cache.minimum_reusable_offset, offset),
             pages=PageLayout(block_size=block_size, block_table=table, num_blocks=num_blocks),
-            tensors=make_slots(named),
+            tensors=make_slots(named, checksums),
             **geometry_fields(geometry),
             **format_fields(fmt),
         )

@@ -232,7 +232,7 @@ class Store:
             raise InvalidCacheState("caches must be a non-empty sequence of caches (one per layer)")
         entries, arrays = [], []
         for i, cache in enumerate(caches):
-            entry, arrs = self.provider.for_cache(cache).snapshot(cache)
+            entry, arrs = self.provider.for_cache(cache).snapshot(cache, checksums=False)  # chunks are hashed
             if entry.offset != len(toks):
                 raise InvalidCacheState(f"cache {i} holds {entry.offset} positions but {len(toks)} tokens were given")
             entries.append(entry)
