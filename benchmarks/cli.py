@@ -11,8 +11,16 @@ from pathlib import Path
 
 from . import data
 from .context import Context
-from .harness import (Row, Scratch, machine_info, package_versions, render_machine, render_table, unavailable,
-                      write_json)
+from .harness import (
+    Row,
+    Scratch,
+    machine_info,
+    package_versions,
+    render_machine,
+    render_table,
+    unavailable,
+    write_json,
+)
 
 # measure group module -> the measure numbers it produces
 GROUPS: dict[str, tuple[str, ...]] = {

@@ -64,7 +64,7 @@ def zstd_shuffle(pieces, reps: int) -> tuple[float, Sample, Sample, int, int]:
                 planes.reshape(k, -1).T.copy()
         dec_t.append(time.perf_counter() - t0)
     packed = sum(len(f) for f in frames)
-    mbs = lambda ts: Sample("MB/s", [raw / t / 1e6 for t in ts])  # noqa: E731
+    mbs = lambda ts: Sample("MB/s", [raw / t / 1e6 for t in ts])
     return raw / packed, mbs(comp_t), mbs(dec_t), raw, packed
 
 
@@ -78,8 +78,8 @@ def _datasets(ctx: Context) -> list[tuple[str, list[mx.array], str]]:
         for variant in ("affine8", "affine4", "turbo-k8"):
             try:
                 sets.append((f"{variant} planes", [a for c in ctx.caches(variant) for a in c.state], variant))
-            except Exception:  # noqa: BLE001 - a format not built yet is simply not in the list
-                pass
+            except Exception as exc:  # noqa: BLE001 - a format not built yet is simply not in the list
+                ctx.facts[f"compaction_skipped_{variant}"] = f"{type(exc).__name__}: {exc}"
     n = ctx.workload.tokens
     noise = [mx.array(data.iid_noise((1, n, w), seed=i)) for i, w in enumerate(ctx.workload.widths * 2)]
     sets += [("float32 i.i.d. noise", noise, "noise-f32"),
@@ -119,7 +119,7 @@ def _store_datasets(ctx: Context):
     w = ctx.workload
     kv_layers = max(1, w.layers // 2)  # 8 of the 32 plain layers at L: 128 MiB, plenty for a ratio
     n = w.tokens
-    toks = lambda seed: data.token_ids(n, seed=seed)  # noqa: E731
+    toks = lambda seed: data.token_ids(n, seed=seed)
 
     def latent(variant):
         return lambda: (toks(1), data.kvshelf_caches(w, ctx.data(), variant))

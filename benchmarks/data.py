@@ -46,7 +46,7 @@ class Workload:
     def nbytes(self) -> int:
         return self.layers * self.tokens * self.bytes_per_token_layer
 
-    def with_tokens(self, tokens: int, name: str | None = None) -> "Workload":
+    def with_tokens(self, tokens: int, name: str | None = None) -> Workload:
         return replace(self, tokens=tokens, name=name or f"{self.name}@{tokens}")
 
     def describe(self) -> str:

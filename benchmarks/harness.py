@@ -17,9 +17,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Self
 
 MiB = 1 << 20
 
@@ -150,7 +151,7 @@ class Scratch:
     def cleanup(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
-    def __enter__(self) -> "Scratch":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -229,7 +230,7 @@ def machine_info() -> dict[str, Any]:
         import mlx.core as mx
 
         info["mlx_device"] = str(mx.default_device())
-    except Exception as exc:  # pragma: no cover - mlx is a hard dependency
+    except Exception as exc:  # noqa: BLE001 - report, never fail, on a broken MLX install
         info["mlx_device"] = f"unavailable: {exc}"
     return info
 
@@ -290,8 +291,8 @@ def render_table(rows: list[Row]) -> str:
 
 
 def render_machine(machine: dict[str, Any], versions: dict[str, str]) -> str:
-    parts = [f"machine: {machine.get('cpu')} × {machine.get('cpus')} CPUs, {machine.get('mem_total')} RAM, "
-             f"{machine.get('platform')}, MLX {machine.get('mlx_device')}",
+    parts = [(f"machine: {machine.get('cpu')} × {machine.get('cpus')} CPUs, {machine.get('mem_total')} RAM, "
+              f"{machine.get('platform')}, MLX {machine.get('mlx_device')}"),
              f"scratch: {machine.get('scratch')} — {machine.get('scratch_fs')}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
     return "\n".join(parts)
@@ -315,5 +316,20 @@ def write_json(path: Path, *, args: dict[str, Any], machine: dict[str, Any], ver
     os.replace(tmp, path)
 
 
-__all__ = ["Sample", "Row", "unavailable", "time_reps", "Scratch", "remove", "fsync_path", "disk_usage",
-           "machine_info", "package_versions", "render_table", "render_machine", "write_json", "MiB", "asdict"]
+__all__ = [
+    "MiB",
+    "Row",
+    "Sample",
+    "Scratch",
+    "asdict",
+    "disk_usage",
+    "fsync_path",
+    "machine_info",
+    "package_versions",
+    "remove",
+    "render_machine",
+    "render_table",
+    "time_reps",
+    "unavailable",
+    "write_json",
+]

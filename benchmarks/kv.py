@@ -62,7 +62,7 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
 
             path = ctx.scratch.fresh("mlxlm-kv").with_suffix(".safetensors")
             mlx_lm_save_fsync(path, base_caches)
-            load = time_reps(lambda _: mx.eval([[c.keys, c.values] for c in load_prompt_cache(str(path))]),
+            load = time_reps(lambda _, p=path: mx.eval([[c.keys, c.values] for c in load_prompt_cache(str(p))]),
                              ctx.reps)
             remove(path)
         if missing:

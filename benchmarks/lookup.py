@@ -113,7 +113,7 @@ def _store_code_id() -> str:
     """Git tree id of the committed ``kvshelf/store`` code: a cached index is reused only by the same store code."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD:kvshelf/store"], cwd=Path(__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=10)
+                             capture_output=True, text=True, timeout=10, check=False)
         return out.stdout.strip()[:16] if out.returncode == 0 else "nogit"
     except OSError:
         return "nogit"

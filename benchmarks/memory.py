@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _worker(op: str, path: Path, size: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.rss_worker", op, str(path), size], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"worker {op} exited {proc.returncode}: {tail}")

@@ -29,10 +29,10 @@ def main(argv: list[str]) -> int:
     op, path, size = argv[0], Path(argv[1]), argv[2]
     import mlx.core as mx
 
-    from benchmarks import data
-
     # Import everything any branch uses before the first reading, so lazy imports don't count as the operation.
     import mlx_lm.models.cache  # noqa: F401
+
+    from benchmarks import data
     from kvshelf.store import Identity, open_store
 
     w = data.SIZES[size][1]

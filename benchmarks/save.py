@@ -109,7 +109,7 @@ def measure_incremental(ctx: Context) -> list[Row]:
     mlx_lm_save_fsync(path, data.mlx_lm_caches(ctx.data()))
     baseline = time_reps(lambda _: mlx_lm_save_fsync(path, mlx_caches), ctx.reps)
     remove(path)
-    del mlx_caches, full
+    mlx_caches = full = None  # free 190 MiB before the kvshelf side
     missing = data.kvshelf_missing(*data.LEGOS, *data.STORE)
     if missing:
         return [unavailable("2", name, missing, baseline=baseline, baseline_name="mlx-lm full re-save+fsync",
@@ -184,7 +184,6 @@ def measure_save_async(ctx: Context) -> list[Row]:
     finally:
         for c in caches:
             c.dispose()
-        del caches
         mx.clear_cache()
     total = Sample("ms", totals[-len(value.reps):])
     return [Row("3", name, value, total, "save_async → flush done (durable)", target, 10.0, check="value",
