@@ -4,7 +4,6 @@ directory gone), every identity field isolates on its own, and a miss costs well
 from __future__ import annotations
 
 import os
-import time
 
 import mlx.core as mx
 import pytest
@@ -66,9 +65,24 @@ def test_each_identity_field_alone_isolates_a_snapshot(tmp_path, field):
         assert store.verify(deep=True) == []
 
 
-def test_a_miss_costs_well_under_a_millisecond(tmp_path):
-    """An 8192-token prompt that shares nothing with 40 stored snapshots: the median miss stays below 0.25 ms
-    (test_lookup_costs only bounds it by 1 ms, which is not "well under")."""
+def test_a_miss_costs_one_index_probe(tmp_path, monkeypatch):
+    """An 8192-token prompt that shares nothing with 40 stored snapshots: a miss is one prefix-index probe, converts
+    no more than the first 256 tokens and reads no blob. (Speed itself is measured in benchmarks/, measure 7: about
+    0.03 ms on this machine; unit tests count work instead of timing it.)"""
+    from kvshelf.store import lookup as lookup_module
+
+    probes, converted = [], []
+    real_count, real_head = lookup_module._Lookup._count, lookup_module.LazyTokens.head
+
+    def count(self, i):
+        probes.append(i)
+        return real_count(self, i)
+
+    def head(self, k):
+        out = real_head(self, k)
+        converted.append(len(self._arr))
+        return out
+
     g = LatentGeometry(kv_lora_rank=8, rope_head_dim=8)
     system = token_ids(256, seed=1)
     with open_test_store(tmp_path / "s", chunk_tokens=256) as store:
@@ -77,10 +91,10 @@ def test_a_miss_costs_well_under_a_millisecond(tmp_path):
             c.append_latent(mx.zeros((1, 512, 8)), mx.zeros((1, 512, 8)), None)
             store.save(f"s{k}", system + token_ids(256, seed=100 + k), [c])
         cold = token_ids(8192, seed=999)
-        times = []
-        for _ in range(41):
-            t0 = time.perf_counter()
-            assert store.lookup(cold) is None
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        assert times[20] < 2.5e-4, f"median miss {times[20] * 1e3:.3f} ms"
+        monkeypatch.setattr(lookup_module._Lookup, "_count", count)
+        monkeypatch.setattr(lookup_module.LazyTokens, "head", head)
+        blobs_before = store.counters["blobs_read"]
+        assert store.lookup(cold) is None
+        assert probes == [0]
+        assert max(converted) <= 256
+        assert store.counters["blobs_read"] == blobs_before

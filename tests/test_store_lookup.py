@@ -3,7 +3,6 @@ longest wins, tokens confirmed one by one (never by hash alone), and isolation b
 
 from __future__ import annotations
 
-import time
 
 import mlx.core as mx
 import pytest
@@ -153,8 +152,18 @@ def test_identity_and_namespace_isolation(tmp_path):
         assert store.verify(deep=True) == []
 
 
-def test_lookup_costs(tmp_path):
-    """A miss costs well under a millisecond; a hit on a long prompt a few (bounded by LMDB gets, not snapshots)."""
+def test_lookup_costs(tmp_path, monkeypatch):
+    """A miss is one index probe; a hit on a long prompt costs O(log n) probes, however many snapshots share it.
+    (Times are measured in benchmarks/, measure 7; here the work is counted.)"""
+    from kvshelf.store import lookup as lookup_module
+
+    probes = []
+    real_count = lookup_module._Lookup._count
+
+    def count(self, i):
+        probes.append(i)
+        return real_count(self, i)
+
     g = LatentGeometry(kv_lora_rank=8, rope_head_dim=8)
     system = token_ids(2048, seed=1)
     with open_test_store(tmp_path / "s", chunk_tokens=512) as store:
@@ -162,21 +171,16 @@ def test_lookup_costs(tmp_path):
             c = MLACache(g)
             c.append_latent(mx.zeros((1, 2048 + 64, 8)), mx.zeros((1, 2048 + 64, 8)), None)
             store.save(f"s{k}", system + token_ids(64, seed=100 + k), [c])
-        miss, hit = [], []
         prompt_miss = token_ids(4096, seed=999)
         prompt_hit = system + token_ids(64, seed=130) + token_ids(1000, seed=3)
-        for _ in range(30):
-            t0 = time.perf_counter()
-            assert store.lookup(prompt_miss) is None
-            t1 = time.perf_counter()
-            h = store.lookup(prompt_hit)
-            t2 = time.perf_counter()
-            miss.append(t1 - t0)
-            hit.append(t2 - t1)
+        monkeypatch.setattr(lookup_module._Lookup, "_count", count)
+        assert store.lookup(prompt_miss) is None
+        assert probes == [0]
+        probes.clear()
+        h = store.lookup(prompt_hit)
         assert (h.session_id, h.length) == ("s30", 2048 + 64)
-        miss.sort(), hit.sort()
-        assert miss[15] < 1e-3, f"median miss {miss[15] * 1e3:.3f} ms"
-        assert hit[15] < 5e-3, f"median hit {hit[15] * 1e3:.3f} ms"
+        boundaries = 15 + (len(prompt_hit) // 16)  # positions 1..15 and every multiple of 16
+        assert len(set(probes)) <= 4 * boundaries.bit_length(), (len(set(probes)), boundaries)
 
 
 def test_the_best_of_many_snapshots_sharing_a_boundary_is_found(tmp_path):
