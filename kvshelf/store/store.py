@@ -309,17 +309,12 @@ class Store:
         db = self.index.db
         now = _now_ns()
         unique = {r.hash: r for r in manifest.blobs}
-        metas = {}
-        missing = []
-        for h in unique:
-            raw = txn.get(bytes.fromhex(h), db=db["chunks"])
-            metas[h] = None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {h}")
-            if metas[h] is None and self.blobs.stat(h) is None:
-                missing.append(h)
+        missing = [h for h in unique
+                   if txn.get(bytes.fromhex(h), db=db["chunks"]) is None and self.blobs.stat(h) is None]
         if missing:
             raise _MissingBlobs(missing)
-        nsk = namespace_key(identity_key_of(manifest), manifest.namespace)
         idk = identity_key_of(manifest)
+        nsk = namespace_key(idk, manifest.namespace)
         skey = idk + nsk + manifest.session_id.encode("utf-8", "surrogatepass")
         freed: list[str] = []
         old = replaces if replaces is not None else txn.get(skey, db=db["sessions"])
@@ -328,23 +323,15 @@ class Store:
         sid = bytes.fromhex(manifest.snapshot_id)
         total = self.index.meta_int(txn, b"total_bytes")
         for h, ref in unique.items():
-            meta = metas[h]
-            if meta is None:
+            raw = txn.get(bytes.fromhex(h), db=db["chunks"])  # read after _drop above: it may have removed it
+            if raw is None:  # a new blob, or one whose last reference the replaced snapshot held
                 st = self.blobs.stat(h)
                 meta = ChunkMeta(0, ref.nbytes, st.stored_bytes, st.encoding, now)
                 total += st.stored_bytes
-                if h in freed:
-                    freed.remove(h)
             else:
-                raw = txn.get(bytes.fromhex(h), db=db["chunks"])  # may have changed in _drop above
-                if raw is None:
-                    st = self.blobs.stat(h)
-                    meta = ChunkMeta(0, ref.nbytes, st.stored_bytes, st.encoding, now)
-                    total += st.stored_bytes
-                else:
-                    meta = mf.decode(raw, ChunkMeta, f"chunk record {h}")
-                if h in freed:
-                    freed.remove(h)
+                meta = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+            if h in freed:
+                freed.remove(h)
             txn.put(bytes.fromhex(h), mf.encode(ChunkMeta(meta.refs + 1, meta.nbytes, meta.stored_bytes,
                                                           meta.encoding, now)), db=db["chunks"])
         self.index.set_meta_int(txn, b"total_bytes", total)
@@ -353,8 +340,9 @@ class Store:
                           manifest.created_at, now)
         txn.put(sid, mf.encode(manifest), db=db["manifests"])
         txn.put(sid, mf.encode(summary), db=db["summaries"])
-        txn.put(sid, np.asarray(manifest.tokens, dtype="<i8").tobytes(), db=db["tokens"])
-        for key, cont in all_boundaries(nsk, np.asarray(manifest.tokens, dtype="<i8"), self.block):
+        tokens = np.asarray(manifest.tokens, dtype="<i8")
+        txn.put(sid, tokens.tobytes(), db=db["tokens"])
+        for key, cont in all_boundaries(nsk, tokens, self.block):
             txn.put(key, cont + sid, db=db["prefix"], dupdata=True)
         txn.put(skey, sid, db=db["sessions"])
         txn.put(idk + _be64(now) + sid, b"", db=db["lru"])
