@@ -32,6 +32,7 @@ from .header import CacheEntry
 from .latent_common import (
     RowStateCodec,
     check_prefix,
+    check_rows,
     make_slots,
     prefix_tensors,
     replace_entry,
@@ -180,23 +181,6 @@ class TokenKvCodec(RowStateCodec):
 
     def _adopt(self, cache: Any, entries: list[CacheEntry], arrays: list[mx.array]) -> None:
         cache.adopt_batch(arrays, [e.offset for e in entries], max(e.minimum_reusable_offset for e in entries))
-
-
-def check_rows(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], kind: str,
-               fields: Sequence[str]) -> None:
-    """Rows batched together share kind, format fields and (where known) head geometry."""
-    if not entries:
-        raise InvalidCacheState(f"{kind}: load_batch needs at least one row")
-    if len(entries) != len(arrays_per_row):
-        raise InvalidCacheState(f"{kind}: {len(entries)} entries but {len(arrays_per_row)} array lists")
-    first = entries[0]
-    for i, entry in enumerate(entries[1:], start=1):
-        for key in ("kind", *fields):
-            if getattr(entry, key) != getattr(first, key):
-                raise InvalidCacheState(
-                    f"{kind}: row {i} has {key}={getattr(entry, key)!r} but row 0 has {getattr(first, key)!r}; "
-                    "only rows of one layout batch together"
-                )
 
 
 class PlainKvCodec(TokenKvCodec):

@@ -172,22 +172,31 @@ def replace_entry(entry: CacheEntry, **changes: Any) -> CacheEntry:
     return msgspec.structs.replace(entry, **changes)
 
 
-def same_layout(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], what: str) -> None:
-    """Rows batched together must share kind, geometry and format (everything but positions and tensors)."""
+def check_rows(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], what: str,
+               fields: Sequence[str]) -> None:
+    """Rows batched together: at least one, one array list each, and the same kind and ``fields``."""
     if not entries:
         raise InvalidCacheState(f"{what}: load_batch needs at least one row")
     if len(entries) != len(arrays_per_row):
         raise InvalidCacheState(f"{what}: {len(entries)} entries but {len(arrays_per_row)} array lists")
     first = entries[0]
-    keys = ("kind", "kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "bits", "group_size",
-            "k_bits", "v_bits", "quantized_kv_start")
     for i, entry in enumerate(entries[1:], start=1):
-        for key in keys:
+        for key in ("kind", *fields):
             if getattr(entry, key) != getattr(first, key):
                 raise InvalidCacheState(
                     f"{what}: row {i} has {key}={getattr(entry, key)!r} but row 0 has {getattr(first, key)!r}; "
                     "only rows of one layout batch together"
                 )
+
+
+_LATENT_LAYOUT = ("kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "bits", "group_size",
+                  "k_bits", "v_bits", "quantized_kv_start")
+
+
+def same_layout(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], what: str) -> None:
+    """Rows batched together must share kind, geometry and format (everything but positions and tensors)."""
+    check_rows(entries, arrays_per_row, what, _LATENT_LAYOUT)
+    first = entries[0]
     if first.pages is not None:
         for i, entry in enumerate(entries[1:], start=1):
             if entry.pages is None or entry.pages.block_size != first.pages.block_size:
