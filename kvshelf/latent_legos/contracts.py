@@ -58,6 +58,11 @@ class LatentAttentionState:
     rope: mx.array
     index_keys: mx.array | None = None
 
+    @classmethod
+    def of(cls, families: Sequence[mx.array]) -> LatentAttentionState:
+        """The state from per-family reads in stored order (latent, rope[, index])."""
+        return cls(families[0], families[1], families[2] if len(families) > 2 else None)
+
 
 @runtime_checkable
 class Cache(Protocol):

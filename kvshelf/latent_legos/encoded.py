@@ -147,7 +147,7 @@ class EncodedLatentCache(RightJustifiedRows):
                 if self.start > 0:
                     self._minimum[row] = offset
         self._drop_shadow_if_converted()
-        return LatentAttentionState(reads[0], reads[1], reads[2] if len(reads) > 2 else None)
+        return LatentAttentionState.of(reads)
 
     def _read(
         self,
@@ -168,9 +168,9 @@ class EncodedLatentCache(RightJustifiedRows):
         if not self._planes:
             batch = self._batch or 0
             zeros = [mx.zeros((batch, 0, w), dtype=mx.float32) for w in self.geometry.widths]
-            return LatentAttentionState(zeros[0], zeros[1], zeros[2] if len(zeros) > 2 else None)
+            return LatentAttentionState.of(zeros)
         reads = self._read(self._planes, self._shadow, self._converted, self.left_pad)
-        return LatentAttentionState(reads[0], reads[1], reads[2] if len(reads) > 2 else None)
+        return LatentAttentionState.of(reads)
 
     def stored_index_keys(self) -> mx.array | None:
         if not self.geometry.has_index or not self._planes:

@@ -82,14 +82,14 @@ class MLACache(ReuseFloor, RightJustifiedRows):
 
     def _read(self) -> LatentAttentionState:
         reads = [owned(a) for a in self._families]
-        return LatentAttentionState(reads[0], reads[1], reads[2] if len(reads) > 2 else None)
+        return LatentAttentionState.of(reads)
 
     def read_latent(self) -> LatentAttentionState:
         """Reads of every stored position without appending (what the last append returned)."""
         if not self._families:
             batch = self._batch or 0
             zeros = [mx.zeros((batch, 0, w), dtype=mx.float32) for w in self.geometry.widths]
-            return LatentAttentionState(zeros[0], zeros[1], zeros[2] if len(zeros) > 2 else None)
+            return LatentAttentionState.of(zeros)
         return self._read()
 
     def stored_index_keys(self) -> mx.array | None:

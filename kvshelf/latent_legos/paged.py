@@ -108,7 +108,7 @@ class PagedLatentCache(ReuseFloor):
         staged = [row.appended([p[b : b + 1] for p in planes]) for b, row in enumerate(rows)]
         reads = self._read(staged, len(families))
         self._rows, self._leading = staged, leading
-        return LatentAttentionState(reads[0], reads[1], reads[2] if len(reads) > 2 else None)
+        return LatentAttentionState.of(reads)
 
     def _read(self, rows: Sequence[LatentPages], families: int) -> list[mx.array]:
         """Every row decoded and joined right-justified: per family ``[B, T, W]``."""
@@ -126,7 +126,7 @@ class PagedLatentCache(ReuseFloor):
         """Reads of every stored position without appending (what the last append returned)."""
         reads = self._read(self._rows, len(self.geometry.widths)) if self._rows else [
             mx.zeros((0, 0, w), dtype=mx.float32) for w in self.geometry.widths]
-        return LatentAttentionState(reads[0], reads[1], reads[2] if len(reads) > 2 else None)
+        return LatentAttentionState.of(reads)
 
     def stored_index_keys(self) -> mx.array | None:
         if not self.geometry.has_index or not self.offset:
