@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import CacheRangeError, InvalidCacheState
+from ..errors import InvalidCacheState
 from .cache_parts import extract_one_row, source_row_states
 from .contracts import LatentAttentionState
 from .family_codec import FamilyCodec
@@ -24,6 +24,7 @@ from .justified import RightJustifiedRows
 from .rows import (
     check_f32,
     check_row,
+    check_row_length,
     non_negative,
     owned,
     pad_left,
@@ -203,8 +204,7 @@ class EncodedLatentCache(RightJustifiedRows):
             raise InvalidCacheState(f"expected an EncodedRowState (got {type(state).__name__})")
         offset = non_negative(state.offset, "row state offset")
         non_negative(state.minimum_reusable_offset, "row state minimum_reusable_offset")
-        if offset > self.geometry.token_limit:
-            raise CacheRangeError(f"row of {offset} positions exceeds max_tokens {self.geometry.max_tokens}")
+        check_row_length(self.geometry, offset)
         shapes = self._codec.plane_shapes()
         if not (offset == 0 and not state.planes):
             if len(state.planes) != len(shapes):
@@ -273,8 +273,7 @@ class EncodedLatentCache(RightJustifiedRows):
             raise InvalidCacheState(f"adopt_batch needs one offset, converted flag and floor per row (got {rows}, "
                                     f"{len(converted)}, {len(minimums)})")
         width = max(offsets)
-        if width > self.geometry.token_limit:
-            raise CacheRangeError(f"row of {width} positions exceeds max_tokens {self.geometry.max_tokens}")
+        check_row_length(self.geometry, width)
         shapes = self._codec.flat_plane_shapes()
         planes = list(planes)
         if len(planes) != len(shapes):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import CacheRangeError, InvalidCacheState
+from ..errors import InvalidCacheState
 from .cache_parts import ReuseFloor, extract_one_row, source_row_states
 from .contracts import LatentAttentionState
 from .geometry import LatentGeometry
@@ -15,6 +15,7 @@ from .justified import RightJustifiedRows
 from .rows import (
     check_f32,
     check_row,
+    check_row_length,
     non_negative,
     owned,
     pad_left,
@@ -122,8 +123,7 @@ class MLACache(ReuseFloor, RightJustifiedRows):
             raise InvalidCacheState(f"row state has {len(state.arrays)} families, geometry has {len(widths)}")
         for name, array, width in zip(("latent", "rope key", "index keys"), state.arrays, widths):
             check_f32(f"row state {name}", array, (1, offset, width))
-        if offset > self.geometry.token_limit:
-            raise CacheRangeError(f"row of {offset} positions exceeds max_tokens {self.geometry.max_tokens}")
+        check_row_length(self.geometry, offset)
 
     def merge_row_states(self, states: Sequence[MLARowState]) -> None:
         """Fill this EMPTY cache with ``states`` as rows (right-justified, zero left padding)."""
@@ -148,8 +148,7 @@ class MLACache(ReuseFloor, RightJustifiedRows):
         if not offsets:
             raise InvalidCacheState("adopt_batch needs at least one row")
         width = max(offsets)
-        if width > self.geometry.token_limit:
-            raise CacheRangeError(f"row of {width} positions exceeds max_tokens {self.geometry.max_tokens}")
+        check_row_length(self.geometry, width)
         families = list(families)
         if len(families) != len(self.geometry.widths):
             raise InvalidCacheState(f"adopt_batch got {len(families)} families, geometry has {len(self.geometry.widths)}")

@@ -24,6 +24,7 @@ from .rows import (
     append_inputs,
     check_keep,
     check_row,
+    check_row_length,
     check_token_room,
     non_negative,
     pad_left,
@@ -203,8 +204,7 @@ class PagedLatentCache(ReuseFloor):
                 if pool.shape[2] != width or pool.dtype != dtype:
                     raise InvalidCacheState(f"pool [{pool.shape[0]}, {pool.shape[1]}, {pool.shape[2]}] {pool.dtype} "
                                             f"cannot hold a {width}-wide {dtype} plane of {self.signature()}")
-            if row.offset > self.geometry.token_limit:
-                raise CacheRangeError(f"row of {row.offset} positions exceeds max_tokens {self.geometry.max_tokens}")
+            check_row_length(self.geometry, row.offset)
         self._reset()
         self._rows, self._leading = rows, [0] * len(rows)
 

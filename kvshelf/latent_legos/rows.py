@@ -128,6 +128,12 @@ def check_token_room(geometry: LatentGeometry, row_offsets: Sequence[int], token
         )
 
 
+def check_row_length(geometry: LatentGeometry, offset: int) -> None:
+    """A row of ``offset`` positions fits the geometry's ``max_tokens``."""
+    if offset > geometry.token_limit:
+        raise CacheRangeError(f"row of {offset} positions exceeds max_tokens {geometry.max_tokens}")
+
+
 def check_row(row: object, batch: int | None) -> int:
     if batch is None:
         raise InvalidCacheState("the latent cache holds no rows")
