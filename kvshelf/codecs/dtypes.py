@@ -12,21 +12,21 @@ import numpy as np
 
 from ..errors import InvalidCacheState
 
-# name -> (mlx dtype, safetensors code, numpy dtype holding the same bytes)
+# name -> (mlx dtype, safetensors code, little-endian numpy dtype holding the same bytes); store/blobfile.py uses it too
 _TABLE: dict[str, tuple[mx.Dtype, str, np.dtype]] = {
-    "bool": (mx.bool_, "BOOL", np.dtype(np.bool_)),
-    "uint8": (mx.uint8, "U8", np.dtype(np.uint8)),
-    "uint16": (mx.uint16, "U16", np.dtype(np.uint16)),
-    "uint32": (mx.uint32, "U32", np.dtype(np.uint32)),
-    "uint64": (mx.uint64, "U64", np.dtype(np.uint64)),
-    "int8": (mx.int8, "I8", np.dtype(np.int8)),
-    "int16": (mx.int16, "I16", np.dtype(np.int16)),
-    "int32": (mx.int32, "I32", np.dtype(np.int32)),
-    "int64": (mx.int64, "I64", np.dtype(np.int64)),
-    "float16": (mx.float16, "F16", np.dtype(np.float16)),
-    "bfloat16": (mx.bfloat16, "BF16", np.dtype(np.uint16)),
-    "float32": (mx.float32, "F32", np.dtype(np.float32)),
-    "float64": (mx.float64, "F64", np.dtype(np.float64)),
+    "bool": (mx.bool_, "BOOL", np.dtype("?")),
+    "uint8": (mx.uint8, "U8", np.dtype("u1")),
+    "uint16": (mx.uint16, "U16", np.dtype("<u2")),
+    "uint32": (mx.uint32, "U32", np.dtype("<u4")),
+    "uint64": (mx.uint64, "U64", np.dtype("<u8")),
+    "int8": (mx.int8, "I8", np.dtype("i1")),
+    "int16": (mx.int16, "I16", np.dtype("<i2")),
+    "int32": (mx.int32, "I32", np.dtype("<i4")),
+    "int64": (mx.int64, "I64", np.dtype("<i8")),
+    "float16": (mx.float16, "F16", np.dtype("<f2")),
+    "bfloat16": (mx.bfloat16, "BF16", np.dtype("<u2")),
+    "float32": (mx.float32, "F32", np.dtype("<f4")),
+    "float64": (mx.float64, "F64", np.dtype("<f8")),
 }
 _BY_MLX = {mlx_dtype: name for name, (mlx_dtype, _, _) in _TABLE.items()}
 

@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from ..codecs.dtypes import DTYPE_NAMES, numpy_dtype, safetensors_code
 from ..errors import CorruptData
 
 KVZ_MAGIC = b"KVSHZ01\n"
@@ -34,14 +35,8 @@ _IO_MAX = 0x7FFFF000
 _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
 _JSON = msgspec.json.Decoder()
 
-# mlx dtype name -> (safetensors code, numpy storage dtype)
-DTYPES: dict[str, tuple[str, np.dtype]] = {
-    "float32": ("F32", np.dtype("<f4")), "float16": ("F16", np.dtype("<f2")), "bfloat16": ("BF16", np.dtype("<u2")),
-    "float64": ("F64", np.dtype("<f8")), "uint8": ("U8", np.dtype("u1")), "uint16": ("U16", np.dtype("<u2")),
-    "uint32": ("U32", np.dtype("<u4")), "uint64": ("U64", np.dtype("<u8")), "int8": ("I8", np.dtype("i1")),
-    "int16": ("I16", np.dtype("<i2")), "int32": ("I32", np.dtype("<i4")), "int64": ("I64", np.dtype("<i8")),
-    "bool": ("BOOL", np.dtype("?")),
-}
+# mlx dtype name -> (safetensors code, numpy storage dtype): the codecs' table, so the two formats never disagree
+DTYPES: dict[str, tuple[str, np.dtype]] = {name: (safetensors_code(name), numpy_dtype(name)) for name in DTYPE_NAMES}
 _FROM_CODE = {code: name for name, (code, _) in DTYPES.items()}
 _SHUFFLED = {"float32", "float16", "bfloat16", "float64"}
 
