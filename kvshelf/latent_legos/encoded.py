@@ -234,13 +234,10 @@ class EncodedLatentCache(RightJustifiedRows):
         converted = [s.shadow is None for s in states]
         planes, shadow = [], None
         if width:
+            flat = [self._codec.split_flat(s.planes) for s in states]
             for i, (w, dtype) in enumerate(self._codec.flat_plane_shapes()):
-                rows = []
-                for s in states:
-                    if s.offset:
-                        rows.append(pad_left(self._codec.split_flat(s.planes)[i], width - s.offset))
-                    else:
-                        rows.append(mx.zeros((1, width, w), dtype=dtype))
+                rows = [pad_left(f[i], width - s.offset) if s.offset else mx.zeros((1, width, w), dtype=dtype)
+                        for s, f in zip(states, flat)]
                 planes.append(mx.concatenate(rows, axis=0))
             if not all(converted):
                 shadow = []
