@@ -390,16 +390,8 @@ class Store:
 
     def _reclaim(self, hashes: list[str]) -> None:
         """Unlink blobs that are still unreferenced and unleased, holding the LMDB writer lock while doing so."""
-        if not hashes:
-            return
-
-        def unlink(txn):
-            leased = self._live_leases(txn)[1]
-            for h in hashes:
-                if txn.get(bytes.fromhex(h), db=self.index.db["chunks"]) is None and h not in leased:
-                    self.blobs.delete(h)
-
-        self._txn(unlink)
+        if hashes:
+            self._txn(lambda txn: None, unlink=hashes)
 
     def _live_leases(self, txn) -> tuple[set[str], set[str]]:
         """(snapshot ids, blob hashes) held by live leases (pid alive, not expired)."""
@@ -705,17 +697,19 @@ class Store:
         if go:
             self._txn(lambda txn: None)
 
-    def _txn(self, fn):
-        """One write transaction of this handle: deferred lease releases first, then ``fn``."""
+    def _txn(self, fn, unlink: Sequence[str] = ()):
+        """One write transaction of this handle: deferred lease releases first, then unlinking the blobs among
+        ``unlink`` and the released leases' that are unreferenced and unleased (under the writer lock), then ``fn``."""
         with self._lock:
             pending = list(self._deferred)
 
         def run(txn):
             for item in pending:
                 self._apply_release(txn, *item)
-            if pending:  # blobs freed while we held them: ours to unlink now (still under the writer lock)
+            candidates = set(unlink).union(*(item[2] for item in pending))
+            if candidates:  # blobs freed while we (or a lease we released) held them
                 held = self._live_leases(txn)[1]
-                for h in {h for item in pending for h in item[2]}:
+                for h in candidates:
                     if h not in held and txn.get(bytes.fromhex(h), db=self.index.db["chunks"]) is None:
                         self.blobs.delete(h)
             return fn(txn)
