@@ -43,9 +43,6 @@ from .prefix import BLOCK_TOKENS, all_boundaries, tokens_array
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .writer import BackgroundWriter
 
-_NOT_FOUND = object()
-
-
 class _MissingBlobs(Exception):
     def __init__(self, hashes: list[str]):
         self.hashes = hashes
