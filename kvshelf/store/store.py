@@ -457,13 +457,9 @@ class Store:
     def restore(self, session_id: str, namespace: str = "") -> Restored:
         """The session's latest snapshot, whole."""
         self._check_scoped("restore")
-        skey = self._session_key(session_id, namespace)
         for attempt in range(3):
             with self.index.read() as txn:
-                sid = txn.get(skey, db=self.index.db["sessions"])
-                if sid is None:
-                    self._explain_missing(txn, session_id, namespace, skey)
-                manifest = self._manifest(txn, sid)
+                manifest = self._latest(txn, session_id, namespace)
             try:
                 return self._restore(manifest, manifest.length)
             except SnapshotNotFound:  # replaced by a newer save between reading the pointer and leasing: again
@@ -506,11 +502,7 @@ class Store:
                     plans.append((manifest, req.length))
                     continue
                 session_id, namespace = (req if isinstance(req, tuple) else (req, ""))
-                skey = self._session_key(session_id, namespace)
-                sid = txn.get(skey, db=self.index.db["sessions"])
-                if sid is None:
-                    self._explain_missing(txn, session_id, namespace, skey)
-                manifest = self._manifest(txn, sid)
+                manifest = self._latest(txn, session_id, namespace)
                 plans.append((manifest, manifest.length))
         for manifest, p in plans:
             self._check_cut(manifest, p)
@@ -579,6 +571,14 @@ class Store:
         if raw is None:
             raise SnapshotNotFound(f"snapshot {sid.hex()} is not in the store at {self.root}")
         return mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+
+    def _latest(self, txn, session_id: str, namespace: str) -> Manifest:
+        """The manifest of the session's latest snapshot (``_explain_missing`` raises when there is none)."""
+        skey = self._session_key(session_id, namespace)
+        sid = txn.get(skey, db=self.index.db["sessions"])
+        if sid is None:
+            self._explain_missing(txn, session_id, namespace, skey)
+        return self._manifest(txn, sid)
 
     def _explain_missing(self, txn, session_id: str, namespace: str, skey: bytes):
         raw = txn.get(skey, db=self.index.db["quarantine"])
