@@ -903,12 +903,13 @@ class Store:
         """Write the chunk blobs not already stored (raw, durable, named by ``ref.hash``, which must be the content
         hash of the pieces); returns the hashes written. Hold ``save_gate()`` (shared) from this call until the
         blobs are referenced by a commit, or a concurrent gc may take them for crash residue."""
-        new = []
+        new, seen = [], set()
         for ref, pieces in items:
-            if ref.hash not in {r.hash for r, _ in new} and self.blobs.has(ref.hash) is None:
-                if content_hash(pieces) != ref.hash:
-                    raise CorruptData(f"blob pieces hash to {content_hash(pieces)}, not to the name {ref.hash}")
+            if ref.hash not in seen and self.blobs.has(ref.hash) is None:
+                if (got := content_hash(pieces)) != ref.hash:
+                    raise CorruptData(f"blob pieces hash to {got}, not to the name {ref.hash}")
                 new.append((ref, pieces))
+                seen.add(ref.hash)
         self.blobs.put_many([(r.hash, pieces, self.blob_metadata(r)) for r, pieces in new])
         return [r.hash for r, _ in new]
 
