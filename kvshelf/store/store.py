@@ -998,10 +998,11 @@ class Store:
 
         Returns False (and unlinks the new blobs it wrote that nothing references) when the snapshot was replaced,
         removed or rewritten meanwhile; raises ``SnapshotNotFound`` when it is already gone at the start."""
-        items = list(blobs.items()) if isinstance(blobs, Mapping) else list(blobs)
-        refs = {r.hash: r for r in new.blobs}
         if isinstance(blobs, Mapping):
-            items = [(refs[h], pieces) for h, pieces in items]
+            refs = {r.hash: r for r in new.blobs}
+            items = [(refs[h], pieces) for h, pieces in blobs.items()]
+        else:
+            items = list(blobs)
         with self.lease(old):
             written: list[str] = []
             swapped = False
