@@ -23,6 +23,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .paths import default_store_path
+
 NAMESPACE = "kvshelf-demo"
 SYSTEM_TOKENS = 512  # two whole 256-token chunks, written once and shared by every chat
 USER_TOKENS = (100, 130, 160, 190)  # each chat's own turn
@@ -30,15 +32,6 @@ DECODE_TOKENS = 4  # greedy tokens generated (and fed back) after each prompt
 # small enough that the whole demo runs in a few seconds on a 2-core CPU; DSA index keys on, as in GLM
 MODEL = dict(num_layers=4, vocab=512, hidden=128, num_heads=2, kv_lora_rank=64, rope_head_dim=16, index_head_dim=16,
              qk_nope_head_dim=32, v_head_dim=32, seed=7)
-
-
-def default_store_dir() -> Path:
-    """The embedded default store: the store package's helper when it has one, else the tools' path rule."""
-    try:
-        from kvshelf.store import default_store_path  # type: ignore[attr-defined]
-    except ImportError:
-        from kvshelf.tools.paths import default_store_path
-    return Path(default_store_path())
 
 
 def _tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -214,7 +207,7 @@ def run_demo(store_dir: str | Path | None = None, out: Callable[[str], object] =
     from kvshelf import Identity, open_store
 
     started = time.perf_counter()
-    path = Path(store_dir) if store_dir is not None else default_store_dir()
+    path = Path(store_dir) if store_dir is not None else default_store_path()
     identity = Identity("kvshelf-demo/synthetic-mla", config_fingerprint=repr(sorted(MODEL.items())),
                         tokenizer_hash="synthetic")
     out(f"kvshelf demo: store {path} (namespace {NAMESPACE!r}), synthetic MLA model "
