@@ -22,6 +22,7 @@ import msgspec
 from ..errors import IncompatibleFormat, KvShelfError, SnapshotNotFound
 from ..store import Store, StoreBusy, open_store
 from ..store.manifest import Manifest
+from . import lmdb_files
 
 _SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}$")
 IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash", "namespace")
@@ -191,19 +192,12 @@ def stats(store: Store, max_bytes: int | None = None) -> dict[str, Any]:
         "dedup_ratio": round(logical / totals["payload_bytes"], 4) if totals["payload_bytes"] else 1.0,
         "compression_ratio": round(totals["payload_bytes"] / totals["stored_bytes"], 4)
         if totals["stored_bytes"] else 1.0,
-        "index_bytes": _index_bytes(store),
+        "index_bytes": lmdb_files.index_bytes(store.root),
         "max_bytes": max_bytes,
         "budget_use": round(totals["stored_bytes"] / max_bytes, 4) if max_bytes else None,
         **orphans(store),
     }
     return doc
-
-
-def _index_bytes(store: Store) -> int:
-    try:
-        return os.stat(os.path.join(store.root, "index", "data.mdb")).st_size
-    except FileNotFoundError:
-        return 0
 
 
 def _affected(store: Store, where: str) -> list[tuple[str, str]]:

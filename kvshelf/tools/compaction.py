@@ -77,12 +77,7 @@ class CompactionReport:
 
 
 def _disk_bytes(store: Store) -> int:
-    blobs = sum(st.stored_bytes for st in store.blobs.iter())
-    try:
-        index = os.stat(os.path.join(store.root, "index", "data.mdb")).st_size
-    except FileNotFoundError:
-        index = 0
-    return blobs + index
+    return sum(st.stored_bytes for st in store.blobs.iter()) + lmdb_files.index_bytes(store.root)
 
 
 # --- reading and writing snapshots at the blob level ------------------------------------------------------------------

@@ -17,6 +17,14 @@ from pathlib import Path
 from ..codecs.snapshot_file import fsync_dir
 
 
+def index_bytes(store_root: str | os.PathLike[str]) -> int:
+    """Size of the store's LMDB file (0 before the index exists)."""
+    try:
+        return os.stat(Path(store_root) / "index" / "data.mdb").st_size
+    except FileNotFoundError:
+        return 0
+
+
 def compact_copy(env, work_dir: str | os.PathLike[str]) -> Path:
     """Write a compacted copy of ``env`` into a fresh directory under ``work_dir``; returns its data.mdb."""
     target = Path(work_dir) / f"index-compact-{os.getpid()}"
@@ -43,4 +51,4 @@ def discard(copy: Path) -> None:
     shutil.rmtree(copy.parent, ignore_errors=True)
 
 
-__all__ = ["compact_copy", "swap_in", "discard"]
+__all__ = ["index_bytes", "compact_copy", "swap_in", "discard"]
