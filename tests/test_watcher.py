@@ -168,15 +168,21 @@ def test_a_file_written_slowly_in_pieces_is_ingested_only_when_complete(tmp_path
         assert s.restore("slow").tokens == tokens_for(110, 5)
 
 
-def test_sigterm_mid_ingest_leaves_the_store_consistent(tmp_path) -> None:
+def mid_ingest(tmp_path: Path, prefix: str, count: int, seed: int, kind: str):
+    """A watcher over ``count`` queued files (file i: ``200 + 10 i`` tokens, seed ``seed + i``), once one is filed."""
     store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
     inbox.mkdir()
     src.mkdir()
-    names = [f"s{i}.safetensors" for i in range(6)]
+    names = [f"{prefix}{i}.safetensors" for i in range(count)]
     for i, name in enumerate(names):
-        drop(inbox, name, portable(src / name, 200 + 10 * i, 10 + i, kind="affine8-start").read_bytes())
+        drop(inbox, name, portable(src / name, 200 + 10 * i, seed + i, kind=kind).read_bytes())
     proc = start(store, inbox)
     wait_for(lambda: len(done(inbox)) >= 1, proc=proc)
+    return store, inbox, names, proc
+
+
+def test_sigterm_mid_ingest_leaves_the_store_consistent(tmp_path) -> None:
+    store, inbox, names, proc = mid_ingest(tmp_path, "s", 6, 10, "affine8-start")
     proc.send_signal(signal.SIGTERM)  # most likely while the next file is being ingested
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
@@ -200,14 +206,7 @@ def test_sigterm_mid_ingest_leaves_the_store_consistent(tmp_path) -> None:
 
 
 def test_sigkill_mid_ingest_then_restart_ingests_each_file_once(tmp_path) -> None:
-    store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
-    inbox.mkdir()
-    src.mkdir()
-    names = [f"k{i}.safetensors" for i in range(5)]
-    for i, name in enumerate(names):
-        drop(inbox, name, portable(src / name, 200 + 10 * i, 30 + i, kind="mla").read_bytes())
-    proc = start(store, inbox)
-    wait_for(lambda: len(done(inbox)) >= 1, proc=proc)
+    store, inbox, names, proc = mid_ingest(tmp_path, "k", 5, 30, "mla")
     proc.kill()  # no chance to finish: a save or a move may be cut anywhere
     proc.communicate(timeout=60)
     before = sessions(store)
