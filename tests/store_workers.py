@@ -184,19 +184,24 @@ class Step:
     mode: str  # "save" or "async" (save_async then flush)
 
 
+def grow_or_start(
+    rng: random.Random, lengths: dict[str, int], tag: str, *, grow_p: float, grow_by: int, new_max: int
+) -> tuple[str, int]:
+    """The next save of a worker: grow one of its sessions below ``MAX_LEN`` (chance ``grow_p``), or start a new one."""
+    growable = [s for s, n in lengths.items() if n < MAX_LEN]
+    if growable and rng.random() < grow_p:
+        session = rng.choice(growable)
+        return session, min(MAX_LEN, lengths[session] + rng.randint(1, grow_by))
+    return f"f{rng.randrange(FAMILIES)}-{tag}-s{len(lengths)}", rng.randint(1, new_max)
+
+
 def crash_plan(seed: int, steps: int = 40) -> list[Step]:
     """A run's saves: new sessions at random lengths, and growth of the run's earlier sessions."""
     rng = random.Random(seed)
     lengths: dict[str, int] = {}
     plan = []
     for _ in range(steps):
-        growable = [s for s, n in lengths.items() if n < MAX_LEN]
-        if growable and rng.random() < 0.45:
-            session = rng.choice(growable)
-            length = min(MAX_LEN, lengths[session] + rng.randint(1, 260))
-        else:
-            session = f"f{rng.randrange(FAMILIES)}-r{seed}-s{len(lengths)}"
-            length = rng.randint(1, 520)
+        session, length = grow_or_start(rng, lengths, f"r{seed}", grow_p=0.45, grow_by=260, new_max=520)
         lengths[session] = length
         plan.append(Step(session, length, "async" if rng.random() < 0.25 else "save"))
     return plan
@@ -282,13 +287,7 @@ def _mixed_step(store, rng: random.Random, op: str, state: dict, errors: list[st
             session = f"f{rng.randrange(FAMILIES)}-shared-{rng.randrange(2)}"
             length = rng.randint(1, MAX_LEN)
         else:
-            growable = [s for s, n in own.items() if n < MAX_LEN]
-            if growable and rng.random() < 0.5:
-                session = rng.choice(growable)
-                length = min(MAX_LEN, own[session] + rng.randint(1, 200))
-            else:
-                session = f"f{rng.randrange(FAMILIES)}-{state['tag']}-s{len(own)}"
-                length = rng.randint(1, 500)
+            session, length = grow_or_start(rng, own, state["tag"], grow_p=0.5, grow_by=200, new_max=500)
         info = store.save(session, session_tokens(session, length), build_caches(session, length))
         if "-shared-" in session:
             state["shared"].add(session)
