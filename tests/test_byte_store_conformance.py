@@ -15,8 +15,29 @@ from hypothesis import strategies as st
 from kvshelf.errors import CorruptData, InvalidCacheState, KvShelfError
 from kvshelf.store.backend import ByteStore, MemoryByteStore, ObjectMissing
 
+
+
+def _redis_byte_store(tmp_path):
+    """A RedisByteStore on its own redis-server (started here on a free 127.0.0.1 port, stopped on close)."""
+    from redis_servers import RedisServer
+
+    from kvshelf.store.remote import RedisByteStore
+
+    server = RedisServer()
+    made = RedisByteStore(server.url, prefix="kvshelf-conformance:")
+    inner_close = made.close
+
+    def close():
+        inner_close()
+        server.close()
+
+    made.close = close
+    return made
+
+
 BYTE_STORES = {
     "memory": lambda tmp_path: MemoryByteStore(),
+    "redis": _redis_byte_store,
 }
 
 

@@ -1,0 +1,152 @@
+"""Real redis-server processes on 127.0.0.1 for the shared-tier tests: a single server and a 3-master cluster.
+
+Each server runs in its own temporary directory on a free port (cluster nodes also need port + 10000 free for
+the cluster bus), with persistence off; tests stop or kill them (``kill`` is SIGKILL: a crashed server). When
+``redis-server`` is not installed the tests that need it are skipped with that reason — and only then.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+SERVER = shutil.which("redis-server")
+CLI = shutil.which("redis-cli")
+
+
+def require_redis() -> None:
+    if SERVER is None or CLI is None:
+        pytest.skip("redis-server / redis-cli are not installed (.ci/run installs Debian's redis-server)")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(bus: bool = False) -> int:
+    """A free TCP port on 127.0.0.1 (with ``bus``: port + 10000 free as well, and below 55536)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not bus:
+            return port
+        if port < 55536 and _port_free(port + 10000):
+            return port
+        port = int.from_bytes(os.urandom(2), "big") % 20000 + 20000
+        if _port_free(port) and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair found")
+
+
+class RedisServer:
+    """One redis-server on 127.0.0.1; ``args`` are extra config directives, e.g. ``["--maxmemory", "8mb"]``."""
+
+    def __init__(self, args: list[str] | tuple[str, ...] = (), *, cluster: bool = False):
+        require_redis()
+        self.dir = tempfile.mkdtemp(prefix="kvshelf-redis-")
+        self.args, self.cluster = list(args), cluster
+        self.port = free_port(bus=cluster)
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def node(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", self.dir, "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
+               "--logfile", os.path.join(self.dir, "redis.log"), *self.args]
+        if self.cluster:
+            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.dir, "nodes.conf"),
+                    "--cluster-node-timeout", "2000"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while self.cli("PING") != "PONG":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = open(os.path.join(self.dir, "redis.log")).read() if os.path.exists(
+                    os.path.join(self.dir, "redis.log")) else ""
+                raise RuntimeError(f"redis-server on port {self.port} did not start: {log[-2000:]}")
+            time.sleep(0.02)
+
+    def cli(self, *args: str) -> str:
+        out = subprocess.run([CLI, "-h", "127.0.0.1", "-p", str(self.port), *args], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip()
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-whatever (connections reset, nothing flushed)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisClusterServers:
+    """Three masters made one cluster by ``redis-cli --cluster create ... --cluster-replicas 0 --cluster-yes``."""
+
+    def __init__(self, masters: int = 3):
+        require_redis()
+        self.nodes = [RedisServer(cluster=True) for _ in range(masters)]
+        try:
+            out = subprocess.run([CLI, "--cluster", "create", *(n.node for n in self.nodes), "--cluster-replicas",
+                                  "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+            deadline = time.monotonic() + 30
+            while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster did not reach cluster_state:ok")
+                time.sleep(0.05)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://{self.nodes[0].node}"
+
+    @property
+    def seeds(self) -> list[str]:
+        return [n.node for n in self.nodes]
+
+    def flushall(self) -> None:
+        for n in self.nodes:
+            n.cli("FLUSHALL")
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.close()
+
+
+__all__ = ["RedisServer", "RedisClusterServers", "require_redis", "free_port"]
