@@ -137,6 +137,7 @@ class Store:
                          "bytes_reused": 0, "lookups": 0, "hits": 0, "quarantined": 0, "evicted": 0,
                          "batch_layers_direct": 0, "batch_layers_fallback": 0}
         self._closed = self._closing = False
+        self.tier = None  # the shared tier (kvshelf.store.remote), attached by open_store(remote=...)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Store":
@@ -150,6 +151,8 @@ class Store:
         if self._closed:
             return
         self._writer.close()
+        if self.tier is not None:  # after queued saves: they publish too
+            self.tier.close()
         with self._lock:
             self._closing = True
             timer, self._deferred_timer = self._deferred_timer, None
@@ -293,6 +296,8 @@ class Store:
         self.counters["bytes_written"] += written
         self.counters["bytes_reused"] += reused
         self._evict_to_budget(protect=bytes.fromhex(sid))
+        if self.tier is not None:  # local-durable first; publishing is write-behind and never waits
+            self.tier.saved(manifest)
         return SnapshotInfo(sid, cap.session_id, len(cap.tokens), written, reused, manifest.minimum_reusable_offset,
                             cap.namespace, n_written, len(unique) - n_written, time.perf_counter() - t0)
 
@@ -447,11 +452,13 @@ class Store:
         self.counters["lookups"] += 1
         with self.index.read() as txn:
             best = _Lookup(self, txn, nsk, prompt).run()
-        if best is None:
-            return None
-        self.counters["hits"] += 1
-        p, summary, sid, _rank = best
-        return PrefixHit(summary.session_id, sid.hex(), p, summary.namespace, summary.length)
+        hit = None if best is None else PrefixHit(best[1].session_id, best[2].hex(), best[0], best[1].namespace,
+                                                  best[1].length)
+        if self.tier is not None:  # local first; the shared tier only when it gives a longer prefix
+            hit = self.tier.lookup(prompt, namespace, hit)
+        if hit is not None:
+            self.counters["hits"] += 1
+        return hit
 
     # ------------------------------------------------------------------ restoring
     def restore(self, session_id: str, namespace: str = "") -> Restored:
@@ -470,6 +477,8 @@ class Store:
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
         self._check_scoped("restore_snapshot")
+        if self.tier is not None and self.tier.knows(snapshot_id) and not self._has(snapshot_id):
+            return self.tier.restore(snapshot_id, length)  # a remote hit: fetched, verified, kept locally
         manifest = self.manifest(snapshot_id)
         self._check_identity(manifest)
         p = manifest.length if length is None else int(length)
@@ -552,6 +561,10 @@ class Store:
         self.counters["batch_layers_direct"] += sum(plan is not None for plan in plans)
         self.counters["batch_layers_fallback"] += sum(plan is None for plan in plans)
         return caches
+
+    def _has(self, snapshot_id: str) -> bool:
+        with self.index.read() as txn:
+            return txn.get(bytes.fromhex(snapshot_id), db=self.index.db["manifests"]) is not None
 
     def _check_cut(self, manifest: Manifest, p: int) -> None:
         if not 0 <= p <= manifest.length:
@@ -819,7 +832,8 @@ class Store:
                 "snapshots": own,
                 "snapshot_bytes": own_bytes, "snapshots_all_identities": n_snapshots_all, "blobs": n_chunks,
                 "stored_bytes": total, "max_bytes": self.max_bytes, "quarantined_sessions": n_quarantined,
-                "pending_bytes": self._writer.pending_bytes, **self.counters}
+                "pending_bytes": self._writer.pending_bytes, **self.counters,
+                **({"remote": self.tier.stats()} if self.tier is not None else {})}
 
     def verify(self, deep: bool = False):
         """Inconsistencies between index and blobs (empty list: clean). ``deep`` re-hashes every blob."""
@@ -1068,13 +1082,25 @@ def identity_key_of(manifest: Manifest) -> bytes:
 
 
 def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,
-               chunk_tokens: int = 256, admin: bool = False, **options: Any) -> Store:
+               chunk_tokens: int = 256, admin: bool = False, remote: Any = None, remote_prefix: str = "kvshelf:",
+               remote_options: Mapping[str, Any] | None = None, **options: Any) -> Store:
     """Open (creating if needed) the store at ``path`` under ``identity`` (use as a context manager).
 
-    ``admin=True`` without an identity opens it identity-blind for offline tools (see ``Store``)."""
+    ``admin=True`` without an identity opens it identity-blind for offline tools (see ``Store``). ``remote`` (a
+    ``redis://`` / ``rediss://`` / ``redis+cluster://`` URL or a list of cluster seed nodes) adds the shared tier
+    (``kvshelf.store.remote``; ``remote_options`` go to ``RemoteTier`` and redis-py)."""
     if identity is None and not admin:
         raise TypeError("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
-    return Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, admin=admin, **options)
+    store = Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, admin=admin, **options)
+    if remote is not None and not admin:
+        from .remote.tier import attach
+
+        try:
+            attach(store, remote, prefix=remote_prefix, **dict(remote_options or {}))
+        except BaseException:
+            store.close()
+            raise
+    return store
 
 
 __all__ = ["Store", "StoreBusy", "open_store"]

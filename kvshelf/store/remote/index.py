@@ -1,0 +1,186 @@
+"""The shared prefix index: the local store's boundary-hash scheme on Redis, searched in a few round trips.
+
+Same keys as the local index (``prefix.py``): the boundary after j tokens is ``xxh3_128(nsk || int64le(t[:j]))`` at
+j = 1..15 and every multiple of 16, each a sorted set whose members are the 16 tokens that follow the boundary plus
+the snapshot id (lexicographic order = the local dupsort order). Every snapshot records all its boundaries, so the
+number of members along a prompt's boundaries is non-increasing, and the search of ``lookup.py`` carries over:
+
+1. the deepest recorded boundary is found by a *k-ary* search: every round probes up to ``PROBES`` boundaries with
+   pipelined ``ZCARD`` (one round trip), so a 32k-token prompt (2,063 boundaries) takes about four round trips;
+2. at that boundary ``ZRANGE BYLEX`` on both sides of the prompt's continuation gives the records whose predicted
+   usable length ``min(boundary + matching following tokens, len(prompt) - 1)`` is largest; their summaries and
+   tokens come in one more round trip and are *verified* (sealed records, tokens compared in full — never the hash);
+3. if none is usable (floor above the shared prefix, untrimmable cache needing a cut) the search moves to the next
+   boundary below holding more records, as locally, within a bounded number of levels and candidates.
+
+An evicting server can remove any key, which only ever shortens what is found (a miss or a shorter hit), never
+produces a wrong one: whatever is served was token-verified, and its chunks are hash-verified on fetch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..lookup import LazyTokens, _matching, _Positions
+from ..prefix import BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, continuation
+from .keys import Keys
+from .records import RemoteSummary, decode_summary, decode_tokens
+
+PROBES = 12          # boundaries probed per round trip of the deepest-boundary search
+WINDOW = 8           # records read on each side of the prompt's continuation per level
+MAX_LEVELS = 6       # levels scanned per lookup at most
+MAX_CANDIDATES = 24  # summaries read per lookup at most
+_BIG = b"\xff" * 16
+
+
+def usable(p: int, s: RemoteSummary) -> bool:
+    return p > 0 and p >= s.minimum_reusable_offset and (p == s.length or s.trimmable)
+
+
+class RemoteLookup:
+    """One lookup against the shared index (see the module docstring). ``run`` → (p, summary, sid) or None."""
+
+    def __init__(self, client, keys: Keys, nsk: bytes, prompt: LazyTokens, block: int = BLOCK_TOKENS):
+        self.client, self.keys, self.nsk, self.prompt, self.block = client, keys, nsk, prompt, block
+        self.n = prompt.n
+        self.pos = _Positions(self.n, block)
+        self.counts: dict[int, int] = {}
+        self.key_of: dict[int, str] = {}
+        self.best: tuple[int, RemoteSummary, bytes] | None = None
+        self.seen: set[bytes] = set()
+        self.examined = 0
+        self.round_trips = 0
+
+    def _key(self, i: int) -> str:
+        key = self.key_of.get(i)
+        if key is None:
+            at = self.pos[i]
+            key = self.key_of[i] = self.keys.boundary(self.nsk, boundary_hash(self.nsk, self.prompt.head(at), at))
+        return key
+
+    def _probe(self, levels) -> None:
+        todo = sorted({i for i in levels if i not in self.counts})
+        if not todo:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for i in todo:
+            pipe.zcard(self._key(i))
+        self.round_trips += 1
+        for i, c in zip(todo, pipe.execute()):
+            self.counts[i] = int(c)
+
+    def _search(self, lo: int, hi: int, pred) -> int:
+        """The largest i in [lo, hi] with pred(i) (pred(lo) holds and is monotone), k-ary, one round trip a step."""
+        while lo < hi:
+            span = hi - lo
+            step = max(1, -(-span // PROBES))
+            probes = list(range(lo + step, hi + 1, step))
+            if probes[-1] != hi:
+                probes.append(hi)
+            self._probe(probes)
+            new_lo, new_hi = lo, hi
+            for i in probes:
+                if pred(i):
+                    new_lo = i
+                else:
+                    new_hi = i - 1
+                    break
+            lo, hi = new_lo, new_hi
+        return lo
+
+    def _deepest(self) -> int:
+        last = len(self.pos) - 1
+        gallop = sorted({min((1 << k) - 1, last) for k in range(0, last.bit_length() + 1)})
+        self._probe(gallop)
+        if self.counts[0] == 0:
+            return -1
+        lo, hi = 0, last
+        for i in gallop:
+            if self.counts[i] > 0:
+                lo = i
+            else:
+                hi = i - 1
+                break
+        return self._search(lo, hi, lambda i: self.counts[i] > 0)
+
+    def _bound(self, level: int) -> int:
+        deeper = self.pos[level + 1] - 1 if level + 1 < len(self.pos) else self.n
+        return min(deeper, self.n - 1)
+
+    def run(self):
+        if self.n < 2:
+            return None
+        level = self._deepest()
+        deepest, levels = level, 0
+        while level >= 0 and levels < MAX_LEVELS and self.examined < MAX_CANDIDATES:
+            if self.best is not None and self.best[0] >= self._bound(level):
+                break
+            self._scan(level, skip_equal=level < deepest)
+            levels += 1
+            if self.best is not None and self.best[0] >= self.pos[level]:
+                break
+            count = self.counts[level]
+            if level == 0:
+                break
+            self._probe([0])
+            if self.counts[0] <= count:
+                break
+            level = self._search(0, level - 1, lambda i, c=count: self.counts[i] > c)
+        return self.best
+
+    def _scan(self, level: int, skip_equal: bool) -> None:
+        key, at = self._key(level), self.pos[level]
+        query = continuation(self.prompt.head(min(self.n, at + self.block)), at, self.block)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrangebylex(key, b"[" + (query + _BIG if skip_equal else query), b"+", 0, WINDOW)
+        pipe.zrevrangebylex(key, b"(" + query, b"-", 0, WINDOW)
+        self.round_trips += 1
+        right, left = pipe.execute()
+        cands = []
+        for record in [*right, *left]:
+            if len(record) != len(query) + 16:
+                continue  # not a member we wrote
+            sid = bytes(record[-16:])
+            if sid in self.seen:
+                continue
+            self.seen.add(sid)
+            cands.append((min(at + _matching(record, query), self.n - 1), sid))
+        cands.sort(key=lambda c: -c[0])
+        cands = [c for c in cands if self.best is None or c[0] >= self.best[0]][:MAX_CANDIDATES - self.examined]
+        if not cands:
+            return
+        self.examined += len(cands)
+        pipe = self.client.pipeline(transaction=False)
+        for _, sid in cands:
+            pipe.get(self.keys.summary(self.nsk, sid))
+            pipe.get(self.keys.tokens(self.nsk, sid))
+        self.round_trips += 1
+        replies = pipe.execute()
+        from ...errors import CorruptData
+
+        prompt = self.prompt.head(self.n)
+        for k, (predicted, sid) in enumerate(cands):
+            raw_s, raw_t = replies[2 * k], replies[2 * k + 1]
+            if raw_s is None or raw_t is None:
+                continue  # evicted or dropped meanwhile
+            try:
+                s = decode_summary(raw_s, f"summary {sid.hex()}")
+                stored = decode_tokens(raw_t, f"tokens of {sid.hex()}")
+            except CorruptData:
+                continue
+            if len(stored) != s.length:
+                continue
+            # tokens, never the hash: the whole shared prefix is compared
+            p = min(common_prefix(stored, prompt), self.n - 1)
+            if not usable(p, s):
+                continue
+            if self.best is None or p > self.best[0] or (p == self.best[0] and s.created_at > self.best[1].created_at):
+                self.best = (p, s, sid)
+
+
+def boundary_members(nsk: bytes, tokens: np.ndarray, sid: bytes, keys: Keys) -> list[tuple[str, bytes]]:
+    """(boundary key, member) of every boundary of a snapshot's tokens."""
+    return [(keys.boundary(nsk, h), cont + sid) for h, cont in all_boundaries(nsk, tokens)]
+
+
+__all__ = ["RemoteLookup", "boundary_members", "usable", "PROBES"]

@@ -1,0 +1,129 @@
+"""Everything the shared tier needs from the local store's internals, in one module (so store v2 adapts it alone).
+
+Two directions:
+
+* out: ``chunk_buffers(store, hash)`` — a committed chunk's *logical content* read back from the local store (under a
+  lease, hash-verified by the local reader), framed as the remote value ``u32 descriptor length | descriptor | tensor
+  bytes``. The descriptor is the one the local content hash starts with, so ``xxh3_128(value[4:])`` *is* the local
+  chunk hash: any host verifies a remote chunk with the name it already has.
+* in: ``RemoteChunk`` — a fetched value parsed and verified (length, descriptor, hash) and handed to the local
+  restore machinery (``layout.fill_from_blob`` into ``Destinations``), and ``build_caches`` — the codec load of a
+  snapshot cut to ``p`` from verified chunks, exactly as a local restore does it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+
+import msgspec
+import xxhash
+
+from ...errors import CorruptData, IdentityMismatch, InvalidCacheState
+from ..blobfile import TensorInfo, descriptor, storage_dtype
+from ..layout import Destinations, fill_from_blob
+from ..manifest import BlobRef, Manifest
+
+_DESC = msgspec.msgpack.Decoder(list[tuple[str, str, list[int]]])
+
+
+def chunk_buffers(store, hash_: str) -> list[bytes | memoryview]:
+    """The remote value of one local chunk (see the module docstring); the caller holds a lease on it."""
+    with store.open_blob(hash_, verify=True) as reader:
+        bufs = reader.read_into([None] * len(reader.tensors))
+        desc = descriptor(reader.tensors)
+    return [struct.pack("<I", len(desc)), desc, *bufs]
+
+
+def unique_refs(manifest: Manifest) -> list[BlobRef]:
+    return list({r.hash: r for r in manifest.blobs}.values())
+
+
+def needed_refs(manifest: Manifest, p: int) -> list[BlobRef]:
+    """The chunks a restore of the first ``p`` tokens reads (as the local restore: ``start < p`` plus own)."""
+    return [r for r in manifest.chunks if r.start < p] + list(manifest.own)
+
+
+class RemoteChunk:
+    """A fetched chunk value, verified before anything reads it; quacks like ``BlobReader`` for ``fill_from_blob``."""
+
+    def __init__(self, value: bytes | None, hash_: str):
+        where = f"remote chunk {hash_}"
+        if value is None:
+            raise CorruptData(f"{where} is missing")
+        view = memoryview(value)
+        if len(view) < 4:
+            raise CorruptData(f"{where} is truncated ({len(view)} bytes)")
+        (dlen,) = struct.unpack_from("<I", view, 0)
+        if 4 + dlen > len(view):
+            raise CorruptData(f"{where} is truncated inside its descriptor")
+        if xxhash.xxh3_128_hexdigest(view[4:]) != hash_:
+            raise CorruptData(f"{where}: content hash does not match its name (corrupt, truncated or replaced)")
+        try:
+            items = _DESC.decode(view[4:4 + dlen])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise CorruptData(f"{where}: descriptor does not decode ({exc})") from None
+        tensors, at = [], 0
+        for name, dtype, shape in items:
+            n = math.prod(shape) * storage_dtype(dtype).itemsize
+            tensors.append(TensorInfo(name, dtype, tuple(shape), at, at + n))
+            at += n
+        if 4 + dlen + at != len(view):
+            raise CorruptData(f"{where}: holds {len(view) - 4 - dlen} tensor bytes, its descriptor says {at}")
+        self.tensors, self.data_bytes = tensors, at
+        self._data = view[4 + dlen:]
+
+    def read_into(self, dests):
+        if len(dests) != len(self.tensors):
+            raise CorruptData(f"remote chunk holds {len(self.tensors)} tensors, expected {len(dests)}")
+        out = []
+        for t, d in zip(self.tensors, dests):
+            src = self._data[t.start:t.stop]
+            if d is None:
+                out.append(src)
+                continue
+            d = d.cast("B")
+            if d.nbytes != t.nbytes:
+                raise CorruptData(f"remote chunk tensor {t.name!r} holds {t.nbytes} bytes, expected {d.nbytes}")
+            d[:] = src
+            out.append(d)
+        return out
+
+
+def check_manifest(store, manifest: Manifest, namespace: str, p: int | None) -> int:
+    """The cut to restore (``p`` or the whole snapshot), refusing another identity or an illegal cut."""
+    for field in ("model_id", "config_fingerprint", "tokenizer_hash"):
+        stored, expected = getattr(manifest, field), getattr(store.identity, field)
+        if stored != expected:
+            raise IdentityMismatch(field, stored, expected, f"remote snapshot {manifest.snapshot_id}")
+    if manifest.namespace != namespace:
+        raise IdentityMismatch("namespace", manifest.namespace, namespace, f"remote snapshot {manifest.snapshot_id}")
+    store.provider.check_provider(manifest.provider)
+    p = manifest.length if p is None else int(p)
+    if not 0 <= p <= manifest.length or (p < manifest.length and (not manifest.trimmable or
+                                                                  p < manifest.minimum_reusable_offset)):
+        raise InvalidCacheState(f"remote snapshot {manifest.snapshot_id} of {manifest.length} tokens cannot be cut "
+                                f"to {p}")
+    return p
+
+
+def build_caches(store, manifest: Manifest, p: int, chunks: Mapping[str, RemoteChunk]) -> list:
+    """The caches of ``manifest`` cut to ``p``, filled from verified remote chunks (as ``Store._restore`` does)."""
+    entries = list(manifest.entries)
+    if p < manifest.length:
+        entries = [store.provider.for_entry(e).prefix_entry(e, p) for e in entries]
+    dest = Destinations(entries)
+    for ref in needed_refs(manifest, p):
+        fill_from_blob(chunks[ref.hash], ref, dest)
+    return [store.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(entries, dest.finish())]
+
+
+__all__ = ["tokens_of", "chunk_buffers", "unique_refs", "needed_refs", "RemoteChunk", "check_manifest", "build_caches"]
+
+
+def tokens_of(manifest: Manifest):
+    """The snapshot's tokens as int64 (what the boundary hashes and the token records are computed from)."""
+    from ..prefix import tokens_array
+
+    return tokens_array(manifest.tokens)

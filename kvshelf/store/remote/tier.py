@@ -1,0 +1,361 @@
+"""``RemoteTier``: the shared tier a local store publishes to and falls back on (chunks + prefix index on Redis).
+
+* publish (write-behind): ``saved(manifest)`` is called by the store after a save committed locally; it only puts
+  the manifest on a bounded queue (full → dropped and counted), so a save never waits for the network. One thread
+  uploads the chunks the server lacks (read back from the local store under a lease: the same bytes and hashes) and
+  then commits the index entry (summary, tokens, manifest, boundary records, session pointer) in ONE
+  ``MULTI``/``EXEC``, so no host ever sees half an entry. A marker key with a TTL says a publish is in progress
+  (``gc`` waits for it; a publisher does not start while a ``gc`` marker exists).
+* lookup: after the local lookup, if the local hit does not already cover the prompt; the remote hit is used only
+  when strictly longer. Token-verified (``index.py``).
+* restore: the manifest, then the chunks covering the cut, pipelined (``GET`` in batches of ``fetch_batch_bytes``),
+  every chunk verified by its hash before it is used. A missing chunk (evicted, flushed) → a miss; a corrupt or
+  truncated one → counted, deleted, the index entry dropped, a miss. A remote hit may be kept locally
+  (``keep_local``: saved into the local store as session ``remote/<snapshot id>``, not published again).
+* faults: every call has bounded socket timeouts; failures feed a ``CircuitBreaker`` that short-circuits to a miss
+  while open. A remote failure never raises out of a lookup, and out of a restore only as ``SnapshotNotFound``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+
+from ...errors import CorruptData, KvShelfError, SnapshotNotFound, StoreFull
+from .. import manifest as mf
+from ..backend import BackendUnavailable
+from ..identity import namespace_key
+from ..lookup import LazyTokens
+from ..manifest import Manifest
+from ..results import PrefixHit, Restored
+from . import local
+from .breaker import CircuitBreaker
+from .bytestore import RedisByteStore
+from .client import DEFAULT_PREFIX, check_prefix, connect, redact
+from .errors import translate
+from .index import RemoteLookup, boundary_members
+from .keys import Keys
+from .records import RemoteSummary, decode_tokens, encode_summary, encode_tokens, seal, unseal
+
+IMPORTED = "remote/"          # local session id prefix of remote hits kept locally (never published again)
+MARKER_MS = 120_000           # a publish-in-progress marker outlives a crashed publisher by this much at most
+FETCH_HOOK = None             # test seam: called as FETCH_HOOK(batch_index) after each fetched batch
+PUBLISH_HOOK = None           # test seam: called as PUBLISH_HOOK(chunk_hash) after each uploaded chunk
+_REMOTE_ERRORS = (BackendUnavailable, StoreFull)
+
+
+class RemoteTier:
+    def __init__(self, remote, *, prefix: str = DEFAULT_PREFIX, queue_size: int = 64, keep_local: bool = True,
+                 fetch_batch_bytes: int = 32 << 20, breaker: CircuitBreaker | None = None,
+                 close_timeout: float = 10.0, **client_options: Any):
+        self.where = redact(remote)
+        self.client = connect(remote, **client_options)
+        self.prefix = check_prefix(prefix)
+        self.keys = Keys(self.prefix)
+        self.chunks = RedisByteStore(self.client, prefix=self.prefix)
+        self.keep_local, self.fetch_batch_bytes, self.close_timeout = keep_local, fetch_batch_bytes, close_timeout
+        self.breaker = breaker or CircuitBreaker()
+        self.host = f"{socket.gethostname()}:{os.getpid()}"
+        self.store = None
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._idle = threading.Condition()
+        self._busy = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._memo: OrderedDict[str, tuple[bytes, str]] = OrderedDict()  # remote hit sid -> (nsk, namespace)
+        self.counters = {k: 0 for k in (
+            "published", "publish_dropped", "publish_failed", "publish_skipped", "chunks_uploaded",
+            "bytes_uploaded", "chunks_present", "lookups", "hits", "misses", "lookup_errors", "restores",
+            "restore_misses", "chunks_fetched", "bytes_fetched", "corrupt_chunks", "missing_chunks",
+            "dropped_entries", "kept_local", "keep_local_failed")}
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, store) -> "RemoteTier":
+        self.store = store
+        store.tier = self
+        return self
+
+    def close(self) -> None:
+        """Publish what is queued (waiting at most ``close_timeout`` seconds), then stop and disconnect."""
+        if self._closed:
+            return
+        self.flush(self.close_timeout)
+        self._closed = True
+        self._queue.put(None) if not self._queue.full() else None
+        if self._thread is not None:
+            self._thread.join(self.close_timeout)
+        self.client.close()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued publish finished (True) or ``timeout`` passed (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    # ------------------------------------------------------------------ publish (write-behind)
+    def saved(self, manifest: Manifest) -> None:
+        """Called by the store after a save committed locally: queue it, never wait (full queue → dropped)."""
+        if self._closed or manifest.session_id.startswith(IMPORTED):
+            return
+        with self._idle:
+            try:
+                self._queue.put_nowait(manifest)
+            except queue.Full:
+                self.counters["publish_dropped"] += 1
+                return
+            self._busy += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvshelf-remote-publish", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            manifest = self._queue.get()
+            if manifest is None:
+                return
+            try:
+                self.publish(manifest)
+            except Exception:  # a publish never takes the thread down; it is counted and the queue moves on
+                self.counters["publish_failed"] += 1
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def publish(self, manifest: Manifest) -> bool:
+        """Upload one locally committed snapshot (missing chunks, then the index entry). False: not published."""
+        store = self.store
+        if not self.breaker.allow():
+            self.counters["publish_dropped"] += 1
+            return False
+        marker = self.keys.publishing(uuid.uuid4().hex)
+        try:
+            with translate("publish"):
+                self.client.set(marker, self.host, px=MARKER_MS)
+                try:
+                    if self.client.exists(self.keys.gc):
+                        self.counters["publish_skipped"] += 1
+                        self.breaker.success()
+                        return False
+                    self._upload(store, manifest, marker)
+                    self._commit(store, manifest)
+                finally:
+                    self.client.delete(marker)
+        except SnapshotNotFound:  # replaced or evicted locally before it could be read back: nothing to publish
+            self.counters["publish_skipped"] += 1
+            return False
+        except _REMOTE_ERRORS:
+            self.breaker.failure()
+            self.counters["publish_failed"] += 1
+            return False
+        self.breaker.success()
+        self.counters["published"] += 1
+        return True
+
+    def _upload(self, store, manifest: Manifest, marker: str) -> None:
+        refs = local.unique_refs(manifest)
+        pipe = self.client.pipeline(transaction=False)
+        for r in refs:
+            pipe.exists(self.keys.chunk(r.hash))
+        present = pipe.execute()
+        missing = [r for r, here in zip(refs, present) if not here]
+        self.counters["chunks_present"] += len(refs) - len(missing)
+        if not missing:
+            return
+        with store.lease(manifest, [r.hash for r in missing]):
+            for r in missing:
+                buffers = local.chunk_buffers(store, r.hash)
+                self.counters["bytes_uploaded"] += self.chunks.put(self.keys.chunk_name(r.hash), buffers)
+                self.counters["chunks_uploaded"] += 1
+                self.client.pexpire(marker, MARKER_MS)
+                if PUBLISH_HOOK is not None:
+                    PUBLISH_HOOK(r.hash)
+
+    def _commit(self, store, manifest: Manifest) -> None:
+        nsk = namespace_key(store.id_key, manifest.namespace)
+        sid = bytes.fromhex(manifest.snapshot_id)
+        tokens = local.tokens_of(manifest)
+        sess = self.keys.sessions(nsk)
+        old_hex = self.client.hget(sess, manifest.session_id)
+        old = bytes.fromhex(old_hex.decode()) if old_hex and old_hex.decode() != manifest.snapshot_id else None
+        old_tokens = self._tokens_or_none(nsk, old) if old is not None else None
+        summary = RemoteSummary(manifest.session_id, manifest.namespace, manifest.model_id, manifest.length,
+                                manifest.minimum_reusable_offset, manifest.trimmable, manifest.nbytes,
+                                manifest.created_at, [r.hash for r in local.unique_refs(manifest)], self.host)
+        pipe = self.client.pipeline(transaction=True)
+        if old is not None:
+            self._drop_ops(pipe, nsk, old, old_tokens)
+        pipe.set(self.keys.summary(nsk, sid), encode_summary(summary))
+        pipe.set(self.keys.tokens(nsk, sid), encode_tokens(tokens))
+        pipe.set(self.keys.manifest(nsk, sid), seal(mf.encode(manifest)))
+        for key, member in boundary_members(nsk, tokens, sid, self.keys):
+            pipe.zadd(key, {member: 0})
+        pipe.hset(sess, manifest.session_id, manifest.snapshot_id)
+        pipe.execute()
+
+    def _tokens_or_none(self, nsk: bytes, sid: bytes):
+        try:
+            return decode_tokens(self.client.get(self.keys.tokens(nsk, sid)), "tokens")
+        except CorruptData:
+            return None
+
+    def _drop_ops(self, pipe, nsk: bytes, sid: bytes, tokens) -> None:
+        if tokens is not None:
+            for key, member in boundary_members(nsk, tokens, sid, self.keys):
+                pipe.zrem(key, member)
+        pipe.delete(self.keys.summary(nsk, sid), self.keys.tokens(nsk, sid), self.keys.manifest(nsk, sid))
+
+    def drop_entry(self, nsk: bytes, sid: bytes, session_id: str | None = None) -> None:
+        """Remove one snapshot's index entry (its boundary records too, when its tokens are still readable)."""
+        with translate("drop an index entry"):
+            tokens = self._tokens_or_none(nsk, sid)
+            pipe = self.client.pipeline(transaction=True)
+            self._drop_ops(pipe, nsk, sid, tokens)
+            pipe.execute()
+            if session_id is not None:
+                sess = self.keys.sessions(nsk)
+                if self.client.hget(sess, session_id) == sid.hex().encode():
+                    self.client.hdel(sess, session_id)
+        self.counters["dropped_entries"] += 1
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, prompt: LazyTokens, namespace: str, local_hit: PrefixHit | None) -> PrefixHit | None:
+        """The remote hit if strictly longer than ``local_hit`` (which is returned otherwise). Never raises for a
+        remote fault: a failure is a miss and tells the breaker."""
+        if prompt.n < 2 or (local_hit is not None and local_hit.length >= prompt.n - 1):
+            return local_hit
+        if not self.breaker.allow():
+            return local_hit
+        self.counters["lookups"] += 1
+        nsk = namespace_key(self.store.id_key, namespace)
+        try:
+            with translate("lookup"):
+                best = RemoteLookup(self.client, self.keys, nsk, prompt).run()
+        except _REMOTE_ERRORS:
+            self.breaker.failure()
+            self.counters["lookup_errors"] += 1
+            return local_hit
+        self.breaker.success()
+        if best is None or (local_hit is not None and best[0] <= local_hit.length):
+            self.counters["misses"] += 1
+            return local_hit
+        p, s, sid = best
+        self.counters["hits"] += 1
+        self._memo[sid.hex()] = (nsk, s.namespace)
+        while len(self._memo) > 4096:
+            self._memo.popitem(last=False)
+        return PrefixHit(s.session_id, sid.hex(), p, s.namespace, s.length)
+
+    def knows(self, snapshot_id: str) -> bool:
+        return snapshot_id in self._memo
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, snapshot_id: str, length: int | None) -> Restored:
+        """A remote hit restored bit-exact, or ``SnapshotNotFound`` (gone, corrupt, unreachable: a miss)."""
+        if snapshot_id not in self._memo:
+            raise SnapshotNotFound(f"snapshot {snapshot_id} is neither local nor a remote hit of this handle")
+        nsk, namespace = self._memo[snapshot_id]
+        sid = bytes.fromhex(snapshot_id)
+        if not self.breaker.allow():
+            raise SnapshotNotFound(f"remote snapshot {snapshot_id}: the remote tier {self.where} is unavailable")
+        self.counters["restores"] += 1
+        try:
+            with translate("restore"):
+                manifest = self._manifest(nsk, sid)
+                p = local.check_manifest(self.store, manifest, namespace, length)
+                chunks = self._fetch(local.needed_refs(manifest, p))
+        except _REMOTE_ERRORS as exc:
+            self.breaker.failure()
+            self.counters["restore_misses"] += 1
+            raise SnapshotNotFound(f"remote snapshot {snapshot_id}: {exc}") from None
+        except (CorruptData, _Missing) as exc:
+            self.breaker.success()
+            self.counters["restore_misses"] += 1
+            self._memo.pop(snapshot_id, None)
+            try:
+                self.drop_entry(nsk, sid)
+            except _REMOTE_ERRORS:
+                self.breaker.failure()
+            raise SnapshotNotFound(f"remote snapshot {snapshot_id} cannot be served ({exc}); its remote index "
+                                   f"entry was dropped") from None
+        self.breaker.success()
+        caches = local.build_caches(self.store, manifest, p, chunks)
+        restored = Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
+                            manifest.namespace)
+        if self.keep_local:
+            try:
+                self.store.save(IMPORTED + snapshot_id, restored.tokens, caches, namespace)
+                self.counters["kept_local"] += 1
+            except KvShelfError:  # a full disk or budget: the restore itself still succeeded
+                self.counters["keep_local_failed"] += 1
+        return restored
+
+    def _manifest(self, nsk: bytes, sid: bytes) -> Manifest:
+        raw = self.client.get(self.keys.manifest(nsk, sid))
+        if raw is None:
+            raise _Missing(f"remote manifest {sid.hex()} is gone")
+        return mf.decode(unseal(raw, f"manifest {sid.hex()}"), Manifest, f"remote manifest {sid.hex()}")
+
+    def _fetch(self, refs) -> dict[str, local.RemoteChunk]:
+        """Every chunk, pipelined ``GET`` in batches of about ``fetch_batch_bytes``, verified as it arrives."""
+        out: dict[str, local.RemoteChunk] = {}
+        batches, batch, size = [], [], 0
+        for r in {r.hash: r for r in refs}.values():
+            if batch and size + r.nbytes > self.fetch_batch_bytes:
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append(r)
+            size += r.nbytes
+        if batch:
+            batches.append(batch)
+        for i, batch in enumerate(batches):
+            pipe = self.client.pipeline(transaction=False)
+            for r in batch:
+                pipe.get(self.keys.chunk(r.hash))
+            values = pipe.execute()
+            if FETCH_HOOK is not None:
+                FETCH_HOOK(i)
+            for r, value in zip(batch, values):
+                if value is None:
+                    self.counters["missing_chunks"] += 1
+                    raise _Missing(f"remote chunk {r.hash} is gone (evicted or flushed)")
+                try:
+                    out[r.hash] = local.RemoteChunk(value, r.hash)
+                except CorruptData:
+                    self.counters["corrupt_chunks"] += 1
+                    self.client.delete(self.keys.chunk(r.hash))
+                    raise
+                self.counters["chunks_fetched"] += 1
+                self.counters["bytes_fetched"] += len(value)
+        return out
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, Any]:
+        return {"remote": self.where, "prefix": self.prefix, "breaker": self.breaker.state,
+                "queued": self._queue.qsize(), **self.counters}
+
+
+class _Missing(KvShelfError):
+    """A remote record or chunk that was there at lookup time is gone now."""
+
+
+
+
+def attach(store, remote, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> RemoteTier:
+    """Give ``store`` a shared tier (``open_store(..., remote=...)`` calls this)."""
+    return RemoteTier(remote, prefix=prefix, **options).attach(store)
+
+
+__all__ = ["RemoteTier", "attach", "IMPORTED"]
