@@ -149,4 +149,27 @@ class RedisClusterServers:
             n.close()
 
 
-__all__ = ["RedisServer", "RedisClusterServers", "require_redis", "free_port"]
+
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh single redis-server for one test."""
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def _cluster_servers():
+    cluster = RedisClusterServers()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def redis_cluster(_cluster_servers):
+    """The module's 3-master cluster, emptied for this test."""
+    _cluster_servers.flushall()
+    return _cluster_servers
+__all__ = ["RedisServer", "RedisClusterServers", "require_redis", "free_port", "redis_server", "redis_cluster"]
