@@ -49,6 +49,12 @@ def connect(remote: str | Sequence[str] | Any, *, cluster: bool | None = None,
         raise RemoteConfigError("the shared tier needs the redis client: pip install 'kvshelf[redis]'") from None
     if isinstance(remote, (redis.Redis, RedisCluster)):
         return remote
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # one immediate retry (a pooled connection gone stale after a server restart), not redis-py's default three
+    # with backoff: a remote fault must cost a bounded, small time before it becomes a miss
+    options.setdefault("retry", Retry(NoBackoff(), 1))
     common = dict(socket_connect_timeout=connect_timeout, socket_timeout=socket_timeout, **options)
     if isinstance(remote, (list, tuple)):
         if not remote:
