@@ -272,6 +272,29 @@ def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
             "tmp_files": report.tmp_files, "expired_leases": report.expired_leases, "skipped": report.skipped}
 
 
+def remote_admin(remote: str, prefix: str | None = None):
+    """The shared tier, identity-blind (``kvshelf ls/stats/gc --remote``)."""
+    from ..store.remote.client import DEFAULT_PREFIX
+    from ..store.remote.maintenance import RemoteAdmin
+
+    return RemoteAdmin(remote, prefix=prefix or DEFAULT_PREFIX)
+
+
+def remote_sessions(remote: str, prefix: str | None = None) -> list[dict[str, Any]]:
+    with remote_admin(remote, prefix) as tier:
+        return tier.entries()
+
+
+def remote_stats(remote: str, prefix: str | None = None) -> dict[str, Any]:
+    with remote_admin(remote, prefix) as tier:
+        return tier.stats()
+
+
+def remote_gc(remote: str, prefix: str | None = None, dry_run: bool = False, wait: float = 10.0) -> dict[str, Any]:
+    with remote_admin(remote, prefix) as tier:
+        return tier.gc(dry_run=dry_run, wait=wait)
+
+
 def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Rebuild the index from the blob directory (offline: ``StoreBusy`` while another process has the store open)."""
     if not (Path(path) / "blobs").is_dir():

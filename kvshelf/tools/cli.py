@@ -50,6 +50,14 @@ def _common() -> argparse.ArgumentParser:
     return common
 
 
+def _remote_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("shared tier")
+    group.add_argument("--remote", default=None, metavar="URL",
+                       help="act on the shared tier instead of the local store: redis://host:port/db, rediss://..., "
+                            "redis+cluster://host:port")
+    group.add_argument("--remote-prefix", default=None, metavar="PREFIX", help="key prefix (default kvshelf:)")
+
+
 def _identity_options(parser: argparse.ArgumentParser, *, required_note: str = "") -> None:
     group = parser.add_argument_group("identity" + (f" ({required_note})" if required_note else ""))
     group.add_argument("--model-id", default=None, help="model id the snapshots were made under")
@@ -72,16 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("demo", "Run the synthetic-model demo on the store (save, restore, prefix reuse, batch restore).")
     p = add("ls", "List stored sessions: namespace, identity, tokens, bytes, times, floor, kinds and formats.")
     _identity_options(p, required_note="filters; default: every identity")
+    _remote_options(p)
     p = add("show", "Show the header of one snapshot (geometry, format, block table, chunks) without loading tensors.")
     p.add_argument("target", metavar="SESSION|SNAPSHOT", help="a session id (its latest snapshot) or a snapshot id")
     _identity_options(p, required_note="filters; default: every identity")
     p = add("stats", "Totals, deduplication and compression ratios, budget use, chunk and orphan counts.")
     p.add_argument("--max-bytes", type=int, default=None, metavar="BYTES",
                    help="the serving processes' byte budget, to report budget use against")
+    _remote_options(p)
     p = add("verify", "Check headers and manifests against the blobs; exit 1 if anything is wrong.")
     p.add_argument("--deep", action="store_true", help="also re-hash every chunk")
     p = add("gc", "Remove orphan blobs and unreferenced chunks.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    _remote_options(p)
     p = add("compact", "Recompress cold chunks, densify paged tables, merge small chunks, drop orphans, shrink LMDB.")
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     p.add_argument("--cold-after", type=lambda t: _duration(t, allow_zero=True), default=3600.0, metavar="DURATION",
@@ -135,6 +146,8 @@ def cmd_demo(args: argparse.Namespace, pr: Printer) -> int:
 def cmd_ls(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
+    if args.remote:
+        return _remote_ls(args, pr)
     with admin.open_admin(_store_dir(args)) as store:
         rows = admin.list_sessions(store, **_expect(args))
 
@@ -195,9 +208,35 @@ def cmd_show(args: argparse.Namespace, pr: Printer) -> int:
     return OK
 
 
+def _remote_ls(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    wanted = {k: v for k, v in _expect(args).items() if k in ("model_id", "namespace")}
+    rows = [r for r in admin.remote_sessions(args.remote, args.remote_prefix)
+            if all(r.get(k) == v for k, v in wanted.items())]
+
+    def human(console) -> None:
+        table_rows = [(r.get("namespace", "?") or "\"\"", r.get("session_id", "?"), r.get("model_id", "?"),
+                       r.get("tokens", "?"), human_bytes(r.get("bytes")), r.get("chunks", "?"),
+                       human_time(r.get("created_at")), r.get("host", ""), r.get("broken", ""))
+                      for r in rows]
+        console.print(rows_table(f"{len(rows)} remote entr{'y' if len(rows) == 1 else 'ies'}",
+                                 ("namespace", "session", "model", "tokens", "bytes", "chunks", "created", "host",
+                                  "broken"), table_rows))
+
+    pr.emit({"remote": rows}, human)
+    return PROBLEMS if any("broken" in r for r in rows) else OK
+
+
 def cmd_stats(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
+    if args.remote:
+        doc = admin.remote_stats(args.remote, args.remote_prefix)
+        pr.emit(doc, lambda console: console.print(kv_table("remote tier", [
+            (k, human_bytes(v) if k.endswith(("bytes", "memory")) and isinstance(v, int) else v)
+            for k, v in doc.items()])))
+        return PROBLEMS if doc["broken_entries"] else OK
     with admin.open_admin(_store_dir(args)) as store:
         doc = admin.stats(store, max_bytes=args.max_bytes)
 
@@ -231,6 +270,19 @@ def cmd_verify(args: argparse.Namespace, pr: Printer) -> int:
 def cmd_gc(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
+    if args.remote:
+        doc = admin.remote_gc(args.remote, args.remote_prefix, dry_run=args.dry_run)
+
+        def remote_human(console) -> None:
+            if doc["skipped"]:
+                console.print(f"remote gc skipped: {doc['skipped']}")
+                return
+            verb = "would remove" if args.dry_run else "removed"
+            console.print(f"{verb} {doc['chunks']} remote chunk(s), {human_bytes(doc['bytes'])}; "
+                          f"{doc['entries_dropped']} unservable entr(ies), {doc['boundary_records']} stale record(s)")
+
+        pr.emit(doc, remote_human)
+        return PROBLEMS if doc["skipped"] else OK
     with admin.open_admin(_store_dir(args)) as store:
         doc = admin.gc(store, dry_run=args.dry_run)
 
