@@ -33,12 +33,20 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "memory": ("10",),
 }
 ALL = tuple(sorted({m for ms in GROUPS.values() for m in ms}, key=int))
+# opt-in groups: run only when named in --only (they need a redis-server; the default run does not)
+OPT_IN: dict[str, tuple[str, ...]] = {
+    "remote": ("21", "22", "23"),
+}
+GROUPS.update(OPT_IN)
+KNOWN = ALL + tuple(m for ms in OPT_IN.values() for m in ms)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    p.add_argument("--only", default=",".join(ALL), help="comma-separated measure numbers (default: all 1-11)")
+    p.add_argument("--only", default=",".join(ALL),
+                   help="comma-separated measure numbers (default: all 1-11; 21-23, the shared tier on a "
+                        "redis-server, only when named)")
     p.add_argument("--size", choices=sorted(data.SIZES), default="L",
                    help="workload: L (4096 tokens, 176 MiB; default), L-large (16,384 tokens, 704 MiB) or small "
                         "(a tiny smoke-test size)")
@@ -48,9 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also write the machine facts and the table to this markdown file")
     args = p.parse_args(argv)
     only = {m.strip() for m in args.only.split(",") if m.strip()}
-    bad = only - set(ALL)
+    bad = only - set(KNOWN)
     if bad:
-        p.error(f"--only: unknown measure(s) {sorted(bad)}; choose from {', '.join(ALL)}")
+        p.error(f"--only: unknown measure(s) {sorted(bad)}; choose from {', '.join(KNOWN)}")
     if args.reps < 1:
         p.error("--reps must be at least 1")
     args.only = only

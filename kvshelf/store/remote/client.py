@@ -18,6 +18,7 @@ from ...errors import KvShelfError
 CONNECT_TIMEOUT = 0.5   # seconds to open a TCP (or TLS) connection
 SOCKET_TIMEOUT = 2.0    # seconds any single reply may take (a 4 MiB GET takes milliseconds on a LAN)
 DEFAULT_PREFIX = "kvshelf:"
+READ_SIZE = 1 << 20      # bytes per socket read: chunks are megabytes; redis-py's 64 KiB costs a syscall per 64 KiB
 
 
 class RemoteConfigError(KvShelfError, ValueError):
@@ -55,6 +56,7 @@ def connect(remote: str | Sequence[str] | Any, *, cluster: bool | None = None,
     # one immediate retry (a pooled connection gone stale after a server restart), not redis-py's default three
     # with backoff: a remote fault must cost a bounded, small time before it becomes a miss
     options.setdefault("retry", Retry(NoBackoff(), 1))
+    options.setdefault("socket_read_size", READ_SIZE)
     common = dict(socket_connect_timeout=connect_timeout, socket_timeout=socket_timeout, **options)
     if isinstance(remote, (list, tuple)):
         if not remote:

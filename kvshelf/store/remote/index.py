@@ -22,7 +22,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..lookup import LazyTokens, _matching, _Positions
-from ..prefix import BLOCK_TOKENS, all_boundaries, boundary_hash, common_prefix, continuation
+from ..prefix import (
+    BLOCK_TOKENS,
+    all_boundaries,
+    boundary_hash,
+    common_prefix,
+    continuation,
+)
 from .keys import Keys
 from .records import RemoteSummary, decode_summary, decode_tokens
 
@@ -90,7 +96,7 @@ class RemoteLookup:
 
     def _deepest(self) -> int:
         last = len(self.pos) - 1
-        gallop = sorted({min((1 << k) - 1, last) for k in range(0, last.bit_length() + 1)})
+        gallop = sorted({min((1 << k) - 1, last) for k in range(last.bit_length() + 1)})
         self._probe(gallop)
         if self.counts[0] == 0:
             return -1

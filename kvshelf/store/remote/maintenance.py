@@ -22,9 +22,9 @@ from typing import Any
 from ...errors import CorruptData
 from .client import DEFAULT_PREFIX, check_prefix, connect, redact
 from .errors import translate
+from .index import boundary_members
 from .keys import Keys
 from .records import decode_summary, decode_tokens
-from .index import boundary_members
 
 GC_MARKER_MS = 600_000
 _BATCH = 500
@@ -43,7 +43,7 @@ class RemoteAdmin:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "RemoteAdmin":
+    def __enter__(self) -> RemoteAdmin:
         return self
 
     def __exit__(self, *exc) -> None:

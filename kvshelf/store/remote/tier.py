@@ -27,7 +27,6 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-
 from ...errors import CorruptData, KvShelfError, SnapshotNotFound, StoreFull
 from .. import manifest as mf
 from ..backend import BackendUnavailable
@@ -42,7 +41,14 @@ from .client import DEFAULT_PREFIX, check_prefix, connect, redact
 from .errors import translate
 from .index import RemoteLookup, boundary_members
 from .keys import Keys
-from .records import RemoteSummary, decode_tokens, encode_summary, encode_tokens, seal, unseal
+from .records import (
+    RemoteSummary,
+    decode_tokens,
+    encode_summary,
+    encode_tokens,
+    seal,
+    unseal,
+)
 
 IMPORTED = "remote/"          # local session id prefix of remote hits kept locally (never published again)
 MARKER_MS = 120_000           # a publish-in-progress marker outlives a crashed publisher by this much at most
@@ -77,7 +83,7 @@ class RemoteTier:
             "dropped_entries", "kept_local", "keep_local_failed")}
 
     # ------------------------------------------------------------------ wiring
-    def attach(self, store) -> "RemoteTier":
+    def attach(self, store) -> RemoteTier:
         self.store = store
         store.tier = self
         return self
