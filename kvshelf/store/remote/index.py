@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...errors import CorruptData
 from ..lookup import LazyTokens, _matching, _Positions
 from ..prefix import (
     BLOCK_TOKENS,
@@ -33,9 +34,9 @@ from .keys import Keys
 from .records import RemoteSummary, decode_summary, decode_tokens
 
 PROBES = 12          # boundaries probed per round trip of the deepest-boundary search
-WINDOW = 8           # records read on each side of the prompt's continuation per level
-MAX_LEVELS = 6       # levels scanned per lookup at most
-MAX_CANDIDATES = 24  # summaries read per lookup at most
+WINDOW = 16          # records read on each side of the prompt's continuation per level
+MAX_LEVELS = 8       # levels scanned per lookup at most
+MAX_CANDIDATES = 64  # summaries read per lookup at most
 _BIG = b"\xff" * 16
 
 
@@ -135,6 +136,9 @@ class RemoteLookup:
         return self.best
 
     def _scan(self, level: int, skip_equal: bool) -> None:
+        """The records nearest the prompt's continuation at ``level``: their summaries in one round trip (the
+        reuse rule checked at each record's predicted length), then tokens of the viable ones, best first, until
+        one is verified at a length nothing left can beat."""
         key, at = self._key(level), self.pos[level]
         query = continuation(self.prompt.head(min(self.n, at + self.block)), at, self.block)
         pipe = self.client.pipeline(transaction=False)
@@ -150,38 +154,49 @@ class RemoteLookup:
             if sid in self.seen:
                 continue
             self.seen.add(sid)
-            cands.append((min(at + _matching(record, query), self.n - 1), sid))
+            predicted = min(at + _matching(record, query), self.n - 1)
+            if self.best is None or predicted > self.best[0]:
+                cands.append((predicted, sid))
         cands.sort(key=lambda c: -c[0])
-        cands = [c for c in cands if self.best is None or c[0] >= self.best[0]][:MAX_CANDIDATES - self.examined]
+        cands = cands[:MAX_CANDIDATES - self.examined]
         if not cands:
             return
         self.examined += len(cands)
         pipe = self.client.pipeline(transaction=False)
         for _, sid in cands:
             pipe.get(self.keys.summary(self.nsk, sid))
-            pipe.get(self.keys.tokens(self.nsk, sid))
         self.round_trips += 1
-        replies = pipe.execute()
-        from ...errors import CorruptData
-
-        prompt = self.prompt.head(self.n)
-        for k, (predicted, sid) in enumerate(cands):
-            raw_s, raw_t = replies[2 * k], replies[2 * k + 1]
-            if raw_s is None or raw_t is None:
-                continue  # evicted or dropped meanwhile
+        viable = []
+        for (predicted, sid), raw in zip(cands, pipe.execute()):
             try:
-                s = decode_summary(raw_s, f"summary {sid.hex()}")
-                stored = decode_tokens(raw_t, f"tokens of {sid.hex()}")
+                s = decode_summary(raw, f"summary {sid.hex()}") if raw is not None else None
             except CorruptData:
-                continue
-            if len(stored) != s.length:
-                continue
-            # tokens, never the hash: the whole shared prefix is compared
-            p = min(common_prefix(stored, prompt), self.n - 1)
-            if not usable(p, s):
-                continue
-            if self.best is None or p > self.best[0] or (p == self.best[0] and s.created_at > self.best[1].created_at):
-                self.best = (p, s, sid)
+                s = None
+            if s is not None and usable(predicted, s):
+                viable.append((predicted, sid, s))
+        prompt = self.prompt.head(self.n)
+        for at_ in range(0, len(viable), 2):
+            batch = viable[at_:at_ + 2]
+            if self.best is not None and batch[0][0] <= self.best[0]:
+                return  # predictions only fall from here
+            pipe = self.client.pipeline(transaction=False)
+            for _, sid, _ in batch:
+                pipe.get(self.keys.tokens(self.nsk, sid))
+            self.round_trips += 1
+            for (predicted, sid, s), raw in zip(batch, pipe.execute()):
+                try:
+                    stored = decode_tokens(raw, f"tokens of {sid.hex()}") if raw is not None else None
+                except CorruptData:
+                    stored = None
+                if stored is None or len(stored) != s.length:
+                    continue  # evicted, dropped or damaged meanwhile
+                # tokens, never the hash: the whole shared prefix is compared
+                p = min(common_prefix(stored, prompt), self.n - 1)
+                if not usable(p, s):
+                    continue
+                if self.best is None or p > self.best[0] or (p == self.best[0] and
+                                                             s.created_at > self.best[1].created_at):
+                    self.best = (p, s, sid)
 
 
 def boundary_members(nsk: bytes, tokens: np.ndarray, sid: bytes, keys: Keys) -> list[tuple[str, bytes]]:

@@ -94,8 +94,17 @@ class RemoteTier:
             return
         self.flush(self.close_timeout)
         self._closed = True
-        self._queue.put(None) if not self._queue.full() else None
+        while True:  # what could not be published in time is dropped (and counted), never waited for
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self.counters["publish_dropped"] += 1
+                with self._idle:
+                    self._busy -= 1
         if self._thread is not None:
+            self._queue.put(None)
             self._thread.join(self.close_timeout)
         self.client.close()
 
