@@ -366,3 +366,20 @@ def test_two_hosts_publishing_the_same_prefix_at_once(tmp_path, redis_server):
     finally:
         for h in hosts:
             h.close()
+
+
+def test_restore_batch_takes_remote_hits(tmp_path, redis_server):
+    t1, t2 = tokens(120, seed=40), tokens(90, seed=41)
+    with host(tmp_path / "a", redis_server.url) as a, host(tmp_path / "b", redis_server.url) as b:
+        published(a, t1, session="one")
+        published(a, t2, session="two")
+        b.save("mine", t2[:50], caches_for(t2[:50]))
+        hits = [b.lookup(t1 + [1]), b.lookup(t2 + [2]), "mine"]
+        assert [h.length for h in hits[:2]] == [120, 90]
+        batch = b.restore_batch(hits)
+        assert batch.lengths == [120, 90, 50] and batch.tokens == [t1, t2, t2[:50]]
+        for row, toks in enumerate([t1, t2, t2[:50]]):
+            for layer, cache in enumerate(batch.caches):
+                single = caches_for(toks)[layer]
+                got = cache.extract_row(row)
+                assert bits_of([got]) == bits_of([single])

@@ -502,6 +502,8 @@ class Store:
         self._check_scoped("restore_batch")
         if not requests:
             raise InvalidCacheState("restore_batch needs at least one request")
+        if self.tier is not None and _attempt == 0:  # remote hits are imported first, then read as local rows
+            requests = [self.tier.localize(req) for req in requests]
         plans = []
         with self.index.read() as txn:
             for req in requests:

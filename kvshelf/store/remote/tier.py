@@ -277,8 +277,18 @@ class RemoteTier:
         return snapshot_id in self._memo
 
     # ------------------------------------------------------------------ restore
-    def restore(self, snapshot_id: str, length: int | None) -> Restored:
-        """A remote hit restored bit-exact, or ``SnapshotNotFound`` (gone, corrupt, unreachable: a miss)."""
+    def localize(self, request):
+        """A ``restore_batch`` request naming a remote hit → the local copy it is imported as (others unchanged)."""
+        if not isinstance(request, PrefixHit) or not self.knows(request.snapshot_id) or \
+                self.store._has(request.snapshot_id):
+            return request
+        self.restore(request.snapshot_id, request.length, keep=True, strict=True)
+        return (IMPORTED + request.snapshot_id, request.namespace)
+
+    def restore(self, snapshot_id: str, length: int | None, *, keep: bool | None = None,
+                strict: bool = False) -> Restored:
+        """A remote hit restored bit-exact, or ``SnapshotNotFound`` (gone, corrupt, unreachable: a miss). ``keep``
+        overrides ``keep_local``; ``strict``: a failed local copy raises instead of being counted."""
         if snapshot_id not in self._memo:
             raise SnapshotNotFound(f"snapshot {snapshot_id} is neither local nor a remote hit of this handle")
         nsk, namespace = self._memo[snapshot_id]
@@ -309,12 +319,14 @@ class RemoteTier:
         caches = local.build_caches(self.store, manifest, p, chunks)
         restored = Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
                             manifest.namespace)
-        if self.keep_local:
+        if self.keep_local if keep is None else keep:
             try:
                 self.store.save(IMPORTED + snapshot_id, restored.tokens, caches, namespace)
                 self.counters["kept_local"] += 1
             except KvShelfError:  # a full disk or budget: the restore itself still succeeded
                 self.counters["keep_local_failed"] += 1
+                if strict:
+                    raise
         return restored
 
     def _manifest(self, nsk: bytes, sid: bytes) -> Manifest:
