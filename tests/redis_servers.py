@@ -54,10 +54,13 @@ def free_port(bus: bool = False) -> int:
 class RedisServer:
     """One redis-server on 127.0.0.1; ``args`` are extra config directives, e.g. ``["--maxmemory", "8mb"]``."""
 
-    def __init__(self, args: list[str] | tuple[str, ...] = (), *, cluster: bool = False):
+    def __init__(self, args: list[str] | tuple[str, ...] = (), *, cluster: bool = False,
+                 cli_args: list[str] | tuple[str, ...] = (), tls_dir: str | None = None):
+        """``cli_args`` authenticate redis-cli (``-a``, ``--user``); ``tls_dir`` (made by ``make_certs``) serves
+        TLS only, on ``port``."""
         require_redis()
         self.dir = tempfile.mkdtemp(prefix="kvshelf-redis-")
-        self.args, self.cluster = list(args), cluster
+        self.args, self.cluster, self.cli_args, self.tls_dir = list(args), cluster, list(cli_args), tls_dir
         self.port = free_port(bus=cluster)
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -71,7 +74,13 @@ class RedisServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        cmd = [SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        ports = ["--port", str(self.port)]
+        if self.tls_dir is not None:
+            t = self.tls_dir
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", f"{t}/server.crt",
+                     "--tls-key-file", f"{t}/server.key", "--tls-ca-cert-file", f"{t}/ca.crt",
+                     "--tls-auth-clients", "no"]
+        cmd = [SERVER, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", self.dir, "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
                "--logfile", os.path.join(self.dir, "redis.log"), *self.args]
         if self.cluster:
@@ -88,8 +97,9 @@ class RedisServer:
             time.sleep(0.02)
 
     def cli(self, *args: str) -> str:
-        out = subprocess.run([CLI, "-h", "127.0.0.1", "-p", str(self.port), *args], capture_output=True,
-                             text=True, timeout=10)
+        tls = [] if self.tls_dir is None else ["--tls", "--cacert", f"{self.tls_dir}/ca.crt"]
+        out = subprocess.run([CLI, "-h", "127.0.0.1", "-p", str(self.port), *tls, *self.cli_args, "--no-auth-warning",
+                              *args], capture_output=True, text=True, timeout=10)
         return out.stdout.strip()
 
     def kill(self) -> None:
@@ -110,6 +120,26 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def make_certs(directory: str) -> str:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl), for the TLS tests."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed (.ci/run installs it with redis-server)")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=kvshelf-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj",
+        "/CN=127.0.0.1")
+    with open(os.path.join(directory, "san.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "server.crt", "-days", "2", "-extfile", "san.ext")
+    return directory
 
 
 class RedisClusterServers:
@@ -172,4 +202,4 @@ def redis_cluster(_cluster_servers):
     """The module's 3-master cluster, emptied for this test."""
     _cluster_servers.flushall()
     return _cluster_servers
-__all__ = ["RedisServer", "RedisClusterServers", "require_redis", "free_port", "redis_server", "redis_cluster"]
+__all__ = ["RedisServer", "RedisClusterServers", "require_redis", "free_port", "redis_server", "redis_cluster", "make_certs"]
