@@ -23,6 +23,8 @@ from kvshelf.store.remote import tier as tier_mod
 IDENTITY = Identity("remote-test", config_fingerprint="cfg", tokenizer_hash="tok")
 G = LatentGeometry(kv_lora_rank=16, rope_head_dim=8)
 CHUNK = 32
+# both fetch paths: replies read straight into the arrays (single server), and redis-py pipelines (clusters)
+READS = pytest.mark.parametrize("direct", [True, False], ids=["direct-reads", "pipelined"])
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -75,9 +77,10 @@ def hooks():
     tier_mod.PUBLISH_HOOK = None
 
 
-def test_remote_hit_restores_bit_exact_and_is_kept_locally(tmp_path, redis_server):
+@READS
+def test_remote_hit_restores_bit_exact_and_is_kept_locally(tmp_path, redis_server, direct):
     toks = tokens(200)
-    with host(tmp_path / "a", redis_server.url) as a, host(tmp_path / "b", redis_server.url) as b:
+    with host(tmp_path / "a", redis_server.url) as a, host(tmp_path / "b", redis_server.url, direct_reads=direct) as b:
         published(a, toks)
         prompt = toks + [1, 2, 3]
         restored = check_outcome(b, prompt, toks)
@@ -87,11 +90,13 @@ def test_remote_hit_restores_bit_exact_and_is_kept_locally(tmp_path, redis_serve
         assert bits_of(again.caches) == bits_of(caches_for(toks))
 
 
-def test_server_killed_mid_fetch_is_a_clean_miss(tmp_path, hooks):
+@READS
+def test_server_killed_mid_fetch_is_a_clean_miss(tmp_path, hooks, direct):
     server = RedisServer()
     try:
         toks = tokens(256, seed=1)
-        with host(tmp_path / "a", server.url) as a, host(tmp_path / "b", server.url, fetch_batch_bytes=1) as b:
+        with host(tmp_path / "a", server.url) as a, \
+                host(tmp_path / "b", server.url, fetch_batch_bytes=1, direct_reads=direct) as b:
             published(a, toks)
             hit = b.lookup(toks + [5])
             assert hit is not None and hit.length == 256
@@ -173,10 +178,23 @@ def test_flushall_between_lookup_and_fetch(tmp_path, redis_server):
         assert b.tier.counters["restore_misses"] == 1
 
 
+@READS
+def test_prefix_cut_inside_a_chunk_restores_bit_exact(tmp_path, redis_server, direct):
+    """A cut that is not a chunk boundary: the straddling piece goes through a temporary on both paths."""
+    toks = tokens(200, seed=12)
+    with host(tmp_path / "a", redis_server.url) as a, host(tmp_path / "b", redis_server.url, direct_reads=direct) as b:
+        published(a, toks)
+        prompt = toks[:77] + [99_999]
+        r = check_outcome(b, prompt, toks)
+        assert r.length == 77 and b.tier.counters["chunks_fetched"] == 3
+
+
+@READS
 @pytest.mark.parametrize("damage", ["other-bytes", "truncated", "foreign-value"])
-def test_replaced_chunk_is_detected_dropped_and_counted(tmp_path, redis_server, damage):
+def test_replaced_chunk_is_detected_dropped_and_counted(tmp_path, redis_server, damage, direct):
     toks = tokens(160, seed=4)
-    with host(tmp_path / "a", redis_server.url) as a, host(tmp_path / "b", redis_server.url) as b:
+    with host(tmp_path / "a", redis_server.url) as a, \
+            host(tmp_path / "b", redis_server.url, direct_reads=direct) as b:
         published(a, toks)
         manifest = a.manifest(a.restore("s").snapshot_id)
         key = b.tier.keys.chunk(manifest.chunks[1].hash)

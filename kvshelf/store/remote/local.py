@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 import msgspec
 import xxhash
@@ -108,18 +108,41 @@ def check_manifest(store, manifest: Manifest, namespace: str, p: int | None) -> 
     return p
 
 
-def build_caches(store, manifest: Manifest, p: int, chunks: Mapping[str, RemoteChunk]) -> list:
-    """The caches of ``manifest`` cut to ``p``, filled from verified remote chunks (as ``Store._restore`` does)."""
+def build_caches(store, manifest: Manifest, p: int, fill) -> list:
+    """The caches of ``manifest`` cut to ``p`` (as a local restore builds them): ``fill(dest, by_hash)`` fills
+    ``Destinations`` from verified chunks, ``by_hash`` = every distinct needed hash -> the ranges holding it."""
     entries = list(manifest.entries)
     if p < manifest.length:
         entries = [store.provider.for_entry(e).prefix_entry(e, p) for e in entries]
     dest = Destinations(entries)
+    by_hash: dict[str, list[BlobRef]] = {}
     for ref in needed_refs(manifest, p):
-        fill_from_blob(chunks[ref.hash], ref, dest)
+        by_hash.setdefault(ref.hash, []).append(ref)
+    fill(dest, by_hash)
     return [store.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(entries, dest.finish())]
 
 
-__all__ = ["tokens_of", "chunk_buffers", "unique_refs", "needed_refs", "RemoteChunk", "check_manifest", "build_caches"]
+def fill_from(chunks: Iterable[tuple[str, RemoteChunk]]):
+    """A ``fill`` for ``build_caches`` from ``(hash, RemoteChunk)`` pairs arriving in any order."""
+
+    def fill(dest, by_hash) -> None:
+        left = dict(by_hash)
+        for hash_, chunk in chunks:
+            for ref in left.pop(hash_, []):
+                fill_from_blob(chunk, ref, dest)
+        if left:
+            raise CorruptData(f"remote chunks {sorted(left)} never arrived")
+
+    return fill
+
+
+def fill_one(reader, ref: BlobRef, dest) -> int:
+    """One chunk (a ``RemoteChunk`` or a ``direct.StreamChunk``) into its place in ``dest``."""
+    return fill_from_blob(reader, ref, dest)
+
+
+__all__ = ["tokens_of", "chunk_buffers", "unique_refs", "needed_refs", "RemoteChunk", "check_manifest", "build_caches",
+           "fill_from", "fill_one"]
 
 
 def tokens_of(manifest: Manifest):

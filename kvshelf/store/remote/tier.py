@@ -34,7 +34,7 @@ from ..identity import namespace_key
 from ..lookup import LazyTokens
 from ..manifest import Manifest
 from ..results import PrefixHit, Restored
-from . import local
+from . import direct, local
 from .breaker import CircuitBreaker
 from .bytestore import RedisByteStore
 from .client import DEFAULT_PREFIX, check_prefix, connect, redact
@@ -59,7 +59,7 @@ _REMOTE_ERRORS = (BackendUnavailable, StoreFull)
 
 class RemoteTier:
     def __init__(self, remote, *, prefix: str = DEFAULT_PREFIX, queue_size: int = 64, keep_local: bool = True,
-                 fetch_batch_bytes: int = 32 << 20, breaker: CircuitBreaker | None = None,
+                 fetch_batch_bytes: int = 32 << 20, breaker: CircuitBreaker | None = None, direct_reads: bool = True,
                  close_timeout: float = 10.0, **client_options: Any):
         self.where = redact(remote)
         self.client = connect(remote, **client_options)
@@ -67,6 +67,7 @@ class RemoteTier:
         self.keys = Keys(self.prefix)
         self.chunks = RedisByteStore(self.client, prefix=self.prefix)
         self.keep_local, self.fetch_batch_bytes, self.close_timeout = keep_local, fetch_batch_bytes, close_timeout
+        self.direct = direct_reads
         self.breaker = breaker or CircuitBreaker()
         self.host = f"{socket.gethostname()}:{os.getpid()}"
         self.store = None
@@ -300,7 +301,12 @@ class RemoteTier:
             with translate("restore"):
                 manifest = self._manifest(nsk, sid)
                 p = local.check_manifest(self.store, manifest, namespace, length)
-                chunks = self._fetch(local.needed_refs(manifest, p))
+                refs = local.needed_refs(manifest, p)
+                if self.direct and direct.supported(self.client) and len({r.hash for r in refs}) == len(refs):
+                    fill = self._fill_direct  # replies read from the socket straight into the arrays
+                else:  # verified and copied into place as they arrive, the next batch already on its way
+                    fill = local.fill_from(self._fetch(refs))
+                caches = local.build_caches(self.store, manifest, p, fill)
         except _REMOTE_ERRORS as exc:
             self.breaker.failure()
             self.counters["restore_misses"] += 1
@@ -316,7 +322,6 @@ class RemoteTier:
             raise SnapshotNotFound(f"remote snapshot {snapshot_id} cannot be served ({exc}); its remote index "
                                    f"entry was dropped") from None
         self.breaker.success()
-        caches = local.build_caches(self.store, manifest, p, chunks)
         restored = Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
                             manifest.namespace)
         if self.keep_local if keep is None else keep:
@@ -335,9 +340,7 @@ class RemoteTier:
             raise _Missing(f"remote manifest {sid.hex()} is gone")
         return mf.decode(unseal(raw, f"manifest {sid.hex()}"), Manifest, f"remote manifest {sid.hex()}")
 
-    def _fetch(self, refs) -> dict[str, local.RemoteChunk]:
-        """Every chunk, pipelined ``GET`` in batches of about ``fetch_batch_bytes``, verified as it arrives."""
-        out: dict[str, local.RemoteChunk] = {}
+    def _batches(self, refs) -> list[list]:
         batches, batch, size = [], [], 0
         for r in {r.hash: r for r in refs}.values():
             if batch and size + r.nbytes > self.fetch_batch_bytes:
@@ -345,28 +348,81 @@ class RemoteTier:
                 batch, size = [], 0
             batch.append(r)
             size += r.nbytes
-        if batch:
-            batches.append(batch)
-        for i, batch in enumerate(batches):
-            pipe = self.client.pipeline(transaction=False)
-            for r in batch:
-                pipe.get(self.keys.chunk(r.hash))
-            values = pipe.execute()
-            if FETCH_HOOK is not None:
-                FETCH_HOOK(i)
-            for r, value in zip(batch, values):
-                if value is None:
+        return [*batches, batch] if batch else batches
+
+    def _fill_direct(self, dest, by_hash) -> None:
+        for i, batch in enumerate(self._batches([refs[0] for refs in by_hash.values()])):
+            def consume(k, chunk, batch=batch):
+                r = batch[k]
+                if chunk is None:
                     self.counters["missing_chunks"] += 1
                     raise _Missing(f"remote chunk {r.hash} is gone (evicted or flushed)")
                 try:
-                    out[r.hash] = local.RemoteChunk(value, r.hash)
+                    self.counters["bytes_fetched"] += local.fill_one(chunk(), r, dest)
                 except CorruptData:
                     self.counters["corrupt_chunks"] += 1
                     self.client.delete(self.keys.chunk(r.hash))
                     raise
                 self.counters["chunks_fetched"] += 1
-                self.counters["bytes_fetched"] += len(value)
-        return out
+
+            hook = (lambda i=i: FETCH_HOOK(i)) if FETCH_HOOK is not None else None
+            direct.fetch_into(self.client, [self.keys.chunk(r.hash) for r in batch], [r.hash for r in batch],
+                              consume, on_batch=hook)
+
+    def _fetch(self, refs):
+        """Every distinct chunk as ``(hash, RemoteChunk)``, verified: pipelined ``GET`` in batches of about
+        ``fetch_batch_bytes``, fetched one batch ahead on a helper thread (the network wait overlaps hashing and
+        copying); the first failure ends the stream."""
+        batches = self._batches(refs)
+        ahead: queue.Queue = queue.Queue(maxsize=1)
+        stop = threading.Event()
+
+        def fetch_all() -> None:
+            for i, b in enumerate(batches):
+                if stop.is_set():
+                    return
+                try:
+                    pipe = self.client.pipeline(transaction=False)
+                    for r in b:
+                        pipe.get(self.keys.chunk(r.hash))
+                    values = pipe.execute()
+                    if FETCH_HOOK is not None:
+                        FETCH_HOOK(i)
+                except BaseException as exc:  # handed to the reader, which raises it
+                    ahead.put((b, exc))
+                    return
+                ahead.put((b, values))
+
+        helper = threading.Thread(target=fetch_all, name="kvshelf-remote-fetch", daemon=True)
+        helper.start()
+        try:
+            for _ in batches:
+                b, values = ahead.get()
+                if isinstance(values, BaseException):
+                    raise values
+                yield from self._verified(b, values)
+        finally:
+            stop.set()
+            while helper.is_alive() or not ahead.empty():  # never leave the helper blocked on a full queue
+                try:
+                    ahead.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+
+    def _verified(self, batch, values):
+        for r, value in zip(batch, values):
+            if value is None:
+                self.counters["missing_chunks"] += 1
+                raise _Missing(f"remote chunk {r.hash} is gone (evicted or flushed)")
+            try:
+                chunk = local.RemoteChunk(value, r.hash)
+            except CorruptData:
+                self.counters["corrupt_chunks"] += 1
+                self.client.delete(self.keys.chunk(r.hash))
+                raise
+            self.counters["chunks_fetched"] += 1
+            self.counters["bytes_fetched"] += len(value)
+            yield r.hash, chunk
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
