@@ -18,6 +18,7 @@ import xxhash
 
 from ...errors import CorruptData
 from ..blobfile import TensorInfo, storage_dtype
+from .local import target_views
 
 _DESC = msgspec.msgpack.Decoder(list[tuple[str, str, list[int]]])
 MAX_DESCRIPTOR = 16 << 20
@@ -91,11 +92,10 @@ class StreamChunk:
             raise CorruptData(f"remote chunk holds {len(self.tensors)} tensors, expected {len(dests)}")
         out = []
         for t, d in zip(self.tensors, dests):
-            d = memoryview(bytearray(t.nbytes)) if d is None else d.cast("B")
-            if d.nbytes != t.nbytes:
-                raise CorruptData(f"remote chunk tensor {t.name!r} holds {t.nbytes} bytes, expected {d.nbytes}")
-            self.wire.exact(d)
-            self.hasher.update(d)
+            d = memoryview(bytearray(t.nbytes)) if d is None else d
+            for v in target_views(d, t):  # one buffer, or the runs making it up
+                self.wire.exact(v)
+                self.hasher.update(v)
             out.append(d)
         if self.hasher.hexdigest() != self.hash:
             raise CorruptData(f"remote chunk {self.hash}: content hash does not match its name (corrupt, truncated "

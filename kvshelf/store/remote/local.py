@@ -83,12 +83,22 @@ class RemoteChunk:
             if d is None:
                 out.append(src)
                 continue
-            d = d.cast("B")
-            if d.nbytes != t.nbytes:
-                raise CorruptData(f"remote chunk tensor {t.name!r} holds {t.nbytes} bytes, expected {d.nbytes}")
-            d[:] = src
+            views = target_views(d, t)
+            at = 0
+            for v in views:
+                v[:] = src[at:at + v.nbytes]
+                at += v.nbytes
             out.append(d)
         return out
+
+
+def target_views(d, t: TensorInfo) -> list[memoryview]:
+    """A destination (one buffer, or the runs making it up in C order) as byte views, checked against ``t``."""
+    views = [v.cast("B") for v in d] if isinstance(d, list) else [d.cast("B")]
+    if sum(v.nbytes for v in views) != t.nbytes:
+        raise CorruptData(f"remote chunk tensor {t.name!r} holds {t.nbytes} bytes, expected "
+                          f"{sum(v.nbytes for v in views)}")
+    return views
 
 
 def check_manifest(store, manifest: Manifest, namespace: str, p: int | None) -> int:
