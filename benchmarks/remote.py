@@ -2,7 +2,8 @@
 
 21. Remote restore of a session (64 MiB and 512 MiB; 8 and 32 MiB at ``--size small``) into an empty local store
     (fetch, verify every chunk's hash, build the caches, eval) as bytes per second, against ``redis-benchmark -t
-    get -d <chunk value size> -c 1`` on the same server: what one client can GET at that value size. Target ≥ 70%.
+    get -d <chunk value size> -c 1`` on the same server: what one client can GET at that value size (one request
+    in flight; the restore pipelines a batch). Target ≥ 70%. ``-c 8`` is recorded in the JSON extras.
 22. Remote ``lookup`` of a 32,768-token prompt (4,096 at ``small``) against a shared index of 200 snapshots sharing
     prefixes: target ≤ 2 ms (loopback); baseline: the local lookup on an index holding the same snapshots.
 23. TTFT on the synthetic MLA model (1,024 tokens; 256 at ``small``): recompute the prompt vs restore it locally vs
@@ -54,10 +55,10 @@ class _Server:
     def flush(self) -> None:
         subprocess.run(["redis-cli", "-p", str(self.port), "FLUSHALL"], capture_output=True)
 
-    def get_throughput(self, value_bytes: int, requests: int) -> Sample:
-        """redis-benchmark GET bytes/s at this value size, one client (its SET phase fills the key first)."""
+    def get_throughput(self, value_bytes: int, requests: int, clients: int = 1) -> Sample:
+        """redis-benchmark GET bytes/s at this value size, ``clients`` connections (its SET phase fills the key)."""
         cmd = ["redis-benchmark", "-p", str(self.port), "-t", "set,get", "-d", str(value_bytes), "-n",
-               str(requests), "-c", "1", "--csv"]
+               str(requests), "-c", str(clients), "--csv"]
         reps = []
         for _ in range(3):
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
@@ -115,12 +116,14 @@ def _restore_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
         t = time_reps(restore, ctx.large_reps if mib > 64 else ctx.reps, unit="s")
         b.close()
         value = Sample("MiB/s", [nbytes / MiB / s for s in t.reps])
-        baseline = server.get_throughput(value_bytes, max(20, min(400, (2 << 30) // value_bytes)))
+        requests = max(10, min(200, (256 << 20) // value_bytes))  # ~256 MiB of GETs per repetition
+        baseline = server.get_throughput(value_bytes, requests)
+        many = server.get_throughput(value_bytes, requests, clients=8)  # for the record: several clients at once
         server.flush()
         rows.append(Row("21", f"remote restore {nbytes / MiB:.0f} MiB (hash-verified, eval)", value, baseline,
                         f"redis-benchmark GET -d {value_bytes} -c 1", target="≥ 70% of GET", limit=0.70,
-                        check="ratio-min", extra={"chunk_value_bytes": value_bytes,
-                                                  "seconds": t.to_json()}))
+                        check="ratio-min", extra={"chunk_value_bytes": value_bytes, "seconds": t.to_json(),
+                                                  "redis_benchmark_get_c8_mib_s": many.to_json()}))
     return rows
 
 
@@ -138,8 +141,9 @@ def _lookup_row(ctx: Context, server: _Server, size: str) -> Row:
         c.append_latent(mx.zeros((1, length, 16)), mx.zeros((1, length, 8)), None)
         return [c]
 
+    n_snapshots = 60 if size == "small" else 200
     store = ctx.open_store(ctx.scratch.fresh("lookup"), remote=server.url, chunk_tokens=4096)
-    for i in range(200):
+    for i in range(n_snapshots):
         tail = data.token_ids(512 if i < 20 else 64, seed=1000 + i, high=100_000)
         toks = (trunk + tail) if i < 20 else (trunk[:512] + tail)
         store.save(f"s{i}", toks, tiny(len(toks)))
@@ -160,7 +164,7 @@ def _lookup_row(ctx: Context, server: _Server, size: str) -> Row:
     probe.run()
     store.close()
     server.flush()
-    return Row("22", f"remote lookup, {len(prompt)}-token prompt, 200 snapshots", value, local,
+    return Row("22", f"remote lookup, {len(prompt)}-token prompt, {n_snapshots} snapshots", value, local,
                "local lookup (LMDB), same snapshots", target="≤ 2 ms", limit=2.0, check="value",
                extra={"round_trips": probe.round_trips})
 
