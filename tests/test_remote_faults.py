@@ -18,6 +18,7 @@ from redis_servers import RedisServer, redis_server  # noqa: F401  (fixture)
 from kvshelf import Identity, open_store
 from kvshelf.errors import SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
+from kvshelf.store.remote import fetch as fetch_mod
 from kvshelf.store.remote import tier as tier_mod
 
 IDENTITY = Identity("remote-test", config_fingerprint="cfg", tokenizer_hash="tok")
@@ -73,7 +74,7 @@ def check_outcome(store, prompt, expect_tokens):
 @pytest.fixture
 def hooks():
     yield tier_mod
-    tier_mod.FETCH_HOOK = None
+    fetch_mod.FETCH_HOOK = None
     tier_mod.PUBLISH_HOOK = None
 
 
@@ -107,7 +108,7 @@ def test_server_killed_mid_fetch_is_a_clean_miss(tmp_path, hooks, direct):
                 if i == 0:
                     server.kill()
 
-            hooks.FETCH_HOOK = kill_after_first
+            fetch_mod.FETCH_HOOK = kill_after_first
             assert check_outcome(b, toks + [5], toks) is None
             assert batches == [0] and b.tier.counters["restore_misses"] >= 1
             assert b.sessions() == [] and a.restore("s").length == 256  # A's local copy is untouched

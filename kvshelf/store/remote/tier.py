@@ -34,13 +34,14 @@ from ..identity import namespace_key
 from ..lookup import LazyTokens
 from ..manifest import Manifest
 from ..results import PrefixHit, Restored
-from . import direct, local
+from . import fetch, local
 from .breaker import CircuitBreaker
 from .bytestore import RedisByteStore
 from .client import DEFAULT_PREFIX, check_prefix, connect, redact
 from .errors import translate
 from .index import RemoteLookup, boundary_members
 from .keys import Keys
+from .fetch import Missing as _Missing
 from .records import (
     RemoteSummary,
     decode_tokens,
@@ -52,7 +53,6 @@ from .records import (
 
 IMPORTED = "remote/"          # local session id prefix of remote hits kept locally (never published again)
 MARKER_MS = 120_000           # a publish-in-progress marker outlives a crashed publisher by this much at most
-FETCH_HOOK = None             # test seam: called as FETCH_HOOK(batch_index) after each fetched batch
 PUBLISH_HOOK = None           # test seam: called as PUBLISH_HOOK(chunk_hash) after each uploaded chunk
 _REMOTE_ERRORS = (BackendUnavailable, StoreFull)
 
@@ -301,12 +301,7 @@ class RemoteTier:
             with translate("restore"):
                 manifest = self._manifest(nsk, sid)
                 p = local.check_manifest(self.store, manifest, namespace, length)
-                refs = local.needed_refs(manifest, p)
-                if self.direct and direct.supported(self.client) and len({r.hash for r in refs}) == len(refs):
-                    fill = self._fill_direct  # replies read from the socket straight into the arrays
-                else:  # verified and copied into place as they arrive, the next batch already on its way
-                    fill = local.fill_from(self._fetch(refs))
-                caches = local.build_caches(self.store, manifest, p, fill)
+                caches = local.build_caches(self.store, manifest, p, fetch.filler(self, local.needed_refs(manifest, p)))
         except _REMOTE_ERRORS as exc:
             self.breaker.failure()
             self.counters["restore_misses"] += 1
@@ -340,100 +335,10 @@ class RemoteTier:
             raise _Missing(f"remote manifest {sid.hex()} is gone")
         return mf.decode(unseal(raw, f"manifest {sid.hex()}"), Manifest, f"remote manifest {sid.hex()}")
 
-    def _batches(self, refs) -> list[list]:
-        batches, batch, size = [], [], 0
-        for r in {r.hash: r for r in refs}.values():
-            if batch and size + r.nbytes > self.fetch_batch_bytes:
-                batches.append(batch)
-                batch, size = [], 0
-            batch.append(r)
-            size += r.nbytes
-        return [*batches, batch] if batch else batches
-
-    def _fill_direct(self, dest, by_hash) -> None:
-        for i, batch in enumerate(self._batches([refs[0] for refs in by_hash.values()])):
-            def consume(k, chunk, batch=batch):
-                r = batch[k]
-                if chunk is None:
-                    self.counters["missing_chunks"] += 1
-                    raise _Missing(f"remote chunk {r.hash} is gone (evicted or flushed)")
-                try:
-                    self.counters["bytes_fetched"] += local.fill_one(chunk(), r, dest)
-                except CorruptData:
-                    self.counters["corrupt_chunks"] += 1
-                    self.client.delete(self.keys.chunk(r.hash))
-                    raise
-                self.counters["chunks_fetched"] += 1
-
-            hook = (lambda i=i: FETCH_HOOK(i)) if FETCH_HOOK is not None else None
-            direct.fetch_into(self.client, [self.keys.chunk(r.hash) for r in batch], [r.hash for r in batch],
-                              consume, on_batch=hook)
-
-    def _fetch(self, refs):
-        """Every distinct chunk as ``(hash, RemoteChunk)``, verified: pipelined ``GET`` in batches of about
-        ``fetch_batch_bytes``, fetched one batch ahead on a helper thread (the network wait overlaps hashing and
-        copying); the first failure ends the stream."""
-        batches = self._batches(refs)
-        ahead: queue.Queue = queue.Queue(maxsize=1)
-        stop = threading.Event()
-
-        def fetch_all() -> None:
-            for i, b in enumerate(batches):
-                if stop.is_set():
-                    return
-                try:
-                    pipe = self.client.pipeline(transaction=False)
-                    for r in b:
-                        pipe.get(self.keys.chunk(r.hash))
-                    values = pipe.execute()
-                    if FETCH_HOOK is not None:
-                        FETCH_HOOK(i)
-                except BaseException as exc:  # handed to the reader, which raises it
-                    ahead.put((b, exc))
-                    return
-                ahead.put((b, values))
-
-        helper = threading.Thread(target=fetch_all, name="kvshelf-remote-fetch", daemon=True)
-        helper.start()
-        try:
-            for _ in batches:
-                b, values = ahead.get()
-                if isinstance(values, BaseException):
-                    raise values
-                yield from self._verified(b, values)
-        finally:
-            stop.set()
-            while helper.is_alive() or not ahead.empty():  # never leave the helper blocked on a full queue
-                try:
-                    ahead.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-
-    def _verified(self, batch, values):
-        for r, value in zip(batch, values):
-            if value is None:
-                self.counters["missing_chunks"] += 1
-                raise _Missing(f"remote chunk {r.hash} is gone (evicted or flushed)")
-            try:
-                chunk = local.RemoteChunk(value, r.hash)
-            except CorruptData:
-                self.counters["corrupt_chunks"] += 1
-                self.client.delete(self.keys.chunk(r.hash))
-                raise
-            self.counters["chunks_fetched"] += 1
-            self.counters["bytes_fetched"] += len(value)
-            yield r.hash, chunk
-
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
         return {"remote": self.where, "prefix": self.prefix, "breaker": self.breaker.state,
                 "queued": self._queue.qsize(), **self.counters}
-
-
-class _Missing(KvShelfError):
-    """A remote record or chunk that was there at lookup time is gone now."""
-
-
 
 
 def attach(store, remote, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> RemoteTier:
