@@ -14,8 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from conftest import bits
+
 from kvshelf.codecs import default_provider, encode_entry
 from kvshelf.errors import InvalidCacheState
 from kvshelf.latent_legos import (

@@ -103,4 +103,4 @@ class ColumnBuffers:
         self.arrays, self.width = [], 0
 
 
-__all__ = ["ColumnBuffers", "GROWTH_DIVISOR", "MIN_STEP", "capacity_for"]
+__all__ = ["GROWTH_DIVISOR", "MIN_STEP", "ColumnBuffers", "capacity_for"]
