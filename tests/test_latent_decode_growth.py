@@ -15,6 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import bits
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvshelf.codecs import default_provider, encode_entry
 from kvshelf.errors import InvalidCacheState
@@ -27,6 +29,7 @@ from kvshelf.latent_legos import (
     TurboFormat,
 )
 from kvshelf.latent_legos.columns import GROWTH_DIVISOR, MIN_STEP
+from kvshelf.latent_legos.contracts import PrefillPadding
 
 G = LatentGeometry(kv_lora_rank=128, rope_head_dim=64, index_head_dim=64)
 G_PLAIN = LatentGeometry(kv_lora_rank=128, rope_head_dim=64)
@@ -250,3 +253,54 @@ def test_growth_copies_amortise_to_a_constant_per_appended_position(kind):
         stored_bytes = cache.bytes_per_token() if kind != "mla" else G_PLAIN.f32_bytes_per_token()
         # each growth copies w columns and buys at least max(64, w/16) appends: at most ~17 columns per append
         assert copied <= (GROWTH_DIVISOR + 2) * appended * stored_bytes, (kind, stored, copied)
+
+
+# -- the read buffer follows every row operation --------------------------------------------------------------------
+
+
+@settings(max_examples=25)
+@given(data=st.data(), fmt=st.sampled_from([AffineFormat(8, 64), TurboFormat(4, 3)]), start=st.sampled_from([0, 5]))
+def test_read_buffer_reads_what_the_plain_lego_reads_through_any_operations(data, fmt, start):
+    plain, buffered = EncodedLatentCache(G, fmt, start), EncodedLatentCache(G, fmt, start, read_buffer=True)
+    caches = (plain, buffered)
+    batch = data.draw(st.integers(1, 3))
+    seed = 100
+    if data.draw(st.booleans()):
+        left = data.draw(st.lists(st.integers(0, 3), min_size=batch, max_size=batch))
+        for cache in caches:
+            cache.prepare_prefill(PrefillPadding([4] * batch, left_padding=left))
+        chunk = families(G, batch, 4, seed)
+        for cache in caches:
+            cache.append_latent(*chunk)
+            cache.finalize_prefill()
+
+    def same() -> None:
+        a, b = plain.read_latent(), buffered.read_latent()
+        for x, y in zip((a.latent, a.rope, a.index_keys), (b.latent, b.rope, b.index_keys)):
+            assert np.array_equal(bits(x), bits(y))
+
+    for _ in range(data.draw(st.integers(3, 12))):
+        seed += 1
+        op = data.draw(st.sampled_from(["append", "append", "append", "trim", "round", "filter"]))
+        rows = plain.batch_size or batch
+        if op == "append" or plain.batch_size is None:
+            chunk = families(G, rows, data.draw(st.integers(1, 3)), seed)
+            reads = [cache.append_latent(*chunk) for cache in caches]
+            assert np.array_equal(bits(reads[0].latent), bits(reads[1].latent))
+        elif op == "trim":
+            n = data.draw(st.integers(0, min(plain.row_offsets)))
+            assert plain.trim(n) == buffered.trim(n)
+        elif op == "round":
+            for cache in caches:
+                cache.spec_round_begin()
+            chunk = families(G, rows, 3, seed)
+            for cache in caches:
+                cache.append_latent(*chunk)
+            keep = data.draw(st.lists(st.integers(0, 3), min_size=rows, max_size=rows))
+            for cache in caches:
+                cache.spec_round_rollback(keep)
+        elif rows > 1:
+            keep = data.draw(st.permutations(range(rows)))[: data.draw(st.integers(1, rows))]
+            for cache in caches:
+                cache.filter_rows(list(keep))
+        same()

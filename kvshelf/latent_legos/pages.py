@@ -128,7 +128,8 @@ class LatentPages:
 
     def in_table_order(self) -> bool:
         """Whether logical block i is physical block i for every stored block (``gather`` is then a view)."""
-        return all(b == i for i, b in enumerate(self.block_table))
+        table = self.block_table
+        return not table or (table[-1] == len(table) - 1 and table == list(range(len(table))))
 
     def gather(self) -> list[mx.array]:
         """The stored planes in order, ``[1, offset, w_i]`` each."""
