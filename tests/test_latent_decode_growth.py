@@ -304,3 +304,20 @@ def test_read_buffer_reads_what_the_plain_lego_reads_through_any_operations(data
             for cache in caches:
                 cache.filter_rows(list(keep))
         same()
+
+
+@pytest.mark.parametrize("fmt", [AffineFormat(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
+                         + [TurboFormat(k, 3) for k in (2, 3, 4, 5, 8)], ids=str)
+def test_short_appends_encode_the_families_jointly_to_the_same_bits(fmt):
+    from kvshelf.latent_legos.family_codec import JOINT_MAX_POSITIONS, FamilyCodec
+
+    codec = FamilyCodec(G.widths, fmt)
+    long = JOINT_MAX_POSITIONS + 44
+    data = families(G, 2, long, seed=20)
+    data[1] = data[1] * 50  # families of very different scales share no group
+    alone = codec.encode(data)  # longer than the joint limit: each family on its own
+    chunks = [codec.encode([d[:, a : a + 100] for d in data]) for a in range(0, long, 100)]
+    joint = [mx.concatenate([c[i] for c in chunks], axis=1) for i in range(len(alone))]
+    for a, b in zip(alone, joint):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array(a).tobytes() == np.array(b).tobytes()
