@@ -3,7 +3,8 @@
 Stored as the format names from the first position (``None``: float32, read bit-identical to ``MLACache``).
 Each row owns a ``LatentPages``; an append writes into each row's pages in place; a read gathers every row (a view
 of the pools while blocks sit in table order), decodes it and joins the rows right-justified with zero padding
-(``MLACache``'s layout; one row is returned as it is, so a serial f32 read copies nothing). Rows of a padded prefill hold their left padding as leading positions
+(``MLACache``'s layout; one row is returned as it is, so a serial f32 read copies nothing, while a batch still
+joins its rows on every read). Rows of a padded prefill hold their left padding as leading positions
 (``_leading``) until ``finalize_prefill`` rewrites each row's pages to its real positions.
 """
 
