@@ -27,6 +27,7 @@ import mlx.core as mx
 from ...errors import InvalidCacheState
 from ..contracts import PrefillPadding
 
+
 class NotForModelCode(InvalidCacheState, AttributeError):
     """An mlx-lm attribute this lego cannot offer (an AttributeError too, so ``hasattr`` stays a plain probe)."""
 
