@@ -17,27 +17,16 @@ import msgspec
 
 from ..codecs import validate
 from ..codecs.header import CacheEntry
-from ..errors import KvShelfError
 from .latent_dsa import DSALatentCache
-from .latent_faces import MLALatentCache
+from .latent_faces import DTYPES, MLALatentCache, dtype_name
 
 INNER, DTYPE = "mlx-lm.inner", "mlx-lm.dtype"
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def _provider():
     from ..codecs import default_provider  # looked up when used: the provider loads this module as a plugin
 
     return default_provider
-
-
-def _dtype_name(dtype: mx.Dtype | None) -> str:
-    if dtype is None:
-        return ""
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise KvShelfError(f"latent adapter reads in {dtype}; kvshelf persists float32, bfloat16 or float16 models")
 
 
 class LatentAdapterCodec:
@@ -55,7 +44,7 @@ class LatentAdapterCodec:
 
     # -- entry wrapping ------------------------------------------------------------------------------------------
     def _wrap(self, inner: CacheEntry, dtype: mx.Dtype | None) -> CacheEntry:
-        extra = {**inner.extra, INNER: inner.kind, DTYPE: _dtype_name(dtype)}
+        extra = {**inner.extra, INNER: inner.kind, DTYPE: dtype_name(dtype) or ""}
         return msgspec.structs.replace(inner, kind=self.kind, extra=extra)
 
     def _unwrap(self, entry: CacheEntry, index: int | None = None) -> tuple[Any, CacheEntry, mx.Dtype | None]:

@@ -31,6 +31,17 @@ from ..latent_legos.kv.masks import attention_mask
 from ..latent_legos.kv.model_face import MlxLmBatchFace, batch_positions
 
 F32 = mx.float32
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def dtype_name(dtype: mx.Dtype | None) -> str | None:
+    """A model dtype by name (``mx.Dtype`` does not deep-copy, and mlx-lm's ``BatchGenerator`` deep-copies caches)."""
+    if dtype is None:
+        return None
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise InvalidCacheState(f"MLA reads in {dtype}; kvshelf's latent adapters take float32, bfloat16 or float16")
 
 
 def heads_of_one(name: str, array: Any, width: int) -> mx.array:
@@ -46,7 +57,16 @@ class LatentLayer(MlxLmBatchFace):
 
     def __init__(self, lego: Any, dtype: mx.Dtype | None = None) -> None:
         self.lego = lego
-        self.dtype = dtype
+        self._dtype = dtype_name(dtype)
+
+    @property
+    def dtype(self) -> mx.Dtype | None:
+        """The model dtype reads are handed back in (set by the first append; None before)."""
+        return None if self._dtype is None else DTYPES[self._dtype]
+
+    @dtype.setter
+    def dtype(self, value: mx.Dtype | None) -> None:
+        self._dtype = dtype_name(value)
 
     def _changed(self) -> None:
         """The rows are about to change outside an append (a subclass drops reads it keeps for ``keys``)."""
@@ -178,4 +198,4 @@ class MLALatentCache(LatentLayer):
         self._changed()
 
 
-__all__ = ["F32", "LatentLayer", "MLALatentCache", "heads_of_one"]
+__all__ = ["DTYPES", "F32", "dtype_name", "LatentLayer", "MLALatentCache", "heads_of_one"]
