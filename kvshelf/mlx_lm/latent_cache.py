@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.models.cache import CacheList, KVCache
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 from ..errors import InvalidCacheState
@@ -47,8 +47,9 @@ def make_prompt_cache(
     ``scheme`` (default ``KvScheme.bf16()``: float32 latents, bit-identical to mlx-lm's caches) names each MLA
     layer's storage (cache index = layer index for ``KvScheme.affine_layers``); ``paged_block_size`` pages it.
     ``max_kv_size`` caps an MLA layer at that many positions (an append past it raises ``CacheRangeError``: a latent
-    cache has no sliding window) and reaches mlx-lm's ``make_prompt_cache`` for the other layers (mlx-lm ignores it
-    for models that build their own caches). A model without MLA layers gets exactly mlx-lm's caches.
+    lego has no sliding window, where mlx-lm would give a model without ``make_cache`` a ``RotatingKVCache``) and
+    reaches mlx-lm's ``make_prompt_cache`` for the other layers (mlx-lm ignores it for models that build their own
+    caches). A model without MLA layers gets exactly mlx-lm's caches.
     """
     scheme = KvScheme.bf16() if scheme is None else scheme
     if not isinstance(scheme, KvScheme):
@@ -67,7 +68,7 @@ def make_prompt_cache(
         lego = composed_latent_cache(scheme, paged_block_size, i, geometry)
         if geometry.has_index and type(cache) is CacheList and all(type(c) is KVCache for c in cache.caches):
             out.append(DSALatentCache(lego))
-        elif not geometry.has_index and type(cache) is KVCache:
+        elif not geometry.has_index and (type(cache) is KVCache or (max_kv_size and type(cache) is RotatingKVCache)):
             out.append(MLALatentCache(lego))
         else:
             raise InvalidCacheState(
