@@ -273,3 +273,40 @@ def test_restore_batch_of_glm_latents_equals_mlx_lm_batching_the_same_rows(tmp_p
     merged = [lm_cache.CacheList.merge([c[i] for c in theirs]) for i in range(len(model.layers))]
     for ours, ref in zip(batched_decode(model, batch.caches, firsts), batched_decode(model, merged, firsts)):
         assert all(same(x, y) for x, y in zip(ours, ref))
+
+
+@pytest.mark.parametrize("scheme", [KvScheme.bf16(), KvScheme.affine(4, 32, quantized_kv_start=7),
+                                    KvScheme.turbo(8, 3)], ids=["f32", "affine4@7", "turbo8"])
+def test_dsa_two_call_steps_read_and_store_what_one_append_would(scheme):
+    """The latent call and the indexer call of each step give the reads, and leave the state, of one append of all
+    three families — on batched rows converting at different steps too (f32-first)."""
+    from kvshelf.latent_legos.geometry import LatentGeometry
+    from kvshelf.latent_legos.scheme import composed_latent_cache
+
+    g = LatentGeometry(kv_lora_rank=64, rope_head_dim=32, index_head_dim=32)
+    rows_a, rows_b = composed_latent_cache(scheme, None, 0, g), composed_latent_cache(scheme, None, 0, g)
+    key = iter(mx.random.split(mx.random.key(5), 64))
+
+    def families(batch, n):
+        return [mx.random.normal((batch, n, w), key=next(key)) for w in g.widths]
+
+    first, second = families(1, 5), families(1, 2)
+    prefill_reads = [rows_a.append_latent(*first), rows_b.append_latent(*second)]
+    reference = rows_a.make_empty_batch()
+    reference.merge_rows([rows_a, rows_b])
+    ours_a, ours_b = DSALatentCache(composed_latent_cache(scheme, None, 0, g)), DSALatentCache(
+        composed_latent_cache(scheme, None, 0, g))
+    for cache, fam, want in zip((ours_a, ours_b), (first, second), prefill_reads):
+        latent, rope = cache[0].update_and_fetch(fam[0][:, None], fam[1][:, None])
+        index, _ = cache[1].update_and_fetch(fam[2][:, None], fam[2][:, None])
+        assert same(latent[:, 0], want.latent) and same(index[:, 0], want.index_keys)
+    ours = ours_a.merge([ours_a, ours_b])
+    for step in range(4):  # rows hold 5+s and 2+s positions: start 7 converts them at different steps
+        fam = families(2, 1)
+        want = reference.append_latent(*fam)
+        latent, rope = ours[0].update_and_fetch(fam[0][:, None], fam[1][:, None])
+        index, _ = ours[1].update_and_fetch(fam[2][:, None], fam[2][:, None])
+        assert same(latent[:, 0], want.latent) and same(rope[:, 0], want.rope), step
+        assert same(index[:, 0], want.index_keys), step
+    assert ours.lego.row_offsets == reference.row_offsets
+    assert all(same(a, b) for a, b in zip(ours.lego.state, reference.state))
