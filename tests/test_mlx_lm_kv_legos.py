@@ -186,3 +186,23 @@ def test_quantized_and_turbo_legos_do_not_import_the_plain_one():
         tree = ast.parse((here / name).read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert "plain" not in imported, name
+
+
+def test_ring_rows_laid_out_differently_refuse_to_batch_instead_of_misaligning(tmp_path):
+    """gemma3_text's sliding layers on kvshelf's RotatingKVCache: unequal rows cannot share one ring layout."""
+    from kvshelf.latent_legos.kv import RotatingKVCache
+
+    model = build("gemma3_text")
+
+    def ours(m):
+        return [RotatingKVCache(c.max_size) if isinstance(c, lm_cache.RotatingKVCache) else KVCache()
+                for c in lm_cache.make_prompt_cache(m)]
+
+    assert same_run(greedy(model, PROMPT, ours(model), 4), greedy(model, PROMPT, lm_cache.make_prompt_cache(model), 4))
+    with open_store(tmp_path / "store", identity=Identity("gemma")) as store:
+        firsts, _ = saved_sessions(store, model, ours)
+        with pytest.raises(InvalidCacheState, match="laid out alike"):
+            store.restore_batch(["s0", "s1"])
+        rows = [store.restore(f"s{i}").caches for i in range(2)]
+    with pytest.raises(InvalidCacheState, match="laid out alike"):
+        generate(model, [[f] for f in firsts[:2]], rows)

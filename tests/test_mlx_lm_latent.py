@@ -314,3 +314,34 @@ def test_dsa_two_call_steps_read_and_store_what_one_append_would(scheme):
         assert same(index[:, 0], want.index_keys), step
     assert ours.lego.row_offsets == reference.row_offsets
     assert all(same(a, b) for a, b in zip(ours.lego.state, reference.state))
+
+
+def test_bfloat16_model_reads_are_bit_identical_to_mlx_lm_kv_cache():
+    """Real MLA checkpoints run in bfloat16: the float32 lego holds them exactly and hands them back in bfloat16."""
+    face, reference = make_prompt_cache(build("deepseek_v3"))[0], lm_cache.KVCache()
+    key = iter(mx.random.split(mx.random.key(3), 16))
+    for n in (5, 1, 1, 3):
+        keys = mx.random.normal((2, 1, n, 64), key=next(key)).astype(mx.bfloat16)
+        values = mx.random.normal((2, 1, n, 32), key=next(key)).astype(mx.bfloat16)
+        got, want = face.update_and_fetch(keys, values), reference.update_and_fetch(keys, values)
+        assert all(same(a, b) for a, b in zip(got, want))
+    assert face.dtype == mx.bfloat16 and face.meta_state == ("kv:mla:target", "bfloat16")
+
+
+def test_paged_latents_batch_and_join_batch_generator(tmp_path):
+    model = build("deepseek_v3")
+    with open_store(tmp_path / "store", identity=Identity("paged"), provider=provider()) as store:
+        firsts, serial = sessions(store, model, lambda m: make_prompt_cache(m, paged_block_size=4), PROMPTS)
+        batch = store.restore_batch(["s0", "s1", "s2"])
+        assert all(type(c.lego) is PagedLatentCache for c in batch.caches)
+        for b, logits in enumerate(batched_decode(model, batch.caches, firsts)):
+            assert all(same(x, y) for x, y in zip(logits, serial[b][1][1])), f"row {b}"
+        rows = [store.restore(f"s{i}").caches for i in range(3)]
+    gen = BatchGenerator(model, max_tokens=STEPS)
+    uids = gen.insert([[f] for f in firsts], caches=rows)
+    got = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+    gen.close()
+    assert [got[u] for u in uids] == [tokens for _, (tokens, _) in serial]

@@ -117,7 +117,7 @@ class LatentLayer(MlxLmBatchFace):
 
     @property
     def meta_state(self) -> tuple[str, str]:
-        return self.lego.signature(), "" if self.dtype is None else str(self.dtype)
+        return self.lego.signature(), self._dtype or ""
 
     @property
     def nbytes(self) -> int:
