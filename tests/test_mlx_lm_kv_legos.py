@@ -16,11 +16,24 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as lm_cache
-from mlx_lm_models import PROMPT, build, continue_greedy, forward, greedy, same, same_run
+from mlx_lm_models import (
+    PROMPT,
+    build,
+    continue_greedy,
+    forward,
+    greedy,
+    same,
+    same_run,
+)
 
 from kvshelf import Identity, open_store
 from kvshelf.errors import InvalidCacheState, KvShelfError
-from kvshelf.latent_legos.kv import ArraysCache, KVCache, QuantizedKVCache, TurboQuantKVCache
+from kvshelf.latent_legos.kv import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    TurboQuantKVCache,
+)
 from kvshelf.latent_legos.kv.model_face import NotForModelCode
 
 PROMPTS = [PROMPT, PROMPT[:6], PROMPT[:3] + [9]]  # unequal lengths: 10, 6, 4

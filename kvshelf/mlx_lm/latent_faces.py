@@ -198,4 +198,4 @@ class MLALatentCache(LatentLayer):
         self._changed()
 
 
-__all__ = ["DTYPES", "F32", "dtype_name", "LatentLayer", "MLALatentCache", "heads_of_one"]
+__all__ = ["DTYPES", "F32", "LatentLayer", "MLALatentCache", "dtype_name", "heads_of_one"]
