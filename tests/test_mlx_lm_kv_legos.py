@@ -121,8 +121,7 @@ def test_batch_generator_prefills_unequal_continuations_on_restored_rows(tmp_pat
         serial = []
         for i, (first, more) in enumerate(zip(firsts, extra)):
             caches = store.restore(f"s{i}").caches
-            if len(more) > 0:
-                forward(model, [first, *more[:-1]], caches)
+            forward(model, [first, *more[:-1]], caches)
             serial.append(continue_greedy(model, more[-1], caches, STEPS))
     results = generate(model, [[f, *more] for f, more in zip(firsts, extra)], rows)
     for (tokens, logprobs), (want_tokens, want_logits) in zip(results, serial):
@@ -219,3 +218,40 @@ def test_ring_rows_laid_out_differently_refuse_to_batch_instead_of_misaligning(t
         rows = [store.restore(f"s{i}").caches for i in range(2)]
     with pytest.raises(InvalidCacheState, match="laid out alike"):
         generate(model, [[f] for f in firsts[:2]], rows)
+
+
+def recurrent_ours(model):
+    return [ArraysCache(len(c.cache)) if isinstance(c, lm_cache.ArraysCache) else KVCache()
+            for c in lm_cache.make_prompt_cache(model)]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "mamba2"])
+def test_recurrent_rows_restore_as_a_batch_and_join_batch_generator(tmp_path, name):
+    model = build(name)
+    with open_store(tmp_path / "store", identity=Identity(name)) as store:
+        firsts, serial = saved_sessions(store, model, recurrent_ours)
+        batch = store.restore_batch(["s0", "s1", "s2"])
+        assert isinstance(batch.caches[0], ArraysCache) and batch.caches[0].row_offsets == [10, 6, 4]
+        for got, want in zip(batched_decode(model, batch.caches, firsts), serial):
+            assert same_run(got, want)
+        rows = [store.restore(f"s{i}").caches for i in range(len(PROMPTS))]
+        extra = [[7, 1, 33], [12], [5, 61]]  # unequal continuations: a right-padded prefill on recurrent state
+        want = []
+        for i, (first, more) in enumerate(zip(firsts, extra)):
+            caches = store.restore(f"s{i}").caches
+            forward(model, [first, *more[:-1]], caches)
+            want.append(continue_greedy(model, more[-1], caches, STEPS))
+    for (tokens, logprobs), (want_tokens, want_logits) in zip(
+            generate(model, [[f, *more] for f, more in zip(firsts, extra)], rows), want):
+        assert tokens == want_tokens
+        assert all(same(lp[None], log_probs(w)) for lp, w in zip(logprobs, want_logits))
+
+
+def test_right_padded_prompt_step_keeps_each_recurrent_rows_own_length():
+    cache = ArraysCache(1)
+    cache[0] = mx.zeros((3, 2))
+    cache.prepare(lengths=[4, 2, 3], right_padding=[0, 2, 1])  # BatchGenerator's padded prompt step
+    assert cache.make_mask(4).tolist() == [[True] * 4, [True, True, False, False], [True, True, True, False]]
+    cache.advance(4)  # the model froze rows 1 and 2 at their own ends through that mask
+    cache.finalize()
+    assert cache.row_offsets == [4, 2, 3] and cache.lengths is None and cache.left_padding is None
