@@ -99,11 +99,11 @@ def test_restore_batch_of_unequal_rows_decodes_each_row_like_its_serial_run(tmp_
         assert same_run(got, want), f"row {b} of {name}/{kind} differs from its serial run"
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
-def test_batch_generator_accepts_restored_rows_and_matches_serial_runs(tmp_path, name):
+@pytest.mark.parametrize(("name", "kind"), [("llama", "kv"), ("deepseek_v3", "kv"), ("qwen3", "qkv8")])
+def test_batch_generator_accepts_restored_rows_and_matches_serial_runs(tmp_path, name, kind):
     model = build(name)
     with open_store(tmp_path / "store", identity=Identity(name)) as store:
-        firsts, serial = saved_sessions(store, model, OURS["kv"])
+        firsts, serial = saved_sessions(store, model, OURS[kind])
         rows = [store.restore(f"s{i}").caches for i in range(len(PROMPTS))]
     results = generate(model, [[f] for f in firsts], rows)
     for (tokens, logprobs), (want_tokens, want_logits) in zip(results, serial):
