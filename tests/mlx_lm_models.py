@@ -25,6 +25,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import (
     deepseek_v3,
     gemma3_text,
+    glm4_moe_lite,
     glm_moe_dsa,
     llama,
     mamba,
@@ -77,6 +78,10 @@ def _glm_moe_dsa():
     ))
 
 
+def _glm4_moe_lite():
+    return glm4_moe_lite.Model(glm4_moe_lite.ModelArgs(model_type="glm4_moe_lite", rope_theta=10000.0, **_MLA_COMMON))
+
+
 def _gemma3_text():
     return gemma3_text.Model(gemma3_text.ModelArgs(
         model_type="gemma3_text", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
@@ -113,10 +118,11 @@ def _mamba2():
 
 BUILDERS: dict[str, Callable] = {
     "llama": _llama, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "glm_moe_dsa": _glm_moe_dsa,
-    "gemma3_text": _gemma3_text, "qwen3_next": _qwen3_next, "mamba": _mamba, "mamba2": _mamba2,
+    "glm4_moe_lite": _glm4_moe_lite, "gemma3_text": _gemma3_text, "qwen3_next": _qwen3_next, "mamba": _mamba,
+    "mamba2": _mamba2,
 }
 NAMES = tuple(BUILDERS)
-MLA_NAMES = ("deepseek_v3", "glm_moe_dsa")
+MLA_NAMES = ("deepseek_v3", "glm_moe_dsa")  # the MLA models; glm4_moe_lite is a third (NAMES has it)
 
 # Parameters whose constructor value is a meaningful constant the model relies on (norm scales start at one,
 # state-space decay parameters have a sign convention); they get small seeded noise around it instead of a redraw.

@@ -66,7 +66,7 @@ def log_probs(logits):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("name", MLA_NAMES)
+@pytest.mark.parametrize("name", [*MLA_NAMES, "glm4_moe_lite"])
 @pytest.mark.parametrize("paged", [None, 4])
 def test_f32_latents_are_bit_identical_to_mlx_lm_caches(name, paged):
     model = build(name)
