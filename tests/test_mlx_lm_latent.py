@@ -102,8 +102,9 @@ def test_a_dsa_step_without_its_indexer_keys_is_refused():
     g = cache.lego.geometry
     cache[0].update_and_fetch(mx.zeros((1, 1, 3, g.kv_lora_rank)), mx.zeros((1, 1, 3, g.rope_head_dim)))
     assert cache[1].offset == 0  # the indexer ropes its keys at the positions before the step
+    again = (mx.zeros((1, 1, 1, g.kv_lora_rank)), mx.zeros((1, 1, 1, g.rope_head_dim)))
     for call in (lambda: cache.state, lambda: cache.trim(1), lambda: cache.extract(0),
-                 lambda: cache[0].update_and_fetch(mx.zeros((1, 1, 1, g.kv_lora_rank)), mx.zeros((1, 1, 1, g.rope_head_dim)))):
+                 lambda: cache[0].update_and_fetch(*again)):
         with pytest.raises(InvalidCacheState, match="indexer keys have not arrived"):
             call()
     keys, _ = cache[1].update_and_fetch(mx.ones((1, 1, 3, g.index_head_dim)), mx.ones((1, 1, 3, g.index_head_dim)))
@@ -179,7 +180,8 @@ print(json.dumps(out))
 
 def in_fresh_process(*args) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], env=env, capture_output=True, text=True, check=False,
+    out = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], env=env, capture_output=True, text=True,
+                         check=False,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -353,3 +355,29 @@ def test_paged_latents_batch_and_join_batch_generator(tmp_path):
             got[r.uid].append(r.token)
     gen.close()
     assert [got[u] for u in uids] == [tokens for _, (tokens, _) in serial]
+
+
+def test_snapshot_files_carry_latent_adapters_and_malformed_adapter_entries_are_refused(tmp_path):
+    import msgspec
+
+    from kvshelf.codecs import load_snapshot, save_snapshot
+    from kvshelf.errors import IncompatibleFormat
+
+    model = build("glm_moe_dsa")
+    caches = make_prompt_cache(model, KvScheme.turbo(8, 3))
+    tokens, _ = greedy(model, PROMPT, caches, steps=1)
+    save_snapshot(tmp_path / "s.safetensors", PROMPT + tokens[:1], caches, provider=provider())
+    snap = load_snapshot(tmp_path / "s.safetensors", provider=provider())
+    assert [type(c) for c in snap.caches] == [DSALatentCache] * 2 and snap.caches[0].dtype == mx.float32
+    assert same_run(continue_greedy(model, tokens[1], snap.caches, 3), continue_greedy(model, tokens[1], caches, 3))
+    entry, _ = provider().snapshot(caches[0])
+    assert entry.kind == "mlx-lm.latent-dsa" and entry.extra["mlx-lm.inner"] == "latent-encoded"
+    codec = provider().for_entry(entry)
+    for extra in ({**entry.extra, "mlx-lm.inner": "mlx-lm.latent"}, {**entry.extra, "mlx-lm.inner": "nope"},
+                  {**entry.extra, "mlx-lm.dtype": "int8"},
+                  {k: v for k, v in entry.extra.items() if k != "mlx-lm.inner"}):
+        with pytest.raises(IncompatibleFormat):
+            codec.validate(msgspec.structs.replace(entry, extra=extra))
+    mla_entry, _ = provider().snapshot(make_prompt_cache(build("deepseek_v3"))[0])
+    with pytest.raises(IncompatibleFormat):  # a DSA adapter kind over a lego without index keys
+        codec.validate(msgspec.structs.replace(mla_entry, kind="mlx-lm.latent-dsa"))

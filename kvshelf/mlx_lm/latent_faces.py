@@ -170,7 +170,8 @@ class MLALatentCache(LatentLayer):
     def _assign(self, i: int, value: mx.array) -> None:
         current = self._read(i)
         if current is None or not isinstance(value, mx.array) or value.shape != current.shape:
-            raise InvalidCacheState(f"an MLA latent cache takes back only an array shaped like its read ({value!r:.60})")
+            got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__
+            raise InvalidCacheState(f"an MLA latent cache takes back only an array shaped like its read (got {got})")
         self._reads[i] = value  # mlx-lm chains mx.depends through this; the stored state is the lego's
 
     @property
