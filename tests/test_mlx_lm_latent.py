@@ -381,3 +381,18 @@ def test_snapshot_files_carry_latent_adapters_and_malformed_adapter_entries_are_
     mla_entry, _ = provider().snapshot(make_prompt_cache(build("deepseek_v3"))[0])
     with pytest.raises(IncompatibleFormat):  # a DSA adapter kind over a lego without index keys
         codec.validate(msgspec.structs.replace(mla_entry, kind="mlx-lm.latent-dsa"))
+
+
+@pytest.mark.parametrize("name", MLA_NAMES)
+def test_generate_step_runs_on_the_faces_like_on_mlx_lm_caches(name):
+    from mlx_lm.generate import generate_step
+
+    model = build(name)
+
+    def run(cache):
+        steps = generate_step(mx.array(PROMPT), model, max_tokens=5, prompt_cache=cache, prefill_step_size=4)
+        return [(token, lp) for token, lp in steps]
+
+    ours, theirs = run(make_prompt_cache(model)), run(lm_cache.make_prompt_cache(model))
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    assert all(same(a, b) for (_, a), (_, b) in zip(ours, theirs))
