@@ -59,6 +59,14 @@ def _llama():
     ))
 
 
+def _llama64():
+    """llama with 64-wide heads: TurboQuant key/value legos need head dims of 64..512."""
+    return llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, vocab_size=VOCAB, tie_word_embeddings=False,
+    ))
+
+
 def _qwen3():
     return qwen3.Model(qwen3.ModelArgs(
         model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
@@ -117,7 +125,7 @@ def _mamba2():
 
 
 BUILDERS: dict[str, Callable] = {
-    "llama": _llama, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "glm_moe_dsa": _glm_moe_dsa,
+    "llama": _llama, "llama64": _llama64, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "glm_moe_dsa": _glm_moe_dsa,
     "glm4_moe_lite": _glm4_moe_lite, "gemma3_text": _gemma3_text, "qwen3_next": _qwen3_next, "mamba": _mamba,
     "mamba2": _mamba2,
 }

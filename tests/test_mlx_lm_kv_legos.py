@@ -42,6 +42,7 @@ STEPS = 4
 OURS = {
     "kv": lambda model: [KVCache() for _ in model.layers],
     "qkv8": lambda model: [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers],
+    "turbo83": lambda model: [TurboQuantKVCache(8, 3) for _ in model.layers],
 }
 
 
@@ -86,7 +87,8 @@ def log_probs(logits):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize(("name", "kind"), [("llama", "kv"), ("qwen3", "kv"), ("deepseek_v3", "kv"), ("llama", "qkv8")])
+@pytest.mark.parametrize(("name", "kind"), [("llama", "kv"), ("qwen3", "kv"), ("deepseek_v3", "kv"), ("llama", "qkv8"),
+                                           ("llama64", "turbo83")])
 def test_restore_batch_of_unequal_rows_decodes_each_row_like_its_serial_run(tmp_path, name, kind):
     model = build(name)
     with open_store(tmp_path / "store", identity=Identity(name)) as store:
@@ -99,7 +101,8 @@ def test_restore_batch_of_unequal_rows_decodes_each_row_like_its_serial_run(tmp_
         assert same_run(got, want), f"row {b} of {name}/{kind} differs from its serial run"
 
 
-@pytest.mark.parametrize(("name", "kind"), [("llama", "kv"), ("deepseek_v3", "kv"), ("qwen3", "qkv8")])
+@pytest.mark.parametrize(("name", "kind"), [("llama", "kv"), ("deepseek_v3", "kv"), ("qwen3", "qkv8"),
+                                           ("llama64", "turbo83")])
 def test_batch_generator_accepts_restored_rows_and_matches_serial_runs(tmp_path, name, kind):
     model = build(name)
     with open_store(tmp_path / "store", identity=Identity(name)) as store:
