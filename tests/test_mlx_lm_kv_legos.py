@@ -258,3 +258,34 @@ def test_right_padded_prompt_step_keeps_each_recurrent_rows_own_length():
     cache.advance(4)  # the model froze rows 1 and 2 at their own ends through that mask
     cache.finalize()
     assert cache.row_offsets == [4, 2, 3] and cache.lengths is None and cache.left_padding is None
+
+
+@pytest.mark.parametrize("restored_first", [True, False])
+def test_batch_generator_mixes_restored_kvshelf_rows_with_fresh_mlx_lm_rows(tmp_path, restored_first):
+    """A server resumes some sessions from the store while fresh prompts run on mlx-lm's own caches: whichever batch
+    joins the other (mlx-lm's ``BatchKVCache.extend`` or ours), every sequence continues like its serial run."""
+    model = build("llama")
+    with open_store(tmp_path / "store", identity=Identity("llama")) as store:
+        firsts, serial = saved_sessions(store, model, OURS["kv"])
+        resumed = store.restore("s1").caches
+    fresh_tokens = greedy(model, PROMPT, lm_cache.make_prompt_cache(model), steps=STEPS)[0][:STEPS]
+    gen = BatchGenerator(model, max_tokens=STEPS)
+    got: dict[int, list] = {}
+
+    def collect(responses):
+        for r in responses:
+            got.setdefault(r.uid, []).append((r.token, r.logprobs))
+
+    def insert(which):
+        return gen.insert([[firsts[1]]], caches=[resumed])[0] if which == "resumed" else gen.insert([PROMPT])[0]
+
+    order = ["resumed", "fresh"] if restored_first else ["fresh", "resumed"]
+    uids = {order[0]: insert(order[0])}
+    collect(gen.next_generated())  # the first sequence runs before the second joins
+    uids[order[1]] = insert(order[1])
+    while responses := gen.next_generated():
+        collect(responses)
+    gen.close()
+    assert [t for t, _ in got[uids["fresh"]]] == fresh_tokens
+    assert [t for t, _ in got[uids["resumed"]]] == serial[1][0]
+    assert all(same(lp[None], log_probs(w)) for (_, lp), w in zip(got[uids["resumed"]], serial[1][1]))

@@ -109,7 +109,7 @@ class LatentLayer(MlxLmBatchFace):
     # -- mlx-lm's cache protocol -------------------------------------------------------------------------------
     @property
     def offset(self) -> int | mx.array:
-        return batch_positions(self.lego.offset, self.lego.row_offsets)
+        return batch_positions(self.lego.offset, self.lego.row_offsets, self._batch_face)
 
     @property
     def state(self) -> list[mx.array]:
