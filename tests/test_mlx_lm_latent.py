@@ -396,3 +396,48 @@ def test_generate_step_runs_on_the_faces_like_on_mlx_lm_caches(name):
     ours, theirs = run(make_prompt_cache(model)), run(lm_cache.make_prompt_cache(model))
     assert [t for t, _ in ours] == [t for t, _ in theirs]
     assert all(same(a, b) for (_, a), (_, b) in zip(ours, theirs))
+
+
+def generated(model, prompts, caches):
+    gen = BatchGenerator(model, max_tokens=STEPS)
+    uids = gen.insert(prompts, caches=caches)
+    got = {u: ([], []) for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid][0].append(r.token)
+            got[r.uid][1].append(r.logprobs)
+    gen.close()
+    return [got[u] for u in uids]
+
+
+@pytest.mark.parametrize("paged", [None, 4])
+def test_batch_generator_prefills_unequal_continuations_on_latent_rows(tmp_path, paged):
+    """Restored latent rows take continuations of different lengths (mlx-lm's right-padded prompt step through
+    prepare/finalize, a DSA layer's two calls per step inside it): deepseek_v3 rows match their serial runs, glm_moe_dsa
+    rows match mlx-lm's own BatchGenerator on mlx-lm's caches (f32)."""
+    extra = [[7, 1, 33], [12], [5, 61]]
+    for name in MLA_NAMES:
+        model = build(name)
+        with open_store(tmp_path / name, identity=Identity(name), provider=provider()) as store:
+            firsts, _ = sessions(store, model, lambda m: make_prompt_cache(m, paged_block_size=paged), PROMPTS)
+            rows = [store.restore(f"s{i}").caches for i in range(3)]
+        prompts = [[f, *more] for f, more in zip(firsts, extra)]
+        ours = generated(model, prompts, rows)
+        if name == "deepseek_v3":
+            want = []
+            for prompt, row_prompt in zip(prompts, PROMPTS):
+                caches = make_prompt_cache(model, paged_block_size=paged)
+                forward(model, row_prompt, caches)
+                forward(model, prompt[:-1], caches)
+                want.append(continue_greedy(model, prompt[-1], caches, STEPS))
+            want = [(t, [log_probs(x)[0] for x in lg]) for t, lg in want]
+        else:
+            theirs = []
+            for row_prompt in PROMPTS:
+                caches = lm_cache.make_prompt_cache(model)
+                forward(model, row_prompt, caches)
+                theirs.append(caches)
+            want = generated(model, prompts, theirs)
+        for (tokens, logprobs), (want_tokens, want_lp) in zip(ours, want):
+            assert tokens == want_tokens, name
+            assert all(same(a, b) for a, b in zip(logprobs, want_lp)), name
