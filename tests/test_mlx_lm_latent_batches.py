@@ -26,7 +26,8 @@ from kvshelf.mlx_lm import make_prompt_cache
 from kvshelf.mlx_lm.latent_cache import DSALatentCache, MLALatentCache
 
 
-@pytest.mark.parametrize("scheme", [None, KvScheme.affine(8, 32)], ids=["f32", "affine8"])
+@pytest.mark.parametrize("scheme", [None, KvScheme.affine(8, 32), KvScheme.turbo(8, 3, quantized_kv_start=7)],
+                         ids=["f32", "affine8", "turbo8@7"])  # @7: the 10-token row is converted, the others read f32
 def test_restore_batch_of_deepseek_latents_decodes_each_row_like_its_serial_run(tmp_path, scheme):
     model = build("deepseek_v3")
     with open_store(tmp_path / "store", identity=Identity("deepseek_v3"), provider=provider()) as store:
