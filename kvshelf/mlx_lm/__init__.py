@@ -1,2 +1,26 @@
-"""kvshelf for mlx-lm users: mlx-lm's own caches persist as they are (codecs registered through the
-``kvshelf.codecs`` entry point). This package depends on kvshelf's core and mlx-lm; the core never imports it."""
+"""kvshelf for mlx-lm users: mlx-lm's own caches persist as they are, and mlx-lm's prompt-cache files go both ways.
+
+Nothing here is needed to save mlx-lm caches: with mlx-lm installed, ``store.save(sid, tokens,
+make_prompt_cache(model))`` works through the codecs this package registers (entry point ``kvshelf.codecs``), and
+restores give back the same mlx-lm classes. This package adds the file bridge (``import_prompt_cache``,
+``export_prompt_cache``, ``read_prompt_cache``, ``write_prompt_cache``). It depends on kvshelf's core and mlx-lm;
+the core never imports it.
+"""
+
+from .files import (
+    PromptCacheFile,
+    export_prompt_cache,
+    import_prompt_cache,
+    is_prompt_cache_file,
+    read_prompt_cache,
+    write_prompt_cache,
+)
+
+__all__ = [
+    "PromptCacheFile",
+    "export_prompt_cache",
+    "import_prompt_cache",
+    "is_prompt_cache_file",
+    "read_prompt_cache",
+    "write_prompt_cache",
+]
