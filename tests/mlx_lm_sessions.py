@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from mlx_lm_models import PROMPT, build, forward, greedy, quantized_cache  # noqa: E402
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm_models import PROMPT, build, forward, greedy, quantized_cache
 
 STEPS = 4
 KV_BITS = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0)  # noqa: C408

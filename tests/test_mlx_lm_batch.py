@@ -16,14 +16,14 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
-from mlx_lm.models import cache as lm_cache  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from mlx_lm_models import PROMPT, build, forward, greedy, quantized_cache  # noqa: E402
+from mlx.utils import tree_flatten
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models import cache as lm_cache
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm_models import PROMPT, build, forward, greedy, quantized_cache
 
-from kvshelf import Identity, open_store  # noqa: E402
-from kvshelf.errors import InvalidCacheState  # noqa: E402
+from kvshelf import Identity, open_store
+from kvshelf.errors import InvalidCacheState
 
 ROWS = ((10, 4), (7, 1), (9, 2))  # (prompt length, decode steps): sessions of 14, 8 and 11 tokens
 MODELS = {

@@ -14,13 +14,18 @@ from hypothesis import strategies as st
 
 pytest.importorskip("mlx_lm")
 
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models import cache as C  # noqa: E402
+from mlx.utils import tree_flatten
+from mlx_lm.models import cache as C
 
-from kvshelf import Identity, open_store  # noqa: E402
-from kvshelf.codecs import DEFAULT_PROVIDER_ID, default_provider  # noqa: E402
-from kvshelf.errors import CacheRangeError, CorruptData, IncompatibleFormat, InvalidCacheState  # noqa: E402
-from kvshelf.latent_legos import kv as ours  # noqa: E402
+from kvshelf import Identity, open_store
+from kvshelf.codecs import DEFAULT_PROVIDER_ID, default_provider
+from kvshelf.errors import (
+    CacheRangeError,
+    CorruptData,
+    IncompatibleFormat,
+    InvalidCacheState,
+)
+from kvshelf.latent_legos import kv as ours
 
 P = default_provider
 
@@ -63,6 +68,11 @@ def rotating(max_size, keep, sizes):
     return fill(C.RotatingKVCache(max_size, keep=keep), sizes)
 
 
+def trimmed(cache, n):
+    cache.trim(n)
+    return cache
+
+
 def chunked():
     cache = fill(C.ChunkedKVCache(8), [6, 5])
     cache.maybe_trim_front()
@@ -81,7 +91,7 @@ def arrays(with_padding=False):
 CASES = {
     "kv": lambda: fill(C.KVCache(), [5, 1, 1]),
     "kv-bf16-full": lambda: fill(C.KVCache(), [256], dtype=mx.bfloat16),
-    "kv-f32-trimmed": lambda: (lambda c: (c.trim(3), c)[1])(fill(C.KVCache(), [9], dtype=mx.float32)),
+    "kv-f32-trimmed": lambda: trimmed(fill(C.KVCache(), [9], dtype=mx.float32), 3),
     "kv-empty": C.KVCache,
     "concat": lambda: fill(C.ConcatenateKVCache(), [3, 1]),
     "qkv8": lambda: fill(C.QuantizedKVCache(group_size=32, bits=8), [7, 1]),
@@ -141,7 +151,7 @@ def test_a_token_range_holds_the_same_bytes_as_kvshelfs_own_lego(sizes, dtype, q
     a, _ = P.snapshot(theirs)
     b, _ = P.snapshot(mine)
     assert a.kind != b.kind
-    strip = lambda e: [(t.name, t.dtype, t.shape, t.token_axis, t.nbytes, t.checksum) for t in e.tensors]  # noqa: E731
+    strip = lambda e: [(t.name, t.dtype, t.shape, t.token_axis, t.nbytes, t.checksum) for t in e.tensors]
     assert strip(a) == strip(b) and a.offset == b.offset
     assert {k: v for k, v in a.extra.items() if k != "capacity"} == b.extra
 

@@ -14,14 +14,24 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
-from mlx_lm_models import PROMPT, build, greedy, quantized_cache  # noqa: E402
-from tools_data import run_cli, run_json  # noqa: E402
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from mlx_lm_models import PROMPT, build, greedy, quantized_cache
+from tools_data import run_cli, run_json
 
-from kvshelf import Identity, open_store  # noqa: E402
-from kvshelf.errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError  # noqa: E402
-from kvshelf.mlx_lm import export_prompt_cache, import_prompt_cache, is_prompt_cache_file, read_prompt_cache  # noqa: E402
+from kvshelf import Identity, open_store
+from kvshelf.errors import (
+    CorruptData,
+    IncompatibleFormat,
+    InvalidCacheState,
+    KvShelfError,
+)
+from kvshelf.mlx_lm import (
+    export_prompt_cache,
+    import_prompt_cache,
+    is_prompt_cache_file,
+    read_prompt_cache,
+)
 
 MODELS = {"llama": make_prompt_cache, "glm_moe_dsa": make_prompt_cache, "gemma3_text": make_prompt_cache,
           "qwen3_next": make_prompt_cache, "mamba2": make_prompt_cache, "llama_qkv": quantized_cache}
@@ -172,3 +182,8 @@ def test_the_cli_imports_mlx_lm_files_and_exports_them(sessions, tmp_path):
     assert proc.returncode == 0, proc.stderr
     with open_store(str(tmp_path / "other"), identity=Identity("qn")) as st:
         assert st.restore("chat").tokens == tokens
+    portable = tmp_path / "portable.safetensors"  # kvshelf's own file format takes mlx-lm's caches unchanged too
+    run_json("export", "chat", str(portable), "--store", store)
+    run_json("import", str(portable), "--store", str(tmp_path / "third"))
+    with open_store(str(tmp_path / "third"), identity=Identity("qn")) as st:
+        assert_same_caches(st.restore("portable").caches, cache)

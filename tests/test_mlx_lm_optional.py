@@ -75,7 +75,7 @@ WITHOUT_MLX_LM = textwrap.dedent('''
 
 def run(code: str, extra_path: str = "") -> subprocess.CompletedProcess:
     path = os.pathsep.join(p for p in (extra_path, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": path},
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": path}, check=False,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -21,11 +21,11 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache  # noqa: E402
-from mlx_lm_sessions import CASES, expected_length, prompts, run, session  # noqa: E402
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm_sessions import CASES, expected_length, prompts, run, session
 
-from kvshelf import Identity, open_store  # noqa: E402
-from kvshelf.codecs import save_snapshot  # noqa: E402
+from kvshelf import Identity, open_store
+from kvshelf.codecs import save_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = list(CASES)
