@@ -128,6 +128,9 @@ def test_every_class_comes_back_as_itself_with_the_same_state(name):
             assert getattr(back, attr) == getattr(cache, attr), attr
     assert back.is_trimmable() == cache.is_trimmable()
     assert P.for_entry(entry).header_trimmable(entry) == cache.is_trimmable()
+    if C.can_trim_prompt_cache([cache]) and entry.offset:  # mlx-lm's own trim works on the restored cache alike
+        assert C.trim_prompt_cache([back], 1) == C.trim_prompt_cache([cache], 1) == 1
+        assert back.offset == cache.offset
 
 
 def test_the_provider_id_and_core_kinds_do_not_change_plugins_are_listed_apart():
@@ -259,3 +262,19 @@ def test_unknown_mlx_lm_kinds_name_the_missing_integration():
     with pytest.raises(IncompatibleFormat, match=r"install mlx-lm"):
         bare.for_entry("mlx-lm.kv")
     assert np.array_equal([len(bare.plugin_codecs())], [0])
+
+
+def test_save_async_keeps_the_saved_state_while_mlx_lm_keeps_writing_the_buffer(tmp_path):
+    """mlx-lm writes its buffer in place (slice assignment); a pending save must still write what was saved."""
+    cache = fill(C.KVCache(), [40])
+    before = mx.array(cache.keys[..., :40, :])
+    with open_store(str(tmp_path / "s"), identity=Identity("m"), chunk_tokens=16) as store:
+        pending = store.save_async("a", list(range(40)), [cache])
+        cache.trim(5)
+        for i in range(5):  # overwrite positions 35..39 of the same buffer
+            cache.update_and_fetch(*kv(1, seed=100 + i))
+        mx.eval(cache.keys)
+        pending.result()
+        back = store.restore("a").caches[0]
+    assert not mx.array_equal(cache.keys[..., 35:40, :], before[..., 35:40, :]).item()
+    assert mx.array_equal(back.keys[..., :40, :], before).item()

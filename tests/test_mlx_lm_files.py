@@ -178,6 +178,7 @@ def test_the_cli_imports_mlx_lm_files_and_exports_them(sessions, tmp_path):
     back, metadata = load_prompt_cache(str(out), return_metadata=True)
     assert_same_caches(back, cache)
     assert metadata["model"] == "qn"
+    assert run_json("verify", "--deep", "--store", store)["problems"] == []  # the offline tools know the kinds
     proc = run_cli("import", str(out), "--store", str(tmp_path / "other"), "--json")  # tokens and identity inside
     assert proc.returncode == 0, proc.stderr
     with open_store(str(tmp_path / "other"), identity=Identity("qn")) as st:
