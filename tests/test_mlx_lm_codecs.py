@@ -279,3 +279,12 @@ def test_save_async_keeps_the_saved_state_while_mlx_lm_keeps_writing_the_buffer(
         back = store.restore("a").caches[0]
     assert not mx.array_equal(cache.keys[..., 35:40, :], before[..., 35:40, :]).item()
     assert mx.array_equal(back.keys[..., :40, :], before).item()
+
+
+def test_rows_of_another_head_geometry_do_not_batch():
+    a, _ = P.snapshot(fill(C.KVCache(), [4]))
+    b, _ = P.snapshot(fill(C.KVCache(), [3], heads=1))
+    with pytest.raises(InvalidCacheState, match="head geometry"):
+        P.for_entry(a).batch_plan([a, b])
+    with pytest.raises(InvalidCacheState, match="only one kind batches"):
+        P.for_entry(a).batch_plan([a, P.snapshot(fill(C.ConcatenateKVCache(), [3]))[0]])
