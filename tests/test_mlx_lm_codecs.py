@@ -288,3 +288,39 @@ def test_rows_of_another_head_geometry_do_not_batch():
         P.for_entry(a).batch_plan([a, b])
     with pytest.raises(InvalidCacheState, match="only one kind batches"):
         P.for_entry(a).batch_plan([a, P.snapshot(fill(C.ConcatenateKVCache(), [3]))[0]])
+
+
+def _tree(draw, depth: int, n: int):
+    """A random CacheList tree over n positions: KVCache, open rings, ArraysCache leaves, nested lists."""
+    kinds = ["kv", "ring", "arrays"] + (["list"] if depth < 2 else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "kv":
+        return fill(C.KVCache(), [n], heads=draw(st.integers(1, 2)), dim=32, seed=draw(st.integers(0, 9)))
+    if kind == "ring":
+        return rotating(n + draw(st.integers(1, 4)), draw(st.integers(0, 2)), [n])
+    if kind == "arrays":
+        cache = C.ArraysCache(2)
+        cache[draw(st.integers(0, 1))] = mx.full((1, 2, 3), float(n))
+        return cache
+    return C.CacheList(*[_tree(draw, depth + 1, n) for _ in range(draw(st.integers(1, 3)))])
+
+
+@settings(max_examples=30)
+@given(st.data(), st.integers(1, 12))
+def test_any_cache_list_tree_round_trips_and_cuts_iff_every_child_can(data, n):
+    tree = C.CacheList(*[_tree(data.draw, 1, n) for _ in range(data.draw(st.integers(1, 3)))])
+    entry, back = roundtrip(tree, n)
+
+    def flat(cache):
+        return [x for c in cache.caches for x in flat(c)] if isinstance(cache, C.CacheList) else [cache]
+
+    assert [type(c) for c in flat(back)] == [type(c) for c in flat(tree)]
+    for a, b in zip(flat(tree), flat(back)):
+        state_equal(a, b)
+    codec = P.for_entry(entry)
+    assert codec.header_trimmable(entry) == tree.is_trimmable()
+    if tree.is_trimmable():
+        assert codec.prefix_entry(entry, n - 1).offset == n - 1
+    else:
+        with pytest.raises(CacheRangeError):
+            codec.prefix_entry(entry, n - 1)
