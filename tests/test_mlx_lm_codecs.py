@@ -324,3 +324,31 @@ def test_any_cache_list_tree_round_trips_and_cuts_iff_every_child_can(data, n):
     else:
         with pytest.raises(CacheRangeError):
             codec.prefix_entry(entry, n - 1)
+
+
+@settings(max_examples=15)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=3))
+def test_cache_list_batches_directly_when_every_child_can_else_through_merge(lengths):
+    def row(n, ring):
+        first = fill(C.KVCache(), [n]) if n else C.KVCache()
+        second = rotating(16, 0, [n]) if ring and n else (C.RotatingKVCache(16) if ring else
+                                                          fill(C.KVCache(), [n], heads=1, dim=32) if n else C.KVCache())
+        return C.CacheList(first, second)
+
+    for ring in (False, True):
+        rows = [row(n, ring) for n in lengths]
+        entries, arrays = zip(*(P.snapshot(r, length=n) for r, n in zip(rows, lengths)))
+        codec = P.for_entry(entries[0])
+        plan = codec.batch_plan(entries)
+        want = C.CacheList.merge(rows)
+        if ring:
+            assert plan is None
+            built = codec.load_batch(entries, arrays)
+        else:
+            filled = [mx.zeros(t.shape, dtype=getattr(mx, t.dtype)) for t in plan.tensors]
+            for (b, slot), (k, start) in plan.targets().items():
+                filled[k][b:b + 1, :, start:start + entries[b].offset, :] = arrays[b][slot]
+            built = codec.adopt_batch(entries, filled)
+        assert type(built) is C.CacheList
+        for got, expected in zip(built.caches, want.caches):
+            state_equal(got, expected)
