@@ -136,7 +136,7 @@ class PluggableProvider(CodecProvider):
             self.plugin_codecs()
             if kind in self._plugin_kinds:
                 return self._plugin_kinds[kind]
-            if kind.startswith("mlx-lm."):
+            if kind.startswith("mlx-lm.") and not any(k.startswith("mlx-lm.") for k in self._plugin_kinds):
                 raise IncompatibleFormat(
                     f"codec provider {self.id!r} has no codec for cache kind {kind!r}: it was written from mlx-lm's "
                     "caches; install mlx-lm (pip install 'kvshelf[mlx-lm]') to read it"
