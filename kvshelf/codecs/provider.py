@@ -141,7 +141,9 @@ class PluggableProvider(CodecProvider):
                     f"codec provider {self.id!r} has no codec for cache kind {kind!r}: it was written from mlx-lm's "
                     "caches; install mlx-lm (pip install 'kvshelf[mlx-lm]') to read it"
                 )
-        return super().for_entry(entry)
+            known = ", ".join(sorted([*self._by_kind, *self._plugin_kinds]))
+            raise IncompatibleFormat(f"codec provider {self.id!r} has no codec for cache kind {kind!r} (known: {known})")
+        return self._by_kind[kind]
 
 
 default_provider = PluggableProvider(
