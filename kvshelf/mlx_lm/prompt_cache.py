@@ -186,6 +186,7 @@ class TieredPromptCache:
             self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
             return
         self.counters["writes_queued"] += 1
+        self.log.info("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self._pending)
         future.add_done_callback(lambda f, n=nbytes, k=len(tokens): self._finished(f, n, k))
 
     def _finished(self, future, nbytes: int, n_tokens: int) -> None:
