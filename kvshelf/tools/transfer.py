@@ -32,8 +32,9 @@ def _identity_of(header) -> Any:
 def _fingerprint(tokens: Iterable[int], caches: list[Any]) -> tuple[tuple[int, ...], tuple[tuple[str, ...], ...]]:
     """Tokens plus each cache's kind/geometry and the checksum of every tensor: equal iff the snapshots are equal."""
     layers = []
+    tokens = list(tokens)
     for cache in caches:
-        entry, arrays = default_provider.snapshot(cache)
+        entry, arrays = default_provider.snapshot(cache, length=len(tokens))
         slots = tuple(f"{s.name}:{s.dtype}:{s.shape}" for s in entry.tensors)
         header = (entry.kind, str(entry.offset), str(entry.minimum_reusable_offset), str(entry.pages))
         layers.append(header + slots + tuple(checksum(a) for a in arrays))
