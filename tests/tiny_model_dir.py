@@ -44,6 +44,8 @@ _LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermedi
               max_position_embeddings=32768)
 _LLAMA_BENCH = dict(_LLAMA, hidden_size=512, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=8,
                     num_key_value_heads=2, head_dim=64)
+# Cheap to run, heavy to store (16 KiB of cache per token): long write-behinds for the crash tests.
+_LLAMA_KV = dict(_LLAMA, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, head_dim=64)
 _QWEN3_NEXT = dict(  # noqa: C408 - a hybrid: full-attention layers (KVCache) and GatedDeltaNet layers (ArraysCache)
     model_type="qwen3_next", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
     linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -57,7 +59,7 @@ _MAMBA2 = dict(  # noqa: C408 - pure state-space layers (ArraysCache only)
     num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True,
     tie_word_embeddings=True, time_step_limit=[0.0, 1e9], time_step_rank=4, chunk_size=64,
 )
-CONFIGS = {"llama": _LLAMA, "llama-bench": _LLAMA_BENCH, "qwen3_next": _QWEN3_NEXT, "mamba2": _MAMBA2}
+CONFIGS = {"llama": _LLAMA, "llama-bench": _LLAMA_BENCH, "llama-kv": _LLAMA_KV, "qwen3_next": _QWEN3_NEXT, "mamba2": _MAMBA2}
 _KEEP_AROUND = ("norm", "A_log", "D", "dt_bias", "bias")
 
 

@@ -69,11 +69,13 @@ class TieredPromptCache:
     ``ram``: the ``LRUPromptCache`` (kept as is). Give either ``store`` (one ``Store`` for every model key) or
     ``store_for(model_key) -> Store | None`` (an object with ``close()``; None = no disk tier for that key now).
     ``queue_entries`` / ``queue_bytes`` bound the writes in flight (a single entry larger than ``queue_bytes``
-    goes through only when nothing else is queued).
+    goes through only when nothing else is queued). A disk prefix shorter than ``min_disk_tokens`` is not worth
+    its read (recomputing a handful of tokens is cheaper than a restore) and is not taken.
     """
 
     def __init__(self, ram, store=None, *, store_for: Callable[[Any], Any] | None = None, namespace: str = "",
-                 queue_entries: int = 8, queue_bytes: int = 1 << 30, logger: logging.Logger | None = None):
+                 queue_entries: int = 8, queue_bytes: int = 1 << 30, min_disk_tokens: int = 16,
+                 logger: logging.Logger | None = None):
         if (store is None) == (store_for is None):
             raise ValueError("give exactly one of store= and store_for=")
         if queue_entries < 1 or queue_bytes < 0:
@@ -82,6 +84,7 @@ class TieredPromptCache:
         self._store_for = _OneStore(store) if store is not None else store_for
         self.namespace = namespace
         self.queue_entries, self.queue_bytes = queue_entries, queue_bytes
+        self.min_disk_tokens = max(1, int(min_disk_tokens))
         self.log = logger or log
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._cond = threading.Condition()
@@ -147,7 +150,7 @@ class TieredPromptCache:
         for _attempt in range(2):
             try:
                 hit = store.lookup(tokens, self.namespace)
-                if hit is None or hit.length <= ram_len:
+                if hit is None or hit.length <= ram_len or hit.length < self.min_disk_tokens:
                     return None
                 restored = store.restore_snapshot(hit.snapshot_id, hit.length)
                 return restored.caches, hit.length

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write-behinds in flight at most; more are skipped and counted (default 8)")
     p.add_argument("--write-queue-bytes", type=parse_size, default=1 << 30, metavar="N",
                    help="bytes of write-behinds in flight at most (default 1G)")
+    p.add_argument("--min-disk-tokens", type=int, default=16, metavar="N",
+                   help="take a disk prefix only when it is at least this long (default 16)")
     p.add_argument("--store-retry", type=float, default=30.0, metavar="SECONDS",
                    help="retry opening a store that failed to open after this long (default 30)")
     return p
@@ -137,7 +139,8 @@ def _generator_class(base: type, opts: argparse.Namespace, made: list) -> type:
             cli = model_provider.cli_args
             opener = StoreOpener(opts.store, cli, max_bytes=opts.max_bytes, retry=opts.store_retry)
             tiered = TieredPromptCache(prompt_cache, store_for=opener, namespace=opts.cache_namespace,
-                                       queue_entries=opts.write_queue, queue_bytes=opts.write_queue_bytes)
+                                       queue_entries=opts.write_queue, queue_bytes=opts.write_queue_bytes,
+                                       min_disk_tokens=opts.min_disk_tokens)
             made.append(tiered)
             if cli.model is not None:  # open before the first request, so a slow open is not a slow request
                 opener((cli.model, cli.adapter_path, cli.draft_model))
