@@ -168,3 +168,14 @@ def test_close_flushes_and_closes_and_refuses_later_writes(llama, tmp_path):
         assert again.lookup(T + [1]).length == len(T)
     front.insert_cache(KEY, [1, 2, 3], filled(llama, [1, 2, 3]))  # after close: RAM only, no error
     assert front.counters["writes_queued"] == 1 and len(front) == 2
+
+
+def test_a_disk_prefix_shorter_than_min_disk_tokens_is_not_read(llama, store):
+    writer = tiered(store)
+    writer.insert_cache(KEY, T[:8], filled(llama, T[:8]))
+    writer.flush(timeout=60)
+    reads = store.counters["blobs_read"]
+    assert tiered(store).fetch_nearest_cache(KEY, T) == (None, T)
+    assert store.counters["blobs_read"] == reads
+    cache, rest = tiered(store, min_disk_tokens=8).fetch_nearest_cache(KEY, T)
+    assert cache[0].offset == 8 and rest == T[8:]
