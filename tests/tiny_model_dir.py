@@ -42,7 +42,7 @@ CHAT_TEMPLATE = (
 _LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,  # noqa: C408
               num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0,
               max_position_embeddings=32768)
-_LLAMA_BENCH = dict(_LLAMA, hidden_size=512, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=8,
+_LLAMA_BENCH = dict(_LLAMA, hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64)
 # Cheap to run, heavy to store (16 KiB of cache per token): long write-behinds for the crash tests.
 _LLAMA_KV = dict(_LLAMA, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, head_dim=64)
