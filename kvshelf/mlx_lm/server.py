@@ -170,12 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if "-h" in argv or "--help" in argv:
+    if "-h" in argv or "--help" in argv:  # ours, then mlx_lm.server's own help (it exits)
         parser.print_help()
-        print("\nmlx_lm.server options:\n")
-    opts, rest = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
-    if "-h" in argv or "--help" in argv:
-        rest = ["--help"]
+        print("\nmlx_lm.server options (all accepted):\n", flush=True)
+        sys.argv = ["kvshelf serve", "--help"]
+        mlx_server.main()
+        return 0
+    opts, rest = parser.parse_known_args(argv)
     made: list[TieredPromptCache] = []
     original = mlx_server.ResponseGenerator
     mlx_server.ResponseGenerator = _generator_class(original, opts, made)
