@@ -102,8 +102,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
             sources_now["restart"] = _source(first)
             if rep == 0:
                 continue
-            for k in times:
-                times[k].append(got[k])
+            for k, series in times.items():
+                series.append(got[k])
                 sources[k].append(sources_now[k])
     except Exception as exc:  # noqa: BLE001 - a broken server is a row that says so, not a crashed run
         return [unavailable("31", name, f"{type(exc).__name__}: {exc}", target="≤ 0.25× cold")]

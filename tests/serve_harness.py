@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 120.0
@@ -112,7 +113,7 @@ class Server:
         self._log.close()
         return rc
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -154,7 +155,7 @@ def conversation(system: str, turns: list[str], replies: list[str]) -> list[dict
 
 def kvshelf_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", *args], env=server_env(), capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, check=False)
 
 
 __all__ = ["PREFIX_LINE", "SAVED_LINE", "Server", "conversation", "free_port", "kvshelf_cli", "server_env"]

@@ -19,10 +19,11 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvshelf import open_store  # noqa: E402
-from kvshelf.mlx_lm import model_identity  # noqa: E402
-from serve_harness import Server, conversation, kvshelf_cli  # noqa: E402
-from tiny_model_dir import make_model_dir, words  # noqa: E402
+from serve_harness import Server, conversation, kvshelf_cli
+from tiny_model_dir import make_model_dir, words
+
+from kvshelf import open_store
+from kvshelf.mlx_lm import model_identity
 
 SYSTEM = words(200)
 TURNS = ["hello world what is the cache", "and the disk of the store", "one more short question"]
@@ -110,7 +111,7 @@ def small_filesystem(path, size: str = "2m"):
     """A tmpfs of ``size`` at ``path`` (yields True), or a plain directory when mounting is not allowed (False)."""
     path.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                             capture_output=True).returncode == 0
+                             capture_output=True, check=False).returncode == 0
     try:
         yield mounted
     finally:

@@ -11,15 +11,16 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvshelf.errors import CorruptData, KvShelfError  # noqa: E402
-from kvshelf.mlx_lm.model_identity import (  # noqa: E402
+from serve_harness import Server, conversation
+from tiny_model_dir import make_model_dir, words
+
+from kvshelf.errors import CorruptData, KvShelfError
+from kvshelf.mlx_lm.model_identity import (
     ModelFilesError,
     model_id_of,
     model_identity,
     safetensors_header,
 )
-from serve_harness import Server, conversation  # noqa: E402
-from tiny_model_dir import make_model_dir, words  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +107,41 @@ def test_bad_model_files_are_clear_errors(model_dir, tmp_path):
     (bad / "model.safetensors").write_bytes(struct.pack("<Q", 10) + b"{not json}")
     with pytest.raises(CorruptData, match="not JSON"):
         safetensors_header(bad / "model.safetensors")
+
+
+def test_serve_cli_usage_errors_and_help(tmp_path):
+    from serve_harness import kvshelf_cli
+
+    missing = kvshelf_cli("serve", "--model", str(tmp_path))
+    assert missing.returncode == 2 and "--store" in missing.stderr
+    unknown = kvshelf_cli("serve", "--store", str(tmp_path / "s"), "--no-such-option")
+    assert unknown.returncode == 2 and "--no-such-option" in unknown.stderr
+    shown = kvshelf_cli("serve", "--help")
+    assert shown.returncode == 0
+    assert "--cache-namespace" in shown.stdout and "--prompt-cache-size" in shown.stdout  # ours and mlx-lm's
+
+
+def test_serve_without_mlx_lm_is_a_clear_usage_error_and_the_core_cli_still_works(tmp_path):
+    """A sitecustomize that makes ``import mlx_lm`` fail stands in for an environment without mlx-lm."""
+    import subprocess
+    import sys
+
+    from serve_harness import server_env
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['mlx_lm'] = None\n")
+    env = server_env()
+    env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", *args], env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+
+    serve = run("serve", "--model", str(tmp_path), "--store", str(tmp_path / "s"))
+    assert serve.returncode == 2 and "needs mlx-lm" in serve.stderr
+    from kvshelf import Identity, open_store
+
+    open_store(tmp_path / "s", identity=Identity("m")).close()
+    listing = run("ls", "--store", str(tmp_path / "s"), "--json")
+    assert listing.returncode == 0, listing.stderr

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from serve_harness import Server, conversation, kvshelf_cli  # noqa: E402
-from tiny_model_dir import make_model_dir, words  # noqa: E402
+from serve_harness import Server, conversation, kvshelf_cli
+from tiny_model_dir import make_model_dir, words
 
 SYSTEM = words(150)
 TURNS = ["hello world what is the cache", "and the disk of the store", "one more short question"]

@@ -12,10 +12,11 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvshelf import open_store  # noqa: E402
-from kvshelf.mlx_lm import model_identity  # noqa: E402
-from serve_harness import SAVED_LINE, Server, conversation  # noqa: E402
-from tiny_model_dir import make_model_dir, words  # noqa: E402
+from serve_harness import SAVED_LINE, Server, conversation
+from tiny_model_dir import make_model_dir, words
+
+from kvshelf import open_store
+from kvshelf.mlx_lm import model_identity
 
 SYSTEM = words(200)
 TURNS = ["hello world what is the cache", "and the disk of the store", "one more short question"]

@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm_models import build, forward, same
 
-from kvshelf import Identity, open_store  # noqa: E402
-from kvshelf.mlx_lm import TieredPromptCache  # noqa: E402
-from kvshelf.store import blobs  # noqa: E402
-from mlx_lm_models import build, forward, same  # noqa: E402
+from kvshelf import Identity, open_store
+from kvshelf.mlx_lm import TieredPromptCache
+from kvshelf.store import blobs
 
 KEY = ("tiny-llama", None, None)
 T = [5, 17, 42, 8, 77, 3, 61, 29, 90, 11, 13, 21, 34, 55, 2, 4, 6, 9, 12, 15]

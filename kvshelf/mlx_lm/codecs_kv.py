@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, ChunkedKVCache, ConcatenateKVCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+)
 
 from ..codecs import dtypes, validate
 from ..codecs.batch_plan import BatchPlan, right_justified
@@ -29,7 +35,13 @@ from ..codecs.kv_codecs import HEAD_KEYS, check_common, extra_dtype, extra_int
 from ..codecs.latent_common import check_prefix, make_slots, replace_entry
 from ..codecs.validate import SlotSpec
 from ..errors import InvalidCacheState
-from .codec_base import MAX_CAPACITY, MlxCodec, check_planes, python_int, require_one_row
+from .codec_base import (
+    MAX_CAPACITY,
+    MlxCodec,
+    check_planes,
+    python_int,
+    require_one_row,
+)
 
 AXIS = 2
 
@@ -363,4 +375,4 @@ class ChunkedCodec(TokenCodec):
 
 TOKEN_CODECS = (PlainCodec(), ConcatCodec(), QuantizedCodec(), ChunkedCodec())
 
-__all__ = ["TOKEN_CODECS", "PlainCodec", "ConcatCodec", "QuantizedCodec", "ChunkedCodec"]
+__all__ = ["TOKEN_CODECS", "ChunkedCodec", "ConcatCodec", "PlainCodec", "QuantizedCodec"]

@@ -30,7 +30,9 @@ _DEFAULT = CacheEntry(kind="-", offset=0)
 
 
 def _provider():
-    from ..codecs import default_provider  # the one table every child is looked up in (plugins included)
+    from ..codecs import (
+        default_provider,  # the one table every child is looked up in (plugins included)
+    )
 
     return default_provider
 

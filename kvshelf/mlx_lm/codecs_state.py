@@ -189,4 +189,4 @@ class ArraysCodec(MlxCodec):
 
 STATE_CODECS = (RotatingCodec(), ArraysCodec())
 
-__all__ = ["STATE_CODECS", "RotatingCodec", "ArraysCodec"]
+__all__ = ["STATE_CODECS", "ArraysCodec", "RotatingCodec"]

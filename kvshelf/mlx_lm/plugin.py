@@ -28,7 +28,9 @@ def codecs() -> list:
 
     found = [*TOKEN_CODECS, *STATE_CODECS, *LIST_CODECS]
     try:
-        from .latent_codec import LATENT_ADAPTER_CODECS  # kvshelf's latent legos inside mlx-lm MLA models
+        from .latent_codec import (
+            LATENT_ADAPTER_CODECS,  # kvshelf's latent legos inside mlx-lm MLA models
+        )
     except ImportError as exc:
         if exc.name != f"{__package__}.latent_codec":
             raise

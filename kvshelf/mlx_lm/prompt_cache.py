@@ -24,6 +24,7 @@ One log line per fetch (the server fetches once per request) says where the pref
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -190,7 +191,7 @@ class TieredPromptCache:
             return
         self.counters["writes_queued"] += 1
         self.log.info("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self._pending)
-        future.add_done_callback(lambda f, n=nbytes, k=len(tokens): self._finished(f, n, k))
+        future.add_done_callback(functools.partial(self._finished, nbytes=nbytes, n_tokens=len(tokens)))
 
     def _finished(self, future, nbytes: int, n_tokens: int) -> None:
         exc = future.exception()

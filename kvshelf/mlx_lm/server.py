@@ -33,6 +33,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import mlx_lm.server as mlx_server  # this module is the serving entry point: no mlx-lm, no `kvshelf serve`
+
 from ..store import open_store
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
@@ -166,8 +168,6 @@ def _install_signals() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvshelf serve``; ``argv`` are its arguments (ours and mlx_lm.server's, in any order). Does not return
     once the server ran: the process exits 0 when every pending write was flushed, 1 when some were abandoned."""
-    import mlx_lm.server as mlx_server
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if "-h" in argv or "--help" in argv:  # ours, then mlx_lm.server's own help (it exits)
@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.argv = saved_argv
         mlx_server.ResponseGenerator = original
-    flushed = all([cache.close(timeout=opts.flush_timeout) for cache in made])
+    flushed = all([cache.close(timeout=opts.flush_timeout) for cache in made])  # noqa: C419 - close every one
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
