@@ -37,13 +37,15 @@ from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 VOCAB = 96
 SEED = 20261201
 
+# MLA widths (kv_lora_rank 64, qk_rope_head_dim 32) are multiples of 32 so kvshelf's affine and TurboQuant latent
+# encodings (32-wide groups) apply, as they do at real sizes (512 / 64).
 # A prompt longer than glm_moe_dsa's index_topk (so the sparse indexer path runs) and than gemma's window.
 PROMPT = [5, 17, 42, 8, 77, 3, 61, 29, 90, 11]
 
 _MLA_COMMON = dict(  # noqa: C408 - keyword form keeps the ModelArgs names greppable
     vocab_size=VOCAB, hidden_size=48, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0,
-    kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, topk_method="noaux_tc",
+    kv_lora_rank=64, q_lora_rank=24, qk_rope_head_dim=32, v_head_dim=16, qk_nope_head_dim=16, topk_method="noaux_tc",
     scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1, num_experts_per_tok=2, moe_layer_freq=1,
     first_k_dense_replace=1, max_position_embeddings=512, rms_norm_eps=1e-6, attention_bias=False,
 )
@@ -70,7 +72,7 @@ def _deepseek_v3():
 
 def _glm_moe_dsa():
     return glm_moe_dsa.Model(glm_moe_dsa.ModelArgs(
-        model_type="glm_moe_dsa", index_head_dim=16, index_n_heads=2, index_topk=4,
+        model_type="glm_moe_dsa", index_head_dim=32, index_n_heads=2, index_topk=4,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, **_MLA_COMMON,
     ))
 

@@ -77,13 +77,16 @@ class PluggableProvider(CodecProvider):
                     by_kind: dict[str, Codec] = {}
                     plugins = load_plugin_codecs(self.group)
                     for codec in plugins:
-                        if codec.kind in self._by_kind or codec.kind in by_kind:
+                        taken = self._by_kind.get(codec.kind) or by_kind.get(codec.kind)
+                        if taken is not None and type(taken) is type(codec):
+                            continue  # the same codec, already given to this provider (e.g. via extended)
+                        if taken is not None:
                             raise IncompatibleFormat(
                                 f"codec provider {self.id!r}: a plugin codec claims kind {codec.kind!r}, already taken"
                             )
                         by_kind[codec.kind] = codec
                     self._plugin_kinds = by_kind
-                    self._plugins = tuple(plugins)
+                    self._plugins = tuple(by_kind.values())
         return self._plugins
 
     def extended(self, id: str, codecs: Iterable[Codec]) -> CodecProvider:

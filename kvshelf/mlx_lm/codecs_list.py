@@ -137,14 +137,14 @@ class ListCodec(MlxCodec):
         provider = _provider()
         out = []
         for k, child in enumerate(unfold(entry, index)):
+            if child.offset != entry.offset:
+                raise validate.corrupt(entry, index, f"extra.{k}.@offset",
+                                       f"child holds {child.offset} positions, the list {entry.offset}")
             try:
                 codec = provider.for_entry(child)
                 codec.validate(child, k)
             except KvShelfError as exc:
                 raise _in_child(entry, index, k, exc) from None
-            if child.offset != entry.offset:
-                raise validate.corrupt(entry, index, f"extra.{k}.@offset",
-                                       f"child holds {child.offset} positions, the list {entry.offset}")
             out.append((codec, child))
         return out
 

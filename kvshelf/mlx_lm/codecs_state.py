@@ -33,7 +33,7 @@ class RotatingCodec(MlxCodec):
     kind = "mlx-lm.rotating"
     cache_type = RotatingKVCache
     also_matches = (BatchRotatingKVCache,)
-    _keys = {"max_size", "keep", "idx", "buffer", "dtype", *HEAD_KEYS}
+    _keys = frozenset({"max_size", "keep", "idx", "buffer", "dtype", *HEAD_KEYS})
 
     def snapshot(self, cache: Any, *, checksums: bool = True, length: int | None = None
                  ) -> tuple[CacheEntry, list[mx.array]]:
