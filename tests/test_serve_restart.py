@@ -86,7 +86,8 @@ def test_another_model_on_the_same_store_never_gets_its_caches(models, tmp_path)
 
 def test_every_write_behind_of_a_turn_is_logged_and_counted(models, tmp_path):
     model, _ = models
-    with Server(model, tmp_path / "store", tmp_path / "s.log") as server:
+    with Server(model, tmp_path / "store", tmp_path / "s.log", extra=("--max-bytes", "64M")) as server:
+        assert "budget 67108864)" in server.log()
         r = server.chat(conversation(SYSTEM, TURNS[:1], []))
         wait_saved(server, r)
         queued = server.wait_log(r"kvshelf write-behind queued tokens=(\d+)")

@@ -179,3 +179,19 @@ def test_a_disk_prefix_shorter_than_min_disk_tokens_is_not_read(llama, store):
     assert store.counters["blobs_read"] == reads
     cache, rest = tiered(store, min_disk_tokens=8).fetch_nearest_cache(KEY, T)
     assert cache[0].offset == 8 and rest == T[8:]
+
+
+def test_the_store_budget_and_lru_govern_the_disk(llama, tmp_path):
+    with open_store(tmp_path / "b", identity=Identity("tiny-llama")) as probe:
+        one = probe.save("probe", T, filled(llama, T)).bytes_written
+    prompts = [[100 + i, *T[1:]] for i in range(3)]  # no shared chunk: each costs `one` bytes
+    budget = 2 * one + one // 2  # room for two (headers included), not three
+    with open_store(tmp_path / "s", identity=Identity("tiny-llama"), max_bytes=budget) as s:
+        front = tiered(s)
+        for p in prompts:
+            front.insert_cache(KEY, p, filled(llama, p))
+            assert front.flush(timeout=60)
+        assert front.counters["writes_done"] == 3 and s.counters["evicted"] == 1
+        assert s.lookup(prompts[0] + [1]) is None  # the least recently used went
+        assert s.lookup(prompts[2] + [1]).length == len(T)
+        assert s.stats()["stored_bytes"] <= budget

@@ -112,8 +112,9 @@ class StoreOpener:
                     store = open_store(self.store_dir, identity=identity, max_bytes=self.max_bytes,
                                        max_pending_bytes=1 << 62)  # the tiered cache bounds the queue itself
                     self._by_identity[identity] = store
-                    log.info("kvshelf store %s open for model %s (config %s, tokenizer %s)", self.store_dir,
-                             identity.model_id, identity.config_fingerprint[:12], identity.tokenizer_hash[:12])
+                    log.info("kvshelf store %s open for model %s (config %s, tokenizer %s, budget %s)",
+                             self.store_dir, identity.model_id, identity.config_fingerprint[:12],
+                             identity.tokenizer_hash[:12], self.max_bytes if self.max_bytes is not None else "none")
             except Exception as exc:  # noqa: BLE001 - the server runs on RAM alone until a retry succeeds
                 self._failed[model_key] = time.monotonic()
                 log.warning("kvshelf store %s unavailable for %s, serving from RAM only (retry in %.0fs): %s: %s",
