@@ -158,3 +158,17 @@ def test_kinds_mlx_lm_cannot_batch_are_refused_clearly(tmp_path):
         with pytest.raises(InvalidCacheState, match="QuantizedKVCache has no batched form"):
             store.restore_batch(["s0", "s1"])
         assert store.restore("s0").length == 14  # nothing else changed
+
+
+def test_restore_batch_of_prefix_hits_is_the_merge_of_the_cut_rows(stores):
+    path, _ = stores
+    with open_store(path, identity=Identity("llama")) as store:
+        full = store.restore("s0")
+        prompt = full.tokens[:9] + [1, 2]
+        hit = store.lookup(prompt)
+        assert hit is not None and hit.length == 9
+        batch = store.restore_batch([hit, "s1"])
+        rows = [store.restore_prefix(prompt).caches, store.restore("s1").caches]
+        assert batch.lengths == [9, 8]
+        for got, *layer in zip(batch.caches, *rows):
+            same_state(got, lm_cache.BatchKVCache.merge(layer))

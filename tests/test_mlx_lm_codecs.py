@@ -130,7 +130,8 @@ def test_every_class_comes_back_as_itself_with_the_same_state(name):
     assert P.for_entry(entry).header_trimmable(entry) == cache.is_trimmable()
     if C.can_trim_prompt_cache([cache]) and entry.offset:  # mlx-lm's own trim works on the restored cache alike
         assert C.trim_prompt_cache([back], 1) == C.trim_prompt_cache([cache], 1) == 1
-        assert back.offset == cache.offset
+        length = entry.offset - 1
+        assert P.snapshot(back, length=length)[0].offset == P.snapshot(cache, length=length)[0].offset == length
 
 
 def test_the_provider_id_and_core_kinds_do_not_change_plugins_are_listed_apart():
@@ -278,3 +279,12 @@ def test_save_async_keeps_the_saved_state_while_mlx_lm_keeps_writing_the_buffer(
         back = store.restore("a").caches[0]
     assert not mx.array_equal(cache.keys[..., 35:40, :], before[..., 35:40, :]).item()
     assert mx.array_equal(back.keys[..., :40, :], before).item()
+
+
+def test_rows_of_another_head_geometry_do_not_batch():
+    a, _ = P.snapshot(fill(C.KVCache(), [4]))
+    b, _ = P.snapshot(fill(C.KVCache(), [3], heads=1))
+    with pytest.raises(InvalidCacheState, match="head geometry"):
+        P.for_entry(a).batch_plan([a, b])
+    with pytest.raises(InvalidCacheState, match="only one kind batches"):
+        P.for_entry(a).batch_plan([a, P.snapshot(fill(C.ConcatenateKVCache(), [3]))[0]])

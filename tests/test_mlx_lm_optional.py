@@ -124,3 +124,17 @@ def test_a_broken_plugin_is_a_clear_error(tmp_path):
     path = fake_plugin(tmp_path / "other", "from kvshelf.codecs import no_such_name\n")
     done = run(USE_MLX_LM_CACHES, path)
     assert done.returncode != 0 and "failed to import" in done.stderr, done.stderr[-3000:]
+
+
+def test_the_package_declares_the_plugin_and_the_extra():
+    """``pip install -e .`` registers the entry point; an uninstalled checkout reads the same declaration."""
+    import tomllib
+
+    from kvshelf.codecs.provider import plugin_points, source_tree_points
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["kvshelf.codecs"] == {"mlx-lm": "kvshelf.mlx_lm.plugin:codecs"}
+    assert project["optional-dependencies"]["mlx-lm"] == ["mlx-lm>=0.32,<0.33"]
+    assert "mlx-lm>=0.32,<0.33" in project["optional-dependencies"]["test"]
+    assert [(p.name, p.value) for p in source_tree_points()] == [("mlx-lm", "kvshelf.mlx_lm.plugin:codecs")]
+    assert "mlx-lm" in {p.name for p in plugin_points()}

@@ -11,13 +11,16 @@ other plugin failure is an ``IncompatibleFormat`` naming the plugin.
 The provider id does not change when plugins register: the id versions the header vocabulary and the codecs of
 existing kinds, and plugin kinds are additive (a reader without the plugin refuses their kind by name, before any
 tensor is read). ``codecs`` and ``kinds`` list the core codecs; ``plugin_codecs()`` lists what plugins added.
+A source checkout run without being installed also reads its own ``pyproject.toml`` declarations of the group.
 """
 
 from __future__ import annotations
 
 import threading
+import tomllib
 from collections.abc import Iterable
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 from ..errors import IncompatibleFormat
@@ -37,10 +40,32 @@ def _dependency_absent(exc: ImportError) -> bool:
     return name is None or name.split(".")[0] != "kvshelf"
 
 
+def source_tree_points(group: str = PLUGIN_GROUP) -> list[EntryPoint]:
+    """The group's entry points declared in the ``pyproject.toml`` beside this package: what ``pip install`` would
+    register, so a source checkout that runs uninstalled (``PYTHONPATH``) finds its own plugins too."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    if project.get("name") != "kvshelf":
+        return []
+    table = project.get("entry-points", {}).get(group, {})
+    return [EntryPoint(name, value, group) for name, value in table.items() if isinstance(value, str)]
+
+
+def plugin_points(group: str = PLUGIN_GROUP) -> list[EntryPoint]:
+    """Installed entry points of ``group``, with this source tree's own declarations taking their names' place
+    (they describe the code that is actually running), sorted by name."""
+    points = {p.name: p for p in entry_points(group=group)}
+    points.update({p.name: p for p in source_tree_points(group)})
+    return [points[name] for name in sorted(points)]
+
+
 def load_plugin_codecs(group: str = PLUGIN_GROUP) -> list[Codec]:
-    """Every codec the installed plugins of ``group`` offer (plugins with an absent dependency skipped)."""
+    """Every codec the plugins of ``group`` offer (plugins with an absent dependency skipped)."""
     found: list[Codec] = []
-    for point in sorted(entry_points(group=group), key=lambda p: p.name):
+    for point in plugin_points(group):
         try:
             target = point.load()
             codecs = target() if callable(target) else target

@@ -213,7 +213,8 @@ class PlainCodec(TokenCodec):
 
     def load_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *,
                    verify: bool = True) -> BatchKVCache:
-        self._geometry(list(entries))
+        self._check_batch(list(entries))
+        self._geometry(list(entries))  # one clear message instead of mlx-lm's shape error inside merge
         return super().load_batch(entries, arrays_per_row, verify=verify)
 
 
