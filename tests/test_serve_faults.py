@@ -69,14 +69,15 @@ def test_sigterm_mid_write_behind_flushes_every_pending_write(model, tmp_path):
     assert_store_clean(store)
 
 
-def test_sigterm_flush_is_bounded_by_the_flush_timeout(model, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_the_flush_on_a_signal_is_bounded_by_the_flush_timeout(model, tmp_path, sig):
     store = tmp_path / "store"
     with open_store(store, admin=True) as admin, admin.save_gate(exclusive=True):
         server = Server(model, store, tmp_path / "s.log", extra=("--flush-timeout", "0.5"))
         try:
             r = server.chat(conversation(SYSTEM, TURNS[:1], []))
             server.wait_log(rf"kvshelf write-behind queued tokens={final_tokens(r)}\b")
-            server.signal(signal.SIGTERM)
+            server.signal(sig)
             assert server.wait() == 1  # left while the gate was still shut: the writes were abandoned
         except BaseException:
             server.kill()

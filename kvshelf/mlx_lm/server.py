@@ -134,6 +134,16 @@ class StoreOpener:
                 log.warning("kvshelf store close failed: %s: %s", type(exc).__name__, exc)
 
 
+class _NoStore:
+    """``store_for`` when no store may be used (distributed serving): every model key has none."""
+
+    def __call__(self, _model_key: Any):
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 def _generator_class(base: type, opts: argparse.Namespace, made: list) -> type:
     class KvShelfResponseGenerator(base):
         """mlx-lm's ResponseGenerator, handed a TieredPromptCache around the LRUPromptCache ``run()`` built."""
@@ -141,6 +151,10 @@ def _generator_class(base: type, opts: argparse.Namespace, made: list) -> type:
         def __init__(self, model_provider, prompt_cache):
             cli = model_provider.cli_args
             opener = StoreOpener(opts.store, cli, max_bytes=opts.max_bytes, retry=opts.store_retry)
+            if getattr(model_provider, "is_distributed", False):
+                # every rank holds its own shard of the KV heads: one identity cannot name them; RAM only
+                log.warning("kvshelf serve: distributed serving keeps prompt caches in RAM only (no disk tier)")
+                opener = _NoStore()
             tiered = TieredPromptCache(prompt_cache, store_for=opener, namespace=opts.cache_namespace,
                                        queue_entries=opts.write_queue, queue_bytes=opts.write_queue_bytes,
                                        min_disk_tokens=opts.min_disk_tokens)
