@@ -145,3 +145,20 @@ def test_serve_without_mlx_lm_is_a_clear_usage_error_and_the_core_cli_still_work
     open_store(tmp_path / "s", identity=Identity("m")).close()
     listing = run("ls", "--store", str(tmp_path / "s"), "--json")
     assert listing.returncode == 0, listing.stderr
+
+
+def test_a_taken_port_ends_kvshelf_serve_instead_of_hanging(model_dir, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from serve_harness import server_env
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", "serve", "--store", str(tmp_path / "s"),
+                               "--model", str(model_dir), "--port", str(port)], env=server_env(),
+                              capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 1 and "the server failed" in proc.stderr  # plain mlx_lm.server hangs here

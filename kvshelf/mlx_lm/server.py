@@ -162,6 +162,7 @@ def _generator_class(base: type, opts: argparse.Namespace, made: list) -> type:
             if cli.model is not None:  # open before the first request, so a slow open is not a slow request
                 opener((cli.model, cli.adapter_path, cli.draft_model))
             super().__init__(model_provider, tiered)
+            made.append(self)
 
     return KvShelfResponseGenerator
 
@@ -182,7 +183,8 @@ def _install_signals() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvshelf serve``; ``argv`` are its arguments (ours and mlx_lm.server's, in any order). Does not return
-    once the server ran: the process exits 0 when every pending write was flushed, 1 when some were abandoned."""
+    once the server ran: the process exits 0 when every pending write was flushed, 1 when some were abandoned or
+    the server failed (e.g. its port was taken)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if "-h" in argv or "--help" in argv:  # ours, then mlx_lm.server's own help (it exits)
@@ -192,26 +194,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         mlx_server.main()
         return 0
     opts, rest = parser.parse_known_args(argv)
-    made: list[TieredPromptCache] = []
+    made: list = []  # the TieredPromptCache, then the generator that owns it
     original = mlx_server.ResponseGenerator
     mlx_server.ResponseGenerator = _generator_class(original, opts, made)
     _install_signals()
     saved_argv = sys.argv
     sys.argv = ["kvshelf serve", *rest]
+    failed = False
     try:
         mlx_server.main()
     except KeyboardInterrupt:
         pass
+    except Exception:  # e.g. the port is taken: mlx-lm would leave its generation thread running (a hung process)
+        log.exception("kvshelf serve: the server failed")
+        failed = True
+        for generator in made:
+            if not isinstance(generator, TieredPromptCache):
+                generator.stop_and_join()
     finally:
         sys.argv = saved_argv
         mlx_server.ResponseGenerator = original
-    flushed = all([cache.close(timeout=opts.flush_timeout) for cache in made])  # noqa: C419 - close every one
+    caches = [c for c in made if isinstance(c, TieredPromptCache)]
+    flushed = all([cache.close(timeout=opts.flush_timeout) for cache in caches])  # noqa: C419 - close every one
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without interpreter finalization: MLX aborts there ("terminate called without an active exception",
     # plain mlx_lm.server does the same on Ctrl-C), and writer threads past the deadline must not hold us up.
-    os._exit(0 if flushed else 1)
+    os._exit(0 if flushed and not failed else 1)
 
 
 __all__ = ["StoreOpener", "build_parser", "main", "parse_size"]
