@@ -25,6 +25,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import (
     deepseek_v3,
     gemma3_text,
+    glm4_moe_lite,
     glm_moe_dsa,
     llama,
     mamba,
@@ -58,6 +59,14 @@ def _llama():
     ))
 
 
+def _llama64():
+    """llama with 64-wide heads: TurboQuant key/value legos need head dims of 64..512."""
+    return llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, vocab_size=VOCAB, tie_word_embeddings=False,
+    ))
+
+
 def _qwen3():
     return qwen3.Model(qwen3.ModelArgs(
         model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
@@ -75,6 +84,10 @@ def _glm_moe_dsa():
         model_type="glm_moe_dsa", index_head_dim=32, index_n_heads=2, index_topk=4,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, **_MLA_COMMON,
     ))
+
+
+def _glm4_moe_lite():
+    return glm4_moe_lite.Model(glm4_moe_lite.ModelArgs(model_type="glm4_moe_lite", rope_theta=10000.0, **_MLA_COMMON))
 
 
 def _gemma3_text():
@@ -112,11 +125,12 @@ def _mamba2():
 
 
 BUILDERS: dict[str, Callable] = {
-    "llama": _llama, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "glm_moe_dsa": _glm_moe_dsa,
-    "gemma3_text": _gemma3_text, "qwen3_next": _qwen3_next, "mamba": _mamba, "mamba2": _mamba2,
+    "llama": _llama, "llama64": _llama64, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3, "glm_moe_dsa": _glm_moe_dsa,
+    "glm4_moe_lite": _glm4_moe_lite, "gemma3_text": _gemma3_text, "qwen3_next": _qwen3_next, "mamba": _mamba,
+    "mamba2": _mamba2,
 }
 NAMES = tuple(BUILDERS)
-MLA_NAMES = ("deepseek_v3", "glm_moe_dsa")
+MLA_NAMES = ("deepseek_v3", "glm_moe_dsa")  # the issue's MLA models; glm4_moe_lite is a third (NAMES has it)
 
 # Parameters whose constructor value is a meaningful constant the model relies on (norm scales start at one,
 # state-space decay parameters have a sign convention); they get small seeded noise around it instead of a redraw.

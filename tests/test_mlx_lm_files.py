@@ -16,7 +16,7 @@ pytest.importorskip("mlx_lm")
 
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
-from mlx_lm_models import PROMPT, build, greedy, quantized_cache
+from mlx_lm_models import PROMPT, build, continue_greedy, greedy, quantized_cache
 from tools_data import run_cli, run_json
 
 from kvshelf import Identity, open_store
@@ -26,12 +26,15 @@ from kvshelf.errors import (
     InvalidCacheState,
     KvShelfError,
 )
+from kvshelf.latent_legos import LatentGeometry, MLACache
+from kvshelf.latent_legos import kv as ours
 from kvshelf.mlx_lm import (
     export_prompt_cache,
     import_prompt_cache,
     is_prompt_cache_file,
     read_prompt_cache,
 )
+from kvshelf.mlx_lm.files import as_mlx_lm, write_prompt_cache
 
 MODELS = {"llama": make_prompt_cache, "glm_moe_dsa": make_prompt_cache, "gemma3_text": make_prompt_cache,
           "qwen3_next": make_prompt_cache, "mamba2": make_prompt_cache, "llama_qkv": quantized_cache}
@@ -188,3 +191,34 @@ def test_the_cli_imports_mlx_lm_files_and_exports_them(sessions, tmp_path):
     run_json("import", str(portable), "--store", str(tmp_path / "third"))
     with open_store(str(tmp_path / "third"), identity=Identity("qn")) as st:
         assert_same_caches(st.restore("portable").caches, cache)
+
+
+@pytest.mark.parametrize("model_name, make", [
+    ("llama", lambda: ours.KVCache()), ("llama", lambda: ours.QuantizedKVCache(group_size=32, bits=8)),
+    ("qwen3", lambda: ours.RotatingKVCache(8, keep=4)),  # wrapped after 14 tokens
+])
+def test_kvshelfs_own_kv_legos_export_to_files_mlx_lm_continues(tmp_path, model_name, make):
+    model = build(model_name)
+    caches = [make() for _ in model.layers]
+    tokens, _ = greedy(model, PROMPT, caches, steps=4)
+    with open_store(str(tmp_path / "store"), identity=Identity("m")) as store:
+        store.save("ours", PROMPT + tokens[:4], caches)
+        out = export_prompt_cache(store, "ours", tmp_path / "out.safetensors")
+    back = load_prompt_cache(str(out))
+    assert all(type(c).__module__ == "mlx_lm.models.cache" for c in back)
+    assert continue_greedy(model, tokens[4], back, 3)[0] == continue_greedy(model, tokens[4], caches, 3)[0]
+    mine, theirs = continue_greedy(model, 5, caches, 2)[1], continue_greedy(model, 5, back, 2)[1]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(mine, theirs))
+
+
+def test_caches_mlx_lm_cannot_load_are_refused_for_its_files(tmp_path):
+    arrays = ours.ArraysCache(2)
+    arrays[0] = mx.ones((1, 3))
+    arrays.advance(4)
+    converted = as_mlx_lm(arrays, 4)
+    assert type(converted).__module__ == "mlx_lm.models.cache" and mx.array_equal(converted[0], arrays[0]).item()
+    mla = MLACache(LatentGeometry(16, 8))
+    mla.append_latent(mx.ones((1, 4, 16)), mx.ones((1, 4, 8)))
+    with pytest.raises(InvalidCacheState, match="no mlx-lm class"):
+        write_prompt_cache(tmp_path / "x.safetensors", [1, 2, 3, 4], [mla])
+    assert not (tmp_path / "x.safetensors").exists()

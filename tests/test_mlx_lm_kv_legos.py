@@ -16,11 +16,24 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as lm_cache
-from mlx_lm_models import PROMPT, build, continue_greedy, forward, greedy, same, same_run
+from mlx_lm_models import (
+    PROMPT,
+    build,
+    continue_greedy,
+    forward,
+    greedy,
+    same,
+    same_run,
+)
 
 from kvshelf import Identity, open_store
 from kvshelf.errors import InvalidCacheState, KvShelfError
-from kvshelf.latent_legos.kv import ArraysCache, KVCache, QuantizedKVCache, TurboQuantKVCache
+from kvshelf.latent_legos.kv import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    TurboQuantKVCache,
+)
 from kvshelf.latent_legos.kv.model_face import NotForModelCode
 
 PROMPTS = [PROMPT, PROMPT[:6], PROMPT[:3] + [9]]  # unequal lengths: 10, 6, 4
@@ -29,6 +42,7 @@ STEPS = 4
 OURS = {
     "kv": lambda model: [KVCache() for _ in model.layers],
     "qkv8": lambda model: [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers],
+    "turbo83": lambda model: [TurboQuantKVCache(8, 3) for _ in model.layers],
 }
 
 
@@ -73,7 +87,8 @@ def log_probs(logits):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize(("name", "kind"), [("llama", "kv"), ("qwen3", "kv"), ("deepseek_v3", "kv"), ("llama", "qkv8")])
+@pytest.mark.parametrize(("name", "kind"), [("llama", "kv"), ("qwen3", "kv"), ("deepseek_v3", "kv"), ("llama", "qkv8"),
+                                           ("llama64", "turbo83")])
 def test_restore_batch_of_unequal_rows_decodes_each_row_like_its_serial_run(tmp_path, name, kind):
     model = build(name)
     with open_store(tmp_path / "store", identity=Identity(name)) as store:
@@ -86,11 +101,12 @@ def test_restore_batch_of_unequal_rows_decodes_each_row_like_its_serial_run(tmp_
         assert same_run(got, want), f"row {b} of {name}/{kind} differs from its serial run"
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
-def test_batch_generator_accepts_restored_rows_and_matches_serial_runs(tmp_path, name):
+@pytest.mark.parametrize(("name", "kind"), [("llama", "kv"), ("deepseek_v3", "kv"), ("qwen3", "qkv8"),
+                                           ("llama64", "turbo83")])
+def test_batch_generator_accepts_restored_rows_and_matches_serial_runs(tmp_path, name, kind):
     model = build(name)
     with open_store(tmp_path / "store", identity=Identity(name)) as store:
-        firsts, serial = saved_sessions(store, model, OURS["kv"])
+        firsts, serial = saved_sessions(store, model, OURS[kind])
         rows = [store.restore(f"s{i}").caches for i in range(len(PROMPTS))]
     results = generate(model, [[f] for f in firsts], rows)
     for (tokens, logprobs), (want_tokens, want_logits) in zip(results, serial):
@@ -108,8 +124,7 @@ def test_batch_generator_prefills_unequal_continuations_on_restored_rows(tmp_pat
         serial = []
         for i, (first, more) in enumerate(zip(firsts, extra)):
             caches = store.restore(f"s{i}").caches
-            if len(more) > 0:
-                forward(model, [first, *more[:-1]], caches)
+            forward(model, [first, *more[:-1]], caches)
             serial.append(continue_greedy(model, more[-1], caches, STEPS))
     results = generate(model, [[f, *more] for f, more in zip(firsts, extra)], rows)
     for (tokens, logprobs), (want_tokens, want_logits) in zip(results, serial):
@@ -186,3 +201,91 @@ def test_quantized_and_turbo_legos_do_not_import_the_plain_one():
         tree = ast.parse((here / name).read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert "plain" not in imported, name
+
+
+def test_ring_rows_laid_out_differently_refuse_to_batch_instead_of_misaligning(tmp_path):
+    """gemma3_text's sliding layers on kvshelf's RotatingKVCache: unequal rows cannot share one ring layout."""
+    from kvshelf.latent_legos.kv import RotatingKVCache
+
+    model = build("gemma3_text")
+
+    def ours(m):
+        return [RotatingKVCache(c.max_size) if isinstance(c, lm_cache.RotatingKVCache) else KVCache()
+                for c in lm_cache.make_prompt_cache(m)]
+
+    assert same_run(greedy(model, PROMPT, ours(model), 4), greedy(model, PROMPT, lm_cache.make_prompt_cache(model), 4))
+    with open_store(tmp_path / "store", identity=Identity("gemma")) as store:
+        firsts, _ = saved_sessions(store, model, ours)
+        with pytest.raises(InvalidCacheState, match="laid out alike"):
+            store.restore_batch(["s0", "s1"])
+        rows = [store.restore(f"s{i}").caches for i in range(2)]
+    with pytest.raises(InvalidCacheState, match="laid out alike"):
+        generate(model, [[f] for f in firsts[:2]], rows)
+
+
+def recurrent_ours(model):
+    return [ArraysCache(len(c.cache)) if isinstance(c, lm_cache.ArraysCache) else KVCache()
+            for c in lm_cache.make_prompt_cache(model)]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "mamba2"])
+def test_recurrent_rows_restore_as_a_batch_and_join_batch_generator(tmp_path, name):
+    model = build(name)
+    with open_store(tmp_path / "store", identity=Identity(name)) as store:
+        firsts, serial = saved_sessions(store, model, recurrent_ours)
+        batch = store.restore_batch(["s0", "s1", "s2"])
+        assert isinstance(batch.caches[0], ArraysCache) and batch.caches[0].row_offsets == [10, 6, 4]
+        for got, want in zip(batched_decode(model, batch.caches, firsts), serial):
+            assert same_run(got, want)
+        rows = [store.restore(f"s{i}").caches for i in range(len(PROMPTS))]
+        extra = [[7, 1, 33], [12], [5, 61]]  # unequal continuations: a right-padded prefill on recurrent state
+        want = []
+        for i, (first, more) in enumerate(zip(firsts, extra)):
+            caches = store.restore(f"s{i}").caches
+            forward(model, [first, *more[:-1]], caches)
+            want.append(continue_greedy(model, more[-1], caches, STEPS))
+    for (tokens, logprobs), (want_tokens, want_logits) in zip(
+            generate(model, [[f, *more] for f, more in zip(firsts, extra)], rows), want):
+        assert tokens == want_tokens
+        assert all(same(lp[None], log_probs(w)) for lp, w in zip(logprobs, want_logits))
+
+
+def test_right_padded_prompt_step_keeps_each_recurrent_rows_own_length():
+    cache = ArraysCache(1)
+    cache[0] = mx.zeros((3, 2))
+    cache.prepare(lengths=[4, 2, 3], right_padding=[0, 2, 1])  # BatchGenerator's padded prompt step
+    assert cache.make_mask(4).tolist() == [[True] * 4, [True, True, False, False], [True, True, True, False]]
+    cache.advance(4)  # the model froze rows 1 and 2 at their own ends through that mask
+    cache.finalize()
+    assert cache.row_offsets == [4, 2, 3] and cache.lengths is None and cache.left_padding is None
+
+
+@pytest.mark.parametrize("restored_first", [True, False])
+def test_batch_generator_mixes_restored_kvshelf_rows_with_fresh_mlx_lm_rows(tmp_path, restored_first):
+    """A server resumes some sessions from the store while fresh prompts run on mlx-lm's own caches: whichever batch
+    joins the other (mlx-lm's ``BatchKVCache.extend`` or ours), every sequence continues like its serial run."""
+    model = build("llama")
+    with open_store(tmp_path / "store", identity=Identity("llama")) as store:
+        firsts, serial = saved_sessions(store, model, OURS["kv"])
+        resumed = store.restore("s1").caches
+    fresh_tokens = greedy(model, PROMPT, lm_cache.make_prompt_cache(model), steps=STEPS)[0][:STEPS]
+    gen = BatchGenerator(model, max_tokens=STEPS)
+    got: dict[int, list] = {}
+
+    def collect(responses):
+        for r in responses:
+            got.setdefault(r.uid, []).append((r.token, r.logprobs))
+
+    def insert(which):
+        return gen.insert([[firsts[1]]], caches=[resumed])[0] if which == "resumed" else gen.insert([PROMPT])[0]
+
+    order = ["resumed", "fresh"] if restored_first else ["fresh", "resumed"]
+    uids = {order[0]: insert(order[0])}
+    collect(gen.next_generated())  # the first sequence runs before the second joins
+    uids[order[1]] = insert(order[1])
+    while responses := gen.next_generated():
+        collect(responses)
+    gen.close()
+    assert [t for t, _ in got[uids["fresh"]]] == fresh_tokens
+    assert [t for t, _ in got[uids["resumed"]]] == serial[1][0]
+    assert all(same(lp[None], log_probs(w)) for (_, lp), w in zip(got[uids["resumed"]], serial[1][1]))

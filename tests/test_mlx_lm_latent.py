@@ -21,14 +21,22 @@ import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as lm_cache
-from mlx_lm_models import MLA_NAMES, PROMPT, build, continue_greedy, forward, greedy, same, same_run
+from mlx_lm_models import (
+    MLA_NAMES,
+    PROMPT,
+    build,
+    continue_greedy,
+    forward,
+    greedy,
+    same,
+    same_run,
+)
 
 from kvshelf import Identity, open_store
 from kvshelf.codecs import default_provider
 from kvshelf.codecs.provider import DEFAULT_PROVIDER_ID
 from kvshelf.errors import CacheRangeError, InvalidCacheState
 from kvshelf.latent_legos import KvScheme
-from kvshelf.latent_legos.encoded import EncodedLatentCache
 from kvshelf.latent_legos.mla import MLACache
 from kvshelf.latent_legos.paged import PagedLatentCache
 from kvshelf.mlx_lm import make_prompt_cache
@@ -58,7 +66,7 @@ def log_probs(logits):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("name", MLA_NAMES)
+@pytest.mark.parametrize("name", [*MLA_NAMES, "glm4_moe_lite"])
 @pytest.mark.parametrize("paged", [None, 4])
 def test_f32_latents_are_bit_identical_to_mlx_lm_caches(name, paged):
     model = build(name)
@@ -94,8 +102,9 @@ def test_a_dsa_step_without_its_indexer_keys_is_refused():
     g = cache.lego.geometry
     cache[0].update_and_fetch(mx.zeros((1, 1, 3, g.kv_lora_rank)), mx.zeros((1, 1, 3, g.rope_head_dim)))
     assert cache[1].offset == 0  # the indexer ropes its keys at the positions before the step
+    again = (mx.zeros((1, 1, 1, g.kv_lora_rank)), mx.zeros((1, 1, 1, g.rope_head_dim)))
     for call in (lambda: cache.state, lambda: cache.trim(1), lambda: cache.extract(0),
-                 lambda: cache[0].update_and_fetch(mx.zeros((1, 1, 1, g.kv_lora_rank)), mx.zeros((1, 1, 1, g.rope_head_dim)))):
+                 lambda: cache[0].update_and_fetch(*again)):
         with pytest.raises(InvalidCacheState, match="indexer keys have not arrived"):
             call()
     keys, _ = cache[1].update_and_fetch(mx.ones((1, 1, 3, g.index_head_dim)), mx.ones((1, 1, 3, g.index_head_dim)))
@@ -172,6 +181,7 @@ print(json.dumps(out))
 def in_fresh_process(*args) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], env=env, capture_output=True, text=True,
+                         check=False,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -314,3 +324,112 @@ def test_dsa_two_call_steps_read_and_store_what_one_append_would(scheme):
         assert same(index[:, 0], want.index_keys), step
     assert ours.lego.row_offsets == reference.row_offsets
     assert all(same(a, b) for a, b in zip(ours.lego.state, reference.state))
+
+
+def test_bfloat16_model_reads_are_bit_identical_to_mlx_lm_kv_cache():
+    """Real MLA checkpoints run in bfloat16: the float32 lego holds them exactly and hands them back in bfloat16."""
+    face, reference = make_prompt_cache(build("deepseek_v3"))[0], lm_cache.KVCache()
+    key = iter(mx.random.split(mx.random.key(3), 16))
+    for n in (5, 1, 1, 3):
+        keys = mx.random.normal((2, 1, n, 64), key=next(key)).astype(mx.bfloat16)
+        values = mx.random.normal((2, 1, n, 32), key=next(key)).astype(mx.bfloat16)
+        got, want = face.update_and_fetch(keys, values), reference.update_and_fetch(keys, values)
+        assert all(same(a, b) for a, b in zip(got, want))
+    assert face.dtype == mx.bfloat16 and face.meta_state == ("kv:mla:target", "bfloat16")
+
+
+def test_paged_latents_batch_and_join_batch_generator(tmp_path):
+    model = build("deepseek_v3")
+    with open_store(tmp_path / "store", identity=Identity("paged"), provider=provider()) as store:
+        firsts, serial = sessions(store, model, lambda m: make_prompt_cache(m, paged_block_size=4), PROMPTS)
+        batch = store.restore_batch(["s0", "s1", "s2"])
+        assert all(type(c.lego) is PagedLatentCache for c in batch.caches)
+        for b, logits in enumerate(batched_decode(model, batch.caches, firsts)):
+            assert all(same(x, y) for x, y in zip(logits, serial[b][1][1])), f"row {b}"
+        rows = [store.restore(f"s{i}").caches for i in range(3)]
+    gen = BatchGenerator(model, max_tokens=STEPS)
+    uids = gen.insert([[f] for f in firsts], caches=rows)
+    got = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+    gen.close()
+    assert [got[u] for u in uids] == [tokens for _, (tokens, _) in serial]
+
+
+def test_snapshot_files_carry_latent_adapters_and_malformed_adapter_entries_are_refused(tmp_path):
+    import msgspec
+
+    from kvshelf.codecs import load_snapshot, save_snapshot
+    from kvshelf.errors import IncompatibleFormat
+
+    model = build("glm_moe_dsa")
+    caches = make_prompt_cache(model, KvScheme.turbo(8, 3))
+    tokens, _ = greedy(model, PROMPT, caches, steps=1)
+    save_snapshot(tmp_path / "s.safetensors", PROMPT + tokens[:1], caches, provider=provider())
+    snap = load_snapshot(tmp_path / "s.safetensors", provider=provider())
+    assert [type(c) for c in snap.caches] == [DSALatentCache] * 2 and snap.caches[0].dtype == mx.float32
+    assert same_run(continue_greedy(model, tokens[1], snap.caches, 3), continue_greedy(model, tokens[1], caches, 3))
+    entry, _ = provider().snapshot(caches[0])
+    assert entry.kind == "mlx-lm.latent-dsa" and entry.extra["mlx-lm.inner"] == "latent-encoded"
+    codec = provider().for_entry(entry)
+    for extra in ({**entry.extra, "mlx-lm.inner": "mlx-lm.latent"}, {**entry.extra, "mlx-lm.inner": "nope"},
+                  {**entry.extra, "mlx-lm.dtype": "int8"},
+                  {k: v for k, v in entry.extra.items() if k != "mlx-lm.inner"}):
+        with pytest.raises(IncompatibleFormat):
+            codec.validate(msgspec.structs.replace(entry, extra=extra))
+    mla_entry, _ = provider().snapshot(make_prompt_cache(build("deepseek_v3"))[0])
+    with pytest.raises(IncompatibleFormat):  # a DSA adapter kind over a lego without index keys
+        codec.validate(msgspec.structs.replace(mla_entry, kind="mlx-lm.latent-dsa"))
+
+
+@pytest.mark.parametrize("name", MLA_NAMES)
+def test_generate_step_runs_on_the_faces_like_on_mlx_lm_caches(name):
+    from mlx_lm.generate import generate_step
+
+    model = build(name)
+
+    def run(cache):
+        steps = generate_step(mx.array(PROMPT), model, max_tokens=5, prompt_cache=cache, prefill_step_size=4)
+        return [(token, lp) for token, lp in steps]
+
+    ours, theirs = run(make_prompt_cache(model)), run(lm_cache.make_prompt_cache(model))
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    assert all(same(a, b) for (_, a), (_, b) in zip(ours, theirs))
+
+
+def generated(model, prompts, caches):
+    gen = BatchGenerator(model, max_tokens=STEPS)
+    uids = gen.insert(prompts, caches=caches)
+    got = {u: ([], []) for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid][0].append(r.token)
+            got[r.uid][1].append(r.logprobs)
+    gen.close()
+    return [got[u] for u in uids]
+
+
+@pytest.mark.parametrize("paged", [None, 4])
+def test_batch_generator_prefills_unequal_continuations_on_latent_rows(tmp_path, paged):
+    """Restored latent rows take continuations of different lengths (mlx-lm's right-padded prompt step through
+    prepare/finalize, a DSA layer's two calls per step inside it) exactly as mlx-lm's own BatchGenerator does on
+    mlx-lm's caches (f32). (A one-token continuation runs the MLA layer's multi-token branch in the padded step and
+    its one-token branch when alone, so the serial run is not the reference here; mlx-lm's batching is.)"""
+    extra = [[7, 1, 33], [12], [5, 61]]
+    for name in MLA_NAMES:
+        model = build(name)
+        with open_store(tmp_path / name, identity=Identity(name), provider=provider()) as store:
+            firsts, _ = sessions(store, model, lambda m: make_prompt_cache(m, paged_block_size=paged), PROMPTS)
+            rows = [store.restore(f"s{i}").caches for i in range(3)]
+        prompts = [[f, *more] for f, more in zip(firsts, extra)]
+        ours = generated(model, prompts, rows)
+        theirs = []
+        for row_prompt in PROMPTS:
+            caches = lm_cache.make_prompt_cache(model)
+            forward(model, row_prompt, caches)
+            theirs.append(caches)
+        want = generated(model, prompts, theirs)
+        for (tokens, logprobs), (want_tokens, want_lp) in zip(ours, want):
+            assert tokens == want_tokens, name
+            assert all(same(a, b) for a, b in zip(logprobs, want_lp)), name

@@ -10,6 +10,7 @@ and the file bridge (``import_prompt_cache``, ``export_prompt_cache``, ``read_pr
 
 from .files import (
     PromptCacheFile,
+    as_mlx_lm,
     export_prompt_cache,
     import_prompt_cache,
     is_prompt_cache_file,
@@ -24,6 +25,7 @@ from .prompt_cache import TieredPromptCache
 
 __all__ = [
     "PromptCacheFile",
+    "as_mlx_lm",
     "export_prompt_cache",
     "import_prompt_cache",
     "is_prompt_cache_file",

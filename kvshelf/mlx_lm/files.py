@@ -243,18 +243,40 @@ def read_prompt_cache(path: str | os.PathLike[str], *, tokens: Any = None, verif
 # writing
 
 
+# kvshelf's key/value legos whose entries share their slot layout with an mlx-lm class's codec
+_AS_MLX_LM = {"kv": "mlx-lm.kv", "qkv": "mlx-lm.qkv", "rotating": "mlx-lm.rotating", "arrays": "mlx-lm.arrays"}
+
+
+def as_mlx_lm(cache: Any, length: int) -> Any:
+    """``cache`` as an mlx-lm cache object: mlx-lm's own classes as they are, kvshelf's serial ``KVCache``,
+    ``QuantizedKVCache``, ``RotatingKVCache`` and ``ArraysCache`` legos through their shared slot layout (the same
+    tensors, relabelled); anything else mlx-lm cannot load is an ``InvalidCacheState``."""
+    name = type(cache).__name__
+    if name in CLASSES and type(cache) is getattr(lm_cache, name):
+        return cache
+    entry, arrays = default_provider.snapshot(cache, checksums=False, length=length)
+    kind = _AS_MLX_LM.get(entry.kind)
+    if kind is None:
+        raise InvalidCacheState(f"a {type(cache).__module__}.{name} ({entry.kind}) has no mlx-lm class that "
+                                "load_prompt_cache could rebuild; keep it in a store or a kvshelf snapshot file")
+    extra = dict(entry.extra)
+    if kind in ("mlx-lm.kv", "mlx-lm.qkv") and extra:
+        extra["capacity"] = entry.offset
+    relabelled = msgspec.structs.replace(entry, kind=kind, extra=extra)
+    return default_provider.for_entry(kind).load(relabelled, arrays, verify=False)
+
+
 def write_prompt_cache(path: str | os.PathLike[str], tokens: Any, caches: list[Any], *,
                        metadata: dict[str, str] | None = None, identity: Any = None) -> Path:
-    """Write ``caches`` (mlx-lm classes, serial) as a file mlx-lm's ``load_prompt_cache`` loads, atomically (0600).
+    """Write ``caches`` (serial; mlx-lm classes or kvshelf's key/value legos, see ``as_mlx_lm``) as a file
+    mlx-lm's ``load_prompt_cache`` loads, atomically (0600).
 
     The file also carries the tokens, the identity (an ``Identity``, a mapping or None) and a checksum per tensor
     (module docstring), so reading it back here is checked end to end. Returns the path written.
     """
     tokens = normalize_tokens(tokens)
+    caches = [as_mlx_lm(cache, len(tokens)) for cache in caches]
     for i, cache in enumerate(caches):
-        _check_class(Path(path), type(cache).__name__, f"layer {i}'s cache")
-        if type(cache) is not getattr(lm_cache, type(cache).__name__):
-            raise InvalidCacheState(f"layer {i} is a {type(cache).__module__}.{type(cache).__name__}, not mlx-lm's")
         entry, _ = default_provider.snapshot(cache, checksums=False, length=len(tokens))
         if entry.offset != len(tokens):
             raise InvalidCacheState(f"layer {i} holds {entry.offset} positions but {len(tokens)} tokens were given")
@@ -324,5 +346,5 @@ def export_prompt_cache(store: Any, session_id: str, path: str | os.PathLike[str
     return write_prompt_cache(path, restored.tokens, restored.caches, metadata=metadata, identity=ident)
 
 
-__all__ = ["PromptCacheFile", "export_prompt_cache", "import_prompt_cache", "is_prompt_cache_file",
+__all__ = ["PromptCacheFile", "as_mlx_lm", "export_prompt_cache", "import_prompt_cache", "is_prompt_cache_file",
            "read_prompt_cache", "write_prompt_cache"]

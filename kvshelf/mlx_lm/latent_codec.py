@@ -1,10 +1,11 @@
 """Codecs of the latent adapters ``kvshelf.mlx_lm.make_prompt_cache`` builds (``MLALatentCache``, ``DSALatentCache``).
 
-An adapter is a face over one latent lego, so its entry is the lego's entry (``mla``, ``mla-dsa``, ``encoded``,
-``paged`` — written and read by that kind's codec in the default provider, tensors, prefix rules and the store's
-direct batch path included) under the adapter's kind, with two scalars in ``extra``: the lego's own kind
-(``mlx-lm.inner``) and the model dtype the adapter hands its reads to mlx-lm in (``mlx-lm.dtype``). Nothing is
-duplicated: every call unwraps the entry, delegates to the lego's codec and wraps the lego it gets back.
+An adapter is a face over one latent lego, so its entry is the lego's entry (``mla``, ``mla-dsa``,
+``latent-encoded``, ``latent-paged`` — written and read by that kind's codec in the default provider, tensors,
+prefix rules and the store's direct batch path included) under the adapter's kind, with two scalars in ``extra``:
+the lego's own kind (``mlx-lm.inner``) and the model dtype the adapter hands its reads to mlx-lm in
+(``mlx-lm.dtype``). Nothing is duplicated: every call unwraps the entry, delegates to the lego's codec and wraps the
+lego it gets back.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ class LatentAdapterCodec:
     def _check_lego(self, lego: Any, entry: CacheEntry, index: int | None) -> Any:
         wants_index = self.adapter is DSALatentCache
         if getattr(getattr(lego, "geometry", None), "has_index", None) is not wants_index:
+            which = "with" if wants_index else "without"
             raise validate.incompatible(entry, index, f"extra.{INNER}",
-                                        f"{self.kind} needs a latent lego {'with' if wants_index else 'without'} index keys")
+                                        f"{self.kind} needs a latent lego {which} index keys")
         return lego
 
     # -- the codec protocol ------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class _LatentFace:
     @property
     def offset(self) -> int | mx.array:
         lego = self._layer.lego
-        return batch_positions(lego.offset, lego.row_offsets)
+        return batch_positions(lego.offset, lego.row_offsets, self._layer._batch_face)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._layer._stage(keys, values)
@@ -90,7 +90,7 @@ class _IndexFace:
         """Positions before the pending step (the indexer ropes its keys here, as mlx-lm's own index cache)."""
         lego, pending = self._layer.lego, self._layer._pending
         n = pending.length if pending is not None else 0
-        return batch_positions(lego.offset - n, [o - n for o in lego.row_offsets])
+        return batch_positions(lego.offset - n, [o - n for o in lego.row_offsets], self._layer._batch_face)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         read = self._layer._commit(keys)

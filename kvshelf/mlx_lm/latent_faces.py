@@ -109,7 +109,7 @@ class LatentLayer(MlxLmBatchFace):
     # -- mlx-lm's cache protocol -------------------------------------------------------------------------------
     @property
     def offset(self) -> int | mx.array:
-        return batch_positions(self.lego.offset, self.lego.row_offsets)
+        return batch_positions(self.lego.offset, self.lego.row_offsets, self._batch_face)
 
     @property
     def state(self) -> list[mx.array]:
@@ -117,7 +117,7 @@ class LatentLayer(MlxLmBatchFace):
 
     @property
     def meta_state(self) -> tuple[str, str]:
-        return self.lego.signature(), "" if self.dtype is None else str(self.dtype)
+        return self.lego.signature(), self._dtype or ""
 
     @property
     def nbytes(self) -> int:
@@ -170,7 +170,8 @@ class MLALatentCache(LatentLayer):
     def _assign(self, i: int, value: mx.array) -> None:
         current = self._read(i)
         if current is None or not isinstance(value, mx.array) or value.shape != current.shape:
-            raise InvalidCacheState(f"an MLA latent cache takes back only an array shaped like its read ({value!r:.60})")
+            got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__
+            raise InvalidCacheState(f"an MLA latent cache takes back only an array shaped like its read (got {got})")
         self._reads[i] = value  # mlx-lm chains mx.depends through this; the stored state is the lego's
 
     @property
@@ -198,4 +199,4 @@ class MLALatentCache(LatentLayer):
         self._changed()
 
 
-__all__ = ["DTYPES", "F32", "dtype_name", "LatentLayer", "MLALatentCache", "heads_of_one"]
+__all__ = ["DTYPES", "F32", "LatentLayer", "MLALatentCache", "dtype_name", "heads_of_one"]

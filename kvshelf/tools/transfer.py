@@ -5,6 +5,11 @@ checksum, codec validation) and only then opens the store, so a bad file leaves 
 when the session's latest snapshot already holds exactly these tokens and tensors (compared by checksum of every
 tensor), nothing is written. The file's own identity (model, config, tokenizer, namespace) is the one it is filed
 under; expected identity fields given by the caller must match it (``IdentityMismatch`` otherwise).
+
+With mlx-lm installed, an mlx-lm ``save_prompt_cache`` file is recognised and goes through
+``kvshelf.mlx_lm.files`` (imported lazily: the tools work without mlx-lm): checked completely first as well; it
+carries no tokens or identity unless kvshelf wrote it, so the caller gives them (``tokens=``, ``model_id=``).
+``export_session(format="mlx-lm")`` writes a file mlx-lm's ``load_prompt_cache`` reads.
 """
 
 from __future__ import annotations

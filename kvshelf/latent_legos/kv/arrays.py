@@ -123,7 +123,8 @@ class ArraysCache(ReuseFloor, MlxLmBatchFace):
         """mlx-lm's hook: the valid lengths of the next padded step (with right padding, rows stop counting at
         their own end, as ``prepare_prefill``)."""
         if lengths is not None and right_padding is not None and any(int(p) for p in right_padding):
-            self.prepare_prefill(PrefillPadding([int(n) for n in lengths], right_padding=[int(p) for p in right_padding]))
+            padding = PrefillPadding([int(n) for n in lengths], right_padding=[int(p) for p in right_padding])
+            self.prepare_prefill(padding)
             return
         self.lengths = None if lengths is None else mx.array(list(lengths))
 

@@ -42,9 +42,10 @@ def read_by_model_code(depth: int = 2) -> bool:
     return module.split(".", 1)[0] in MODEL_PACKAGES
 
 
-def batch_positions(width: int, row_offsets: Sequence[int]) -> int | mx.array:
-    """``offset`` for the caller two frames up: the width, or per-row positions for mlx-lm code reading a batch."""
-    if len(row_offsets) > 1 and read_by_model_code(3):
+def batch_positions(width: int, row_offsets: Sequence[int], batch_face: bool = False) -> int | mx.array:
+    """``offset`` for the caller two frames up: the width, or per-row positions for mlx-lm code reading a batch
+    (two or more rows, or any cache mlx-lm's ``merge`` made, which mlx-lm then treats as its batched class)."""
+    if (len(row_offsets) > 1 or batch_face) and read_by_model_code(3):
         return mx.array(list(row_offsets), dtype=mx.int32)
     return width
 
@@ -61,6 +62,10 @@ class MlxLmBatchFace:
     ``prepare_prefill``, ``finalize_prefill``). A subclass may accept mlx-lm's own cache objects as merge sources
     by overriding ``_row_source``."""
 
+    # Set on what ``merge`` builds: mlx-lm then handles it as its batched class (its ``BatchKVCache.extend`` reads
+    # ``offset`` as a per-row array even for one row).
+    _batch_face = False
+
     def _row_source(self, cache: Any) -> Any:
         """A source ``merge_rows`` accepts for ``cache`` (a kvshelf cache is taken as it is)."""
         return cache
@@ -69,6 +74,7 @@ class MlxLmBatchFace:
         """A new batch holding every cache's rows in order (mlx-lm's ``merge``); the sources are unchanged."""
         out = self.make_empty_batch()
         out.merge_rows([self._row_source(c) for c in caches])
+        out._batch_face = True
         return out
 
     def extend(self, other: Any) -> None:

@@ -104,7 +104,12 @@ class TokenRows(ReuseFloor, RowBookkeeping, MlxLmBatchFace):
     @property
     def offset(self) -> int | mx.array:
         """The width (every row ends at this column); to mlx-lm code reading a batch, per-row positions."""
-        return batch_positions(self._width, self._offsets)
+        return batch_positions(self._width, self._offsets, self._batch_face)
+
+    @property
+    def _idx(self) -> int:
+        """The write head under mlx-lm's ``BatchKVCache`` name: its ``extend`` reads it from the batch it joins."""
+        return self._width
 
     @property
     def left_padding(self) -> mx.array:
