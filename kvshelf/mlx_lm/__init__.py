@@ -19,10 +19,6 @@ from .files import (
 )
 from .latent_cache import make_prompt_cache
 
-# --- serving (issue 10): the tiered prompt cache, model identity, `kvshelf serve` ---------------------------------
-from .model_identity import model_identity
-from .prompt_cache import TieredPromptCache
-
 __all__ = [
     "PromptCacheFile",
     "as_mlx_lm",
@@ -32,7 +28,10 @@ __all__ = [
     "make_prompt_cache",
     "read_prompt_cache",
     "write_prompt_cache",
-    # serving (issue 10)
-    "TieredPromptCache",
-    "model_identity",
 ]
+
+# --- serving (issue 10): the tiered prompt cache, model identity, `kvshelf serve` ---------------------------------
+from .model_identity import model_identity
+from .prompt_cache import TieredPromptCache
+
+__all__ += ["TieredPromptCache", "model_identity"]
