@@ -184,7 +184,7 @@ def test_a_disk_prefix_shorter_than_min_disk_tokens_is_not_read(llama, store):
 def test_the_store_budget_and_lru_govern_the_disk(llama, tmp_path):
     with open_store(tmp_path / "b", identity=Identity("tiny-llama")) as probe:
         one = probe.save("probe", T, filled(llama, T)).bytes_written
-    prompts = [[100 + i, *T[1:]] for i in range(3)]  # no shared chunk: each costs `one` bytes
+    prompts = [[91 + i, *T[1:]] for i in range(3)]  # no shared chunk: each costs `one` bytes
     budget = 2 * one + one // 2  # room for two (headers included), not three
     with open_store(tmp_path / "s", identity=Identity("tiny-llama"), max_bytes=budget) as s:
         front = tiered(s)
