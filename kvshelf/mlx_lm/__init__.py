@@ -29,3 +29,9 @@ __all__ = [
     "read_prompt_cache",
     "write_prompt_cache",
 ]
+
+# --- serving (issue 10): the tiered prompt cache, model identity, `kvshelf serve` ---------------------------------
+from .model_identity import model_identity
+from .prompt_cache import TieredPromptCache
+
+__all__ += ["TieredPromptCache", "model_identity"]

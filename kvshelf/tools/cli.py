@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after nothing arrived for this long (for batch jobs and tests)")
     p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new blobs (default 256)")
     _identity_options(p, required_note="expected identity; files made under another go to failed/")
+    p = sub.add_parser("serve", add_help=False, help="Serve a model with mlx-lm's OpenAI-compatible server and a "
+                       "persistent prompt cache in the store (needs mlx-lm; `kvshelf serve --help` for options).")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -339,7 +342,20 @@ COMMANDS = {
 }
 
 
+def cmd_serve(argv: Sequence[str]) -> int:
+    """``kvshelf serve``: every argument goes to :mod:`kvshelf.mlx_lm.server` (ours and mlx_lm.server's)."""
+    try:
+        from ..mlx_lm.server import main as serve_main
+    except ImportError as exc:  # the core works without mlx-lm; serving needs it
+        print(f"kvshelf serve needs mlx-lm (pip install 'kvshelf[mlx-lm]'): {exc}", file=sys.stderr)
+        return USAGE
+    return serve_main(list(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # its options are mlx_lm.server's too: not parsed here
+        return cmd_serve(argv[1:])
     args = build_parser().parse_args(argv)
     pr = Printer(as_json=args.json)
     try:
