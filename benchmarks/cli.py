@@ -33,20 +33,21 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "memory": ("10",),
 }
 ALL = tuple(sorted({m for ms in GROUPS.values() for m in ms}, key=int))
-# opt-in groups: run only when named in --only (they need a redis-server; the default run does not)
-OPT_IN: dict[str, tuple[str, ...]] = {
-    "remote": ("21", "22", "23"),
+# measure groups run only when asked for by number (--only): not part of the default run
+OPTIONAL: dict[str, tuple[str, ...]] = {
+    "decode": ("14",),
+    "serve": ("31",),
+    "remote": ("21", "22", "23"),  # the shared tier: needs redis-server / redis-benchmark
 }
-GROUPS.update(OPT_IN)
-KNOWN = ALL + tuple(m for ms in OPT_IN.values() for m in ms)
+KNOWN = tuple(sorted({*ALL, *(m for ms in OPTIONAL.values() for m in ms)}, key=int))
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--only", default=",".join(ALL),
-                   help="comma-separated measure numbers (default: all 1-11; 21-23, the shared tier on a "
-                        "redis-server, only when named)")
+                   help="comma-separated measure numbers (default: all 1-11; on request: 14, the decode step, "
+                        "21-23, the shared tier on a redis-server, and 31, kvshelf serve's time to first token)")
     p.add_argument("--size", choices=sorted(data.SIZES), default="L",
                    help="workload: L (4096 tokens, 176 MiB; default), L-large (16,384 tokens, 704 MiB) or small "
                         "(a tiny smoke-test size)")
@@ -76,7 +77,7 @@ def run(argv: list[str] | None = None) -> dict:
     with Scratch("run") as scratch:
         ctx = Context(workload, large, args.reps, scratch)
         ctx.facts.update({"workload": workload.describe(), "large": large.describe()})
-        for group, measures in GROUPS.items():
+        for group, measures in {**GROUPS, **OPTIONAL}.items():
             wanted = set(measures) & args.only
             if not wanted:
                 continue

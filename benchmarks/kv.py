@@ -28,6 +28,31 @@ def mlx_lm_kv(pairs) -> list:
     return out
 
 
+def _mlx_lm_own(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx, load) -> list[Row]:
+    """mlx-lm's own ``KVCache`` objects saved and restored by the store as they are (kvshelf.mlx_lm's codecs)."""
+    missing = data.kvshelf_missing("kvshelf.mlx_lm.codecs_kv:PlainCodec", *data.STORE)
+    label = f"{what}, mlx-lm's own KVCache"
+    if missing:
+        return [unavailable(m, label, missing) for m in sorted({"1", "4"} & only)]
+    rows: list[Row] = []
+    try:
+        if "1" in only:
+            value, infos = _store_save_sample(ctx, tokens_ids, caches)
+            rows.append(Row("1", f"durable full save, {label}", value, mlx, "mlx-lm save_prompt_cache+fsync",
+                            "(report)", check="none", extra={"bytes_written": getattr(infos[-1], "bytes_written", None)}))
+        if "4" in only:
+            path = ctx.scratch.fresh("store-mlx-lm-kv")
+            with ctx.open_store(path) as store:
+                store.save("kv", tokens_ids, caches)
+                value = time_reps(lambda _: eval_caches(store.restore("kv").caches), ctx.reps)
+            remove(path)
+            rows.append(Row("4", f"restore + eval, page cache, checksums on, {label}", value, load,
+                            "mlx-lm load_prompt_cache + eval", "≤ 1.0×", 1.0))
+    except Exception as exc:  # noqa: BLE001 - a failing piece is reported in its row, the run goes on
+        rows += [unavailable(m, label, f"{type(exc).__name__}: {exc}") for m in sorted({"1", "4"} & only)]
+    return rows
+
+
 def _raw_views(pairs) -> list[memoryview]:
     import numpy as np
 
@@ -74,6 +99,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
                                         baseline_name="mlx-lm load_prompt_cache + eval", target="≤ 1.0×"))
             continue
         tokens_ids = data.token_ids(tokens, seed=7)
+        rows += _mlx_lm_own(ctx, only, what, tokens_ids, base_caches, mlx if "1" in only else None,
+                            load if "4" in only else None)
         try:
             caches = data.kv_caches(pairs)
             pairs = base_caches = None  # the caches hold their own copy: free the source arrays

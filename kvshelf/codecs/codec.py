@@ -119,8 +119,15 @@ class CodecProvider:
         for index, entry in enumerate(header.caches):
             self.for_entry(entry).validate(entry, index)
 
-    def snapshot(self, cache: Any, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        return self.for_cache(cache).snapshot(cache, checksums=checksums)
+    def snapshot(self, cache: Any, *, checksums: bool = True, length: int | None = None
+                 ) -> tuple[CacheEntry, list[mx.array]]:
+        """The cache's entry and arrays. ``length`` is the number of tokens the caller says the cache encodes:
+        codecs of caches that do not count positions themselves (``takes_length = True``, e.g. mlx-lm's
+        ``ArraysCache``) record it as the offset; every other codec records its own count (callers compare)."""
+        codec = self.for_cache(cache)
+        if getattr(codec, "takes_length", False):
+            return codec.snapshot(cache, checksums=checksums, length=length)
+        return codec.snapshot(cache, checksums=checksums)
 
     def load(self, entry: CacheEntry, arrays: Sequence[mx.array], *, verify: bool = True, index: int | None = None) -> Any:
         return self.for_entry(entry).load(entry, arrays, verify=verify, index=index)

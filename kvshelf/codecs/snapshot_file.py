@@ -119,7 +119,7 @@ def _build(tokens: Any, caches: Sequence[Any], identity: Any, provider: CodecPro
         raise InvalidCacheState(f"caches must be a sequence of caches (got {type(caches).__name__})")
     entries, tensors = [], {}
     for index, cache in enumerate(caches):
-        entry, arrays = provider.snapshot(cache)
+        entry, arrays = provider.snapshot(cache, length=len(tokens))
         if entry.offset != len(tokens):
             raise InvalidCacheState(
                 f"cache {index} ({entry.kind}) holds {entry.offset} positions but {len(tokens)} tokens were given; "

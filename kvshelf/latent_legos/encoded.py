@@ -5,6 +5,13 @@ that leaves it holding at least ``start`` positions (its first append when ``sta
 good: trimming or rolling back below ``start`` keeps it converted. A conversion at a nonzero ``start`` records
 the row's offset as its ``minimum_reusable_offset`` (shorter prefixes were never stored encoded-only). The
 shadow ``[B, T, W]`` per family exists only while some row is unconverted.
+
+Planes and shadow sit in buffers with spare columns on the right (``columns.py``), so an append encodes and writes
+only its new positions. A read decodes the stored planes (the one cost an encoded read cannot avoid) unless the
+cache was built with ``read_buffer=True``: then, while every row is converted, it keeps the decoded float32 reads
+in a buffer of their own and decodes only the positions appended since the last read (rebuilt after a relayout,
+filter or merge). The buffer costs 4 bytes a value (about 3.5x the planes at affine 8, 4x at turbo k8) on top of
+the planes, which is why it is an option and off by default.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import mlx.core as mx
 
 from ..errors import InvalidCacheState
 from .cache_parts import extract_one_row, source_row_states
+from .columns import ColumnBuffers
 from .contracts import LatentAttentionState
 from .family_codec import FamilyCodec
 from .formats import LatentFormat, format_key
@@ -26,7 +34,6 @@ from .rows import (
     check_row,
     check_row_length,
     non_negative,
-    owned,
     pad_left,
     pick_rows,
     prefill_leads,
@@ -50,15 +57,21 @@ class EncodedRowState:
 class EncodedLatentCache(RightJustifiedRows):
     """Encoded latent state, right-justified rows like ``MLACache`` (see the module docstring)."""
 
-    def __init__(self, geometry: LatentGeometry, format: LatentFormat, start: int = 0) -> None:
+    def __init__(
+        self, geometry: LatentGeometry, format: LatentFormat, start: int = 0, read_buffer: bool = False
+    ) -> None:
         super().__init__(geometry)
         if format is None:
             raise InvalidCacheState("EncodedLatentCache needs a format (use MLACache for float32)")
+        if not isinstance(read_buffer, bool):
+            raise InvalidCacheState(f"read_buffer must be a bool (got {read_buffer!r})")
         self.format = format
         self.start = non_negative(start, "quantized_kv_start")
+        self.read_buffer = read_buffer
         self._codec = FamilyCodec(geometry.widths, format)
-        self._planes: list[mx.array] = []  # flat, family-major; [] while width is 0
-        self._shadow: list[mx.array] | None = None
+        self._planes = ColumnBuffers()  # flat, family-major
+        self._shadow: ColumnBuffers | None = None
+        self._decoded: ColumnBuffers | None = None  # the read buffer (read_buffer=True, every row converted)
         self._converted: list[bool] = []
         self._minimum: list[int] = []
         self._unrowed_minimum = 0
@@ -70,7 +83,14 @@ class EncodedLatentCache(RightJustifiedRows):
 
     @property
     def state(self) -> list[mx.array]:
+        """The stored planes (then the shadow), ``[B, offset, w]`` views; spare capacity is never exposed."""
         return self._stored()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: planes, shadow and read buffer, spare capacity included."""
+        held = self._planes.nbytes + (self._shadow.nbytes if self._shadow is not None else 0)
+        return held + (self._decoded.nbytes if self._decoded is not None else 0)
 
     @property
     def converted(self) -> list[bool]:
@@ -97,12 +117,20 @@ class EncodedLatentCache(RightJustifiedRows):
 
     # -- layout hooks ----------------------------------------------------------------------------------------------
     def _stored(self) -> list[mx.array]:
-        return [*self._planes, *(self._shadow or [])]
+        return [*self._planes.views(), *(self._shadow.views() if self._shadow is not None else [])]
 
     def _publish(self, arrays: list[mx.array]) -> None:
         count = self._codec.total_planes
-        self._planes = arrays[:count]
-        self._shadow = arrays[count:] if len(arrays) > count else None
+        self._planes.adopt(arrays[:count])
+        self._shadow = _held(arrays[count:]) if len(arrays) > count else None
+        self._decoded = None
+
+    def _truncate(self, width: int) -> None:
+        for buffers in (self._planes, self._shadow, self._decoded):
+            if buffers is not None:
+                buffers.truncate(width)
+        if not width:
+            self._shadow = None
 
     def _create_rows(self, batch: int) -> None:
         self._converted = [False] * batch
@@ -124,22 +152,23 @@ class EncodedLatentCache(RightJustifiedRows):
         families, batch, length = self._check_append(latent, rope, index_keys)
         offsets = self._offsets if self._batch is not None else [0] * batch
         converted = self._converted if self._batch is not None else [False] * batch
-        families = zero_prefill_leads(families, prefill_leads(offsets))
+        leads = prefill_leads(offsets)
+        if any(leads):
+            families = zero_prefill_leads(families, leads)
         planes = self._codec.encode(families)
-        if self._planes:
-            planes = [mx.concatenate([old, new], axis=1) for old, new in zip(self._planes, planes)]
-        shadow = None
-        if not all(converted):
-            if self._shadow is not None:
-                shadow = [mx.concatenate([old, new], axis=1) for old, new in zip(self._shadow, families)]
-            else:
-                shadow = [pad_left(new, self._width) for new in families]
         new_offsets = [o + length for o in offsets]
-        reads = self._read(planes, shadow, converted, [self._width + length - o for o in new_offsets])
         # Publish: nothing below can fail.
         if self._batch is None:
             self._begin_rows(batch)
-        self._planes, self._shadow = planes, shadow
+        at = self._width
+        self._planes.write(planes, at)
+        if not all(converted):
+            if self._shadow is None:
+                self._shadow = ColumnBuffers()
+            self._shadow.write(families, at)
+        else:
+            self._shadow = None
+        reads = self._read(self._stored_planes(), self._stored_shadow(), converted, [at + length - o for o in new_offsets])
         self._width += length
         self._offsets = new_offsets
         for row, offset in enumerate(new_offsets):
@@ -150,6 +179,12 @@ class EncodedLatentCache(RightJustifiedRows):
         self._drop_shadow_if_converted()
         return LatentAttentionState.of(reads)
 
+    def _stored_planes(self) -> list[mx.array]:
+        return self._planes.views()
+
+    def _stored_shadow(self) -> list[mx.array] | None:
+        return self._shadow.views() if self._shadow is not None else None
+
     def _read(
         self,
         planes: list[mx.array],
@@ -159,10 +194,27 @@ class EncodedLatentCache(RightJustifiedRows):
         families: int | None = None,
     ) -> list[mx.array]:
         """Per family ``[B, T, W]``: decoded planes for converted rows, the shadow for the rest, zeros in padding."""
+        if shadow is None and self.read_buffer and all(converted):
+            decoded = self._buffered_reads(planes)[: families if families is not None else len(self.geometry.widths)]
+            return zero_leading(decoded, pads)
+        self._decoded = None
         decoded = self._codec.decode(planes, families)
         if shadow is not None:
             decoded = [pick_rows(converted, d, s) for d, s in zip(decoded, shadow)]
         return zero_leading(decoded, pads)
+
+    def _buffered_reads(self, planes: list[mx.array]) -> list[mx.array]:
+        """The decoded reads of ``planes`` (every stored column) through the read buffer: only the columns appended
+        since the buffer last caught up are decoded; decoding is per position, so the bits are those of a whole
+        decode."""
+        width = planes[0].shape[1]
+        buffered = self._decoded
+        if buffered is None or buffered.width > width:
+            buffered = self._decoded = ColumnBuffers()
+        if buffered.width < width:
+            fresh = self._codec.decode([p[:, buffered.width :, :] for p in planes])
+            buffered.write(fresh, buffered.width)
+        return buffered.views()
 
     def read_latent(self) -> LatentAttentionState:
         """Reads of every stored position without appending (what the last append returned)."""
@@ -170,7 +222,7 @@ class EncodedLatentCache(RightJustifiedRows):
             batch = self._batch or 0
             zeros = [mx.zeros((batch, 0, w), dtype=mx.float32) for w in self.geometry.widths]
             return LatentAttentionState.of(zeros)
-        reads = self._read(self._planes, self._shadow, self._converted, self.left_pad)
+        reads = self._read(self._stored_planes(), self._stored_shadow(), self._converted, self.left_pad)
         return LatentAttentionState.of(reads)
 
     def stored_index_keys(self) -> mx.array | None:
@@ -180,7 +232,7 @@ class EncodedLatentCache(RightJustifiedRows):
 
     # -- rows joining and leaving ------------------------------------------------------------------------------------
     def make_empty_batch(self) -> EncodedLatentCache:
-        return EncodedLatentCache(self.geometry, self.format, self.start)
+        return EncodedLatentCache(self.geometry, self.format, self.start, self.read_buffer)
 
     def row_state(self, row: int) -> EncodedRowState:
         """Owned copies of row ``row`` with its padding removed."""
@@ -188,13 +240,13 @@ class EncodedLatentCache(RightJustifiedRows):
         self._require_serial_rows("row_state")
         start, offset = self._width - self._offsets[row], self._offsets[row]
         if self._planes:
-            planes = self._codec.split([owned(p[row : row + 1, start:, :]) for p in self._planes])
+            planes = self._codec.split([p[row : row + 1, start:, :] for p in self._planes.views()])
         else:
             planes = self._codec.empty_planes(1)
         shadow = None
         if not self._converted[row]:
-            if self._shadow is not None:
-                shadow = [owned(s[row : row + 1, start:, :]) for s in self._shadow]
+            if self._shadow:
+                shadow = [s[row : row + 1, start:, :] for s in self._shadow.views()]
             else:
                 shadow = [mx.zeros((1, 0, w), dtype=mx.float32) for w in self.geometry.widths]
         return EncodedRowState(planes, shadow, offset, self._minimum[row])
@@ -246,7 +298,8 @@ class EncodedLatentCache(RightJustifiedRows):
                             else mx.zeros((1, width, w), dtype=mx.float32) for s in states]
                     shadow.append(mx.concatenate(rows, axis=0))
         self._begin_rows(len(states))
-        self._planes, self._shadow, self._width = planes, shadow, width
+        self._publish([*planes, *(shadow or [])])
+        self._width = width
         self._offsets = [s.offset for s in states]
         self._converted = converted
         self._minimum = [s.minimum_reusable_offset for s in states]
@@ -291,8 +344,7 @@ class EncodedLatentCache(RightJustifiedRows):
                 check_f32(f"batched shadow family {f}", values, (rows, width, w))
         minimums = [non_negative(m, "minimum_reusable_offset") for m in minimums]
         self._begin_rows(rows)
-        self._planes = planes if width else []
-        self._shadow = shadow if width else None
+        self._publish([*planes, *(shadow or [])] if width else [])
         self._width, self._offsets = width, offsets
         self._converted, self._minimum = converted, minimums
 
@@ -309,5 +361,12 @@ class EncodedLatentCache(RightJustifiedRows):
 
     def dispose(self) -> None:
         self._reset_rows()
-        self._planes, self._shadow = [], None
+        self._planes.clear()
+        self._shadow = self._decoded = None
         self._converted, self._minimum, self._unrowed_minimum = [], [], 0
+
+
+def _held(arrays: Sequence[mx.array]) -> ColumnBuffers:
+    held = ColumnBuffers()
+    held.adopt(arrays)
+    return held

@@ -2,6 +2,10 @@
 
 ``None`` stores plain float32 (one plane per family, the input itself). The encodings come from
 ``encodings.family_encoding`` (imported on first use so the f32 legos never need them).
+
+Every encoding works in groups along the last axis and every family width is a whole number of groups, so the
+families of a short append (a decode step) are encoded in one pass over their concatenation and the planes cut back
+per family: the same bits as encoding each family alone, with half the (per-operation dominated) cost of a step.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from .formats import AffineFormat, LatentFormat, TurboFormat
 from ..errors import InvalidCacheState
+from .formats import AffineFormat, LatentFormat, TurboFormat
+
+JOINT_MAX_POSITIONS = 256  # longer appends encode per family (the concatenation would copy a whole prefill)
 
 
 class FamilyCodec:
@@ -22,6 +28,7 @@ class FamilyCodec:
             raise InvalidCacheState(f"latent format must be AffineFormat, TurboFormat or None (got {fmt!r})")
         self.widths = tuple(widths)
         self.format = fmt
+        self._joint = None
         if fmt is None:
             self.encodings = None
             self.plane_counts = [1] * len(self.widths)
@@ -30,7 +37,19 @@ class FamilyCodec:
 
             self.encodings = [family_encoding(fmt, w) for w in self.widths]
             self.plane_counts = [e.planes for e in self.encodings]
+            if len(self.widths) > 1:
+                self._joint = family_encoding(fmt, sum(self.widths))
+                self._cuts = self._joint_cuts()
         self._bytes_per_token: int | None = None
+
+    def _joint_cuts(self) -> list[tuple[int, int, int]]:
+        """Flat plane order -> (joint plane index, start, stop) on the joint planes' last axis."""
+        cuts, starts = [], [0] * self._joint.planes
+        for enc in self.encodings:
+            for i, width in enumerate(enc.plane_widths()):
+                cuts.append((i, starts[i], starts[i] + width))
+                starts[i] += width
+        return cuts
 
     @property
     def total_planes(self) -> int:
@@ -40,6 +59,9 @@ class FamilyCodec:
         """f32 ``[B, L, W_f]`` per family -> the flat plane list."""
         if self.encodings is None:
             return list(families)
+        if self._joint is not None and len(families) == len(self.widths) and families[0].shape[1] <= JOINT_MAX_POSITIONS:
+            joint = self._joint.encode(mx.concatenate(list(families), axis=-1))
+            return [joint[i][..., start:stop] for i, start, stop in self._cuts]
         return [plane for enc, values in zip(self.encodings, families) for plane in enc.encode(values)]
 
     def split(self, planes: Sequence[mx.array]) -> list[list[mx.array]]:

@@ -203,6 +203,11 @@ class RightJustifiedRows(RowBookkeeping):
         """Replace the held arrays with ``arrays`` (same order as ``_stored``; ``[]`` when width becomes 0)."""
         raise NotImplementedError
 
+    def _truncate(self, width: int) -> None:
+        """Every held array keeps its first ``width`` columns (``trim``); capacity-holding subclasses only move
+        their write head back."""
+        self._publish([a[:, :width, :] for a in self._stored()] if width else [])
+
     def _select_rows(self, keep: list[int]) -> None:
         """Per-row metadata follows ``filter_rows``."""
 
@@ -219,7 +224,7 @@ class RightJustifiedRows(RowBookkeeping):
         if n > shortest:
             raise CacheRangeError(f"cannot trim {n} positions: the shortest row holds {shortest}")
         keep = self._width - n
-        self._publish([a[:, :keep, :] for a in self._stored()] if keep else [])
+        self._truncate(keep)
         self._width = keep
         self._offsets = [o - n for o in self._offsets]
         return n

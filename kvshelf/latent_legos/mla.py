@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from ..errors import InvalidCacheState
 from .cache_parts import ReuseFloor, extract_one_row, source_row_states
+from .columns import ColumnBuffers
 from .contracts import LatentAttentionState
 from .geometry import LatentGeometry
 from .justified import RightJustifiedRows
@@ -17,7 +18,6 @@ from .rows import (
     check_row,
     check_row_length,
     non_negative,
-    owned,
     pad_left,
     prefill_leads,
     zero_prefill_leads,
@@ -37,12 +37,14 @@ class MLACache(ReuseFloor, RightJustifiedRows):
     """float32 latent ``[B, T, kv_lora_rank]``, RoPE key ``[B, T, rope_head_dim]`` and optional DSA index keys.
 
     Rows are right-justified with zero left padding. Reads are the stored bits, so every other latent lego is
-    measured against this one.
+    measured against this one. Each family is held in a buffer with spare columns on the right (``columns.py``):
+    an append writes only its new columns, a trim only moves the write head, and a read is a view of the stored
+    prefix, so a decode step costs O(1) bytes however many positions are stored.
     """
 
     def __init__(self, geometry: LatentGeometry) -> None:
         super().__init__(geometry)
-        self._families: list[mx.array] = []
+        self._columns = ColumnBuffers()
         self._minimum = 0
 
     # -- identity and accounting -----------------------------------------------------------------------------------
@@ -51,7 +53,13 @@ class MLACache(ReuseFloor, RightJustifiedRows):
 
     @property
     def state(self) -> list[mx.array]:
-        return list(self._families)
+        """Per family the stored positions ``[B, offset, w]`` (views; the spare capacity is never exposed)."""
+        return self._columns.views()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, spare capacity included."""
+        return self._columns.nbytes
 
     def bytes_per_token(self) -> int:
         return self.geometry.f32_bytes_per_token()
@@ -61,10 +69,13 @@ class MLACache(ReuseFloor, RightJustifiedRows):
 
     # -- layout hooks ----------------------------------------------------------------------------------------------
     def _stored(self) -> list[mx.array]:
-        return list(self._families)
+        return self._columns.views()
 
     def _publish(self, arrays: list[mx.array]) -> None:
-        self._families = arrays
+        self._columns.adopt(arrays)
+
+    def _truncate(self, width: int) -> None:
+        self._columns.truncate(width)
 
     # -- the latent contract ---------------------------------------------------------------------------------------
     def append_latent(
@@ -73,30 +84,29 @@ class MLACache(ReuseFloor, RightJustifiedRows):
         families, batch, length = self._check_append(latent, rope, index_keys)
         if self._batch is None:
             self._begin_rows(batch)
-        families = zero_prefill_leads(families, prefill_leads(self._offsets))
-        if self._families:
-            families = [mx.concatenate([old, new], axis=1) for old, new in zip(self._families, families)]
-        self._families = families
+        leads = prefill_leads(self._offsets)
+        if any(leads):
+            families = zero_prefill_leads(families, leads)
+        self._columns.write(families, self._width)
         self._width += length
         self._offsets = [o + length for o in self._offsets]
         return self._read()
 
     def _read(self) -> LatentAttentionState:
-        reads = [owned(a) for a in self._families]
-        return LatentAttentionState.of(reads)
+        return LatentAttentionState.of(self._columns.views())
 
     def read_latent(self) -> LatentAttentionState:
         """Reads of every stored position without appending (what the last append returned)."""
-        if not self._families:
+        if not self._columns:
             batch = self._batch or 0
             zeros = [mx.zeros((batch, 0, w), dtype=mx.float32) for w in self.geometry.widths]
             return LatentAttentionState.of(zeros)
         return self._read()
 
     def stored_index_keys(self) -> mx.array | None:
-        if not self.geometry.has_index or not self._families:
+        if not self.geometry.has_index or not self._columns:
             return None
-        return owned(self._families[2])
+        return self._columns.views()[2]
 
     # -- rows joining and leaving ------------------------------------------------------------------------------------
     def make_empty_batch(self) -> MLACache:
@@ -107,8 +117,8 @@ class MLACache(ReuseFloor, RightJustifiedRows):
         row = check_row(row, self._batch)
         self._require_serial_rows("row_state")
         start = self._width - self._offsets[row]
-        if self._families:
-            arrays = [owned(a[row : row + 1, start:, :]) for a in self._families]
+        if self._columns:
+            arrays = [a[row : row + 1, start:, :] for a in self._columns.views()]
         else:
             arrays = [mx.zeros((1, 0, w), dtype=mx.float32) for w in self.geometry.widths]
         return MLARowState(arrays, self._offsets[row], self._minimum)
@@ -134,7 +144,8 @@ class MLACache(ReuseFloor, RightJustifiedRows):
             for f in range(len(self.geometry.widths)):
                 families.append(mx.concatenate([pad_left(s.arrays[f], width - s.offset) for s in states], axis=0))
         self._begin_rows(len(states))
-        self._families, self._width = families, width
+        self._columns.adopt(families)
+        self._width = width
         self._offsets = [s.offset for s in states]
         self._minimum = max(s.minimum_reusable_offset for s in states)
 
@@ -155,7 +166,8 @@ class MLACache(ReuseFloor, RightJustifiedRows):
         for name, array, w in zip(("latent", "rope key", "index keys"), families, self.geometry.widths):
             check_f32(f"batched {name}", array, (len(offsets), width, w))
         self._begin_rows(len(offsets))
-        self._families, self._width = (families if width else []), width
+        self._columns.adopt(families if width else [])
+        self._width = width
         self._offsets = offsets
         self._minimum = non_negative(minimum, "minimum_reusable_offset")
 
@@ -171,5 +183,5 @@ class MLACache(ReuseFloor, RightJustifiedRows):
 
     def dispose(self) -> None:
         self._reset_rows()
-        self._families = []
+        self._columns.clear()
         self._minimum = 0

@@ -1,8 +1,10 @@
 """``PagedLatentCache``: each row's latent state in pages of ``block_size`` positions.
 
 Stored as the format names from the first position (``None``: float32, read bit-identical to ``MLACache``).
-Each row owns a ``LatentPages``; a read gathers every row, decodes it and joins the rows right-justified with
-zero padding (``MLACache``'s layout). Rows of a padded prefill hold their left padding as leading positions
+Each row owns a ``LatentPages``; an append writes into each row's pages in place; a read gathers every row (a view
+of the pools while blocks sit in table order), decodes it and joins the rows right-justified with zero padding
+(``MLACache``'s layout; one row is returned as it is, so a serial f32 read copies nothing, while a batch still
+joins its rows on every read). Rows of a padded prefill hold their left padding as leading positions
 (``_leading``) until ``finalize_prefill`` rewrites each row's pages to its real positions.
 """
 
@@ -106,13 +108,15 @@ class PagedLatentCache(ReuseFloor):
         leading = self._leading or [0] * batch
         families = zero_prefill_leads(families, prefill_leads(offsets))
         planes = self._codec.encode(families)
-        staged = [row.appended([p[b : b + 1] for p in planes]) for b, row in enumerate(rows)]
-        reads = self._read(staged, len(families))
-        self._rows, self._leading = staged, leading
-        return LatentAttentionState.of(reads)
+        for b, row in enumerate(rows):  # checked above; the writes cannot fail
+            row.append(planes if batch == 1 else [p[b : b + 1] for p in planes])
+        self._rows, self._leading = rows, leading
+        return LatentAttentionState.of(self._read(rows, len(families)))
 
     def _read(self, rows: Sequence[LatentPages], families: int) -> list[mx.array]:
         """Every row decoded and joined right-justified: per family ``[B, T, W]``."""
+        if len(rows) == 1 and rows[0].offset:
+            return self._codec.decode(rows[0].gather(), families)
         width = max((row.offset for row in rows), default=0)
         per_row = []
         for row in rows:

@@ -2,7 +2,13 @@
 
 The block table maps logical block i (positions ``[i*block_size, (i+1)*block_size)``) to a physical block of the
 pools. Free blocks are handed out lowest first; pools grow to ``max(n + 1, ceil(1.5 n))`` blocks when none is
-free. Methods that change the pages compute the new pools first and assign them last.
+free. Methods that change the pages check first and write last.
+
+An append writes its positions into their blocks in place (slice assignment, which MLX performs without copying
+the pool when nothing else holds it), so a decode step costs O(1) bytes plus the amortised 1.5x growth. Pages
+built by appends and trims alone hand out blocks in table order (block i of the row is physical block i), so
+``gather`` is then a reshape view of each pool cut to the stored positions, not a copy; any other table is
+gathered with ``mx.take``.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ class LatentPages:
                 raise InvalidCacheState(f"pool shape {shape} != [{num_blocks}, {block_size}, w]")
         if offset and not pools:
             raise InvalidCacheState(f"pages holding {offset} positions need pools")
-        pages.pools = list(pools)
+        pages.pools = [p[:] for p in pools]  # private objects: an in-place append never rebinds the caller's
         pages.block_table, pages.num_blocks, pages.offset = table, num_blocks, offset
         pages._free = set(range(num_blocks)) - set(table)
         return pages
@@ -83,16 +89,16 @@ class LatentPages:
         return out
 
     def append(self, planes: Sequence[mx.array]) -> None:
-        staged = self.appended(planes)
-        self.__dict__.update(staged.__dict__)
+        """Store ``planes`` (each ``[1, L, w_i]``) after the stored positions, in place."""
+        self._append(planes)
 
     def _append(self, planes: Sequence[mx.array]) -> None:
         length = planes[0].shape[1]
+        if self.pools and len(planes) != len(self.pools):
+            raise InvalidCacheState(f"appending {len(planes)} planes to pages of {len(self.pools)} pools")
         if not self.pools:
             self.pools = [mx.zeros((1, self.block_size, p.shape[2]), dtype=p.dtype) for p in planes]
             self.num_blocks, self._free = 1, {0}
-        elif len(planes) != len(self.pools):
-            raise InvalidCacheState(f"appending {len(planes)} planes to pages of {len(self.pools)} pools")
         written = 0
         while written < length:
             position = self.offset + written
@@ -118,10 +124,18 @@ class LatentPages:
         self._free.update(range(self.num_blocks, blocks))
         self.num_blocks = blocks
 
+    def in_table_order(self) -> bool:
+        """Whether logical block i is physical block i for every stored block (``gather`` is then a view)."""
+        table = self.block_table
+        return not table or (table[-1] == len(table) - 1 and table == list(range(len(table))))
+
     def gather(self) -> list[mx.array]:
         """The stored planes in order, ``[1, offset, w_i]`` each."""
         if not self.offset:
             return [mx.zeros((1, 0, p.shape[2]), dtype=p.dtype) for p in self.pools]
+        if self.in_table_order():
+            span = self.num_blocks * self.block_size
+            return [p.reshape(1, span, p.shape[2])[:, : self.offset, :] for p in self.pools]
         table = mx.array(self.block_table, dtype=mx.int32)
         out = []
         for pool in self.pools:

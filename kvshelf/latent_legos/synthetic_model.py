@@ -11,6 +11,13 @@ up-projections, so whatever the cache's storage loses reaches the attention. DSA
 continuous stand-in: a ReLU index score added to every head's attention logits, so the index keys' encoding matters
 without making the output jump.
 
+A short step (decode, a speculative verify window: ``2 L < qk_nope_head_dim + v_head_dim``) uses the absorbed
+form instead, as mlx-lm's DeepSeek/GLM attention does: the queries are projected into the latent space and the
+attention output is projected out of it, so the step reads the cache once and materialises nothing of size T
+beyond the scores; expanding keys and values for every stored position would copy the whole cache per token and
+the benchmarks would measure the model instead of the cache. Both forms are deterministic; they agree to float32
+rounding, not bit for bit, so a continuation is compared with the same step lengths.
+
 Rows are right-justified (the caches' layout): before an append, ``row_offsets[b]`` is the position of the row's first
 new column (negative across left padding prepared with ``prepare_prefill``); after it, ``left_pad[b]`` columns of row
 b are hidden from every query. Everything runs in float32.
@@ -146,11 +153,18 @@ class SyntheticMLAModel:
 
         read = cache.append_latent(latent, k_pe, index_keys)
         T = read.latent.shape[1]
-        k_nope = (read.latent @ layer.w_uk).reshape(B, T, H, dn)
-        values = (read.latent @ layer.w_uv).reshape(B, T, H, dv)
-
+        absorbed = 2 * L < dn + dv
         scale = 1.0 / math.sqrt(dn + dr)
-        scores = mx.einsum("blhd,bthd->bhlt", q_nope, k_nope) + mx.einsum("blhd,btd->bhlt", q_pe, read.rope)
+        if absorbed:
+            r = self.geometry.kv_lora_rank
+            q_latent = mx.einsum("blhd,rhd->bhlr", q_nope, layer.w_uk.reshape(r, H, dn)).reshape(B, H * L, r)
+            q_rope = q_pe.transpose(0, 2, 1, 3).reshape(B, H * L, dr)
+            scores = q_latent @ read.latent.transpose(0, 2, 1) + q_rope @ read.rope.transpose(0, 2, 1)
+            scores = scores.reshape(B, H, L, T)
+        else:
+            k_nope = (read.latent @ layer.w_uk).reshape(B, T, H, dn)
+            values = (read.latent @ layer.w_uv).reshape(B, T, H, dv)
+            scores = mx.einsum("blhd,bthd->bhlt", q_nope, k_nope) + mx.einsum("blhd,btd->bhlt", q_pe, read.rope)
         scores = scores * scale
         if layer.w_qi is not None:
             q_idx = x @ layer.w_qi
@@ -164,7 +178,11 @@ class SyntheticMLAModel:
         visible = causal[None] & (columns[None, None, :] >= pads)  # [B, L, T]
         scores = mx.where(visible[:, None], scores, _NEG)
         weights = mx.softmax(scores, axis=-1)
-        out = mx.einsum("bhlt,bthd->blhd", weights, values).reshape(B, L, H * dv)
+        if absorbed:
+            mixed = (weights.reshape(B, H * L, T) @ read.latent).reshape(B, H, L, r)
+            out = mx.einsum("bhlr,rhd->blhd", mixed, layer.w_uv.reshape(r, H, dv)).reshape(B, L, H * dv)
+        else:
+            out = mx.einsum("bhlt,bthd->blhd", weights, values).reshape(B, L, H * dv)
         return out @ layer.wo
 
     def __call__(self, tokens: mx.array, caches: Sequence) -> mx.array:

@@ -232,7 +232,7 @@ class Store:
             raise InvalidCacheState("caches must be a non-empty sequence of caches (one per layer)")
         entries, arrays = [], []
         for i, cache in enumerate(caches):
-            entry, arrs = self.provider.for_cache(cache).snapshot(cache, checksums=False)  # chunks are hashed
+            entry, arrs = self.provider.snapshot(cache, checksums=False, length=len(toks))  # chunks are hashed
             if entry.offset != len(toks):
                 raise InvalidCacheState(f"cache {i} holds {entry.offset} positions but {len(toks)} tokens were given")
             entries.append(entry)
@@ -632,6 +632,8 @@ class Store:
         for attempt in range(4):
             self.provider.check_provider(manifest.provider)
             entries = list(manifest.entries)
+            for entry in entries:  # an unknown kind is refused before any blob is read
+                self.provider.for_entry(entry)
             if p < manifest.length:
                 entries = [self.provider.for_entry(e).prefix_entry(e, p) for e in entries]
             needed = [r for r in manifest.chunks if r.start < p] + list(manifest.own)

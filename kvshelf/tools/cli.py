@@ -37,6 +37,22 @@ def _zstd_level(text: str) -> int:
     return level
 
 
+def _tokens(text: str) -> list[int]:
+    import json
+
+    try:
+        if text.startswith("@"):
+            values = json.loads(Path(text[1:]).read_text())
+        else:
+            values = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"token ids must be 1,2,3 or @file.json (a JSON list): {exc}") from None
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                               for v in values):
+        raise argparse.ArgumentTypeError("token ids must be non-negative integers")
+    return values
+
+
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -102,10 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("export", "Write a session's latest snapshot as one portable safetensors file.")
     p.add_argument("session", help="session id")
     p.add_argument("file", type=Path, help="output file (written atomically, mode 0600)")
+    p.add_argument("--format", choices=("kvshelf", "mlx-lm"), default="kvshelf",
+                   help="kvshelf: a portable snapshot file (default); mlx-lm: a file mlx-lm's load_prompt_cache "
+                        "loads (sessions saved from mlx-lm's caches; needs mlx-lm)")
     _identity_options(p, required_note="default: the only identity holding the session")
-    p = add("import", "Verify portable snapshot files completely, then add them to the store (idempotent).")
+    p = add("import", "Verify portable snapshot files (or mlx-lm save_prompt_cache files) completely, then add them "
+                      "to the store (idempotent).")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE")
     p.add_argument("--session", default=None, help="session id (default: each file's name without suffix)")
+    p.add_argument("--tokens", type=_tokens, default=None, metavar="IDS",
+                   help="token ids an mlx-lm file encodes when it carries none: 1,2,3 or @ids.json (a JSON list)")
     p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new blobs (default 256)")
     _identity_options(p, required_note="expected identity; a file made under another is refused")
     add("rebuild-index", "Rebuild the LMDB index from the blob directory alone.")
@@ -119,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after nothing arrived for this long (for batch jobs and tests)")
     p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new blobs (default 256)")
     _identity_options(p, required_note="expected identity; files made under another go to failed/")
+    p = sub.add_parser("serve", add_help=False, help="Serve a model with mlx-lm's OpenAI-compatible server and a "
+                       "persistent prompt cache in the store (needs mlx-lm; `kvshelf serve --help` for options).")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -317,7 +342,7 @@ def cmd_compact(args: argparse.Namespace, pr: Printer) -> int:
 def cmd_export(args: argparse.Namespace, pr: Printer) -> int:
     from .transfer import export_session
 
-    doc = export_session(_store_dir(args), args.session, args.file, **_expect(args))
+    doc = export_session(_store_dir(args), args.session, args.file, format=args.format, **_expect(args))
     pr.emit(doc, lambda c: c.print(f"exported {doc['session_id']} ({doc['tokens']} tokens) to {doc['file']}"))
     return OK
 
@@ -330,7 +355,7 @@ def cmd_import(args: argparse.Namespace, pr: Printer) -> int:
         return USAGE
     with pr.progress("importing", len(args.files)) as advance:
         results = import_files(_store_dir(args), args.files, session_id=args.session, progress=advance,
-                               chunk_tokens=args.chunk_tokens, **_expect(args))
+                               chunk_tokens=args.chunk_tokens, tokens=args.tokens, **_expect(args))
     failed = [r for r in results if r["status"] == "failed"]
 
     def human(console) -> None:
@@ -369,7 +394,20 @@ COMMANDS = {
 }
 
 
+def cmd_serve(argv: Sequence[str]) -> int:
+    """``kvshelf serve``: every argument goes to :mod:`kvshelf.mlx_lm.server` (ours and mlx_lm.server's)."""
+    try:
+        from ..mlx_lm.server import main as serve_main
+    except ImportError as exc:  # the core works without mlx-lm; serving needs it
+        print(f"kvshelf serve needs mlx-lm (pip install 'kvshelf[mlx-lm]'): {exc}", file=sys.stderr)
+        return USAGE
+    return serve_main(list(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # its options are mlx_lm.server's too: not parsed here
+        return cmd_serve(argv[1:])
     args = build_parser().parse_args(argv)
     pr = Printer(as_json=args.json)
     try:

@@ -8,10 +8,17 @@ not exist: a snapshot is reusable only at its exact length. ``offset`` is bookke
 
 A speculative rollback that rejects positions restores the state taken at ``spec_round_begin``; the owning layer
 then replays the kept tokens (the state cannot be rewound any other way).
+
+mlx-lm's ``mamba`` writes its new state only into a cache that ``isinstance`` mlx-lm's own ``ArraysCache``; it
+would read this one and never write it, running every later step without history. A read from that model code
+therefore raises ``InvalidCacheState`` (use mlx-lm's ``ArraysCache`` there; kvshelf saves it through
+``kvshelf.mlx_lm``). mamba2 and qwen3_next write through ``cache[i] = ...`` and run on this class unchanged,
+``BatchGenerator`` included (``merge``, ``extend``, ``filter``, ``extract``; padded steps keep per-row offsets).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +30,14 @@ from ..cache_parts import ReuseFloor, describe, extract_one_row, source_row_stat
 from ..contracts import PrefillPadding
 from ..justified import check_keep_counts, padding_rows
 from ..rows import check_keep, check_row, non_negative, owned
+from .model_face import MlxLmBatchFace
+
+# mlx-lm modules that store recurrent state only into ``isinstance(cache, mlx_lm...ArraysCache)`` caches.
+WRITES_ONLY_MLX_LM_ARRAYS = ("mlx_lm.models.mamba",)
+
+
+def _read_by_isinstance_gated_model() -> bool:
+    return sys._getframe(2).f_globals.get("__name__", "") in WRITES_ONLY_MLX_LM_ARRAYS
 
 
 @dataclass
@@ -34,7 +49,7 @@ class ArraysRowState:
     minimum_reusable_offset: int = 0
 
 
-class ArraysCache(ReuseFloor):
+class ArraysCache(ReuseFloor, MlxLmBatchFace):
     """Recurrent state slots (see the module docstring)."""
 
     def __init__(self, size: int, left_padding: Sequence[int] | None = None) -> None:
@@ -59,6 +74,12 @@ class ArraysCache(ReuseFloor):
 
     # -- mlx-lm's slot access --------------------------------------------------------------------------------------
     def __getitem__(self, index: int) -> mx.array | None:
+        if _read_by_isinstance_gated_model():
+            raise InvalidCacheState(
+                "mlx-lm's mamba stores its state only into mlx_lm.models.cache.ArraysCache, so with kvshelf's "
+                "ArraysCache it would run without history; use make_prompt_cache(model) (mlx-lm's caches, which "
+                "kvshelf saves and restores through kvshelf.mlx_lm)"
+            )
         return self.cache[index]
 
     def __setitem__(self, index: int, value: mx.array | None) -> None:
@@ -97,11 +118,20 @@ class ArraysCache(ReuseFloor):
             mask = inside if mask is None else mask & inside
         return mask
 
-    def prepare(self, *, lengths: Sequence[int] | None = None, **_: Any) -> None:
-        """mlx-lm's hook: the valid lengths of the next padded step."""
+    def prepare(self, *, lengths: Sequence[int] | None = None, right_padding: Sequence[int] | None = None,
+                **_: Any) -> None:
+        """mlx-lm's hook: the valid lengths of the next padded step (with right padding, rows stop counting at
+        their own end, as ``prepare_prefill``)."""
+        if lengths is not None and right_padding is not None and any(int(p) for p in right_padding):
+            padding = PrefillPadding([int(n) for n in lengths], right_padding=[int(p) for p in right_padding])
+            self.prepare_prefill(padding)
+            return
         self.lengths = None if lengths is None else mx.array(list(lengths))
 
     def finalize(self) -> None:
+        if self._prefill_pending:
+            self.finalize_prefill()  # clamps each row's offset, then clears the padding (back here)
+            return
         self.lengths = None
         self.left_padding = None
 

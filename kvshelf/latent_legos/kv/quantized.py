@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ...errors import InvalidCacheState
 from ..formats import AFFINE_BITS, AFFINE_GROUP_SIZES
-from .plain import check_kv_dtypes
+from .dtypes import check_kv_dtypes
 from .token_rows import TokenRows
 
 
@@ -53,9 +53,24 @@ class QuantizedKVCache(TokenRows):
     def keys(self) -> tuple[mx.array, ...] | None:
         return tuple(self._planes[:3]) if self._planes else None
 
+    @keys.setter
+    def keys(self, value: object) -> None:
+        self._refuse_assignment("keys")
+
     @property
     def values(self) -> tuple[mx.array, ...] | None:
         return tuple(self._planes[3:]) if self._planes else None
+
+    @values.setter
+    def values(self, value: object) -> None:
+        self._refuse_assignment("values")
+
+    def _refuse_assignment(self, name: str) -> None:
+        """mlx-lm code assigning dense buffers (glm_moe_dsa's indexer, pipelines) would corrupt affine triples."""
+        raise InvalidCacheState(
+            f"cannot assign {name} of a {self.signature()} cache (it holds affine triples): model code that "
+            "re-assigns cache.keys / cache.values (glm_moe_dsa's indexer, pipeline-parallel models) needs KVCache"
+        )
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """The live keys and values decoded (zeros in padding) — for tests and dense readers."""

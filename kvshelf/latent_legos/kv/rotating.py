@@ -11,7 +11,9 @@ window ``max_size`` and ``keep`` leading positions that are never overwritten.
   single multi-token append may also cut the block's tail after the wrap (the buffer is in time order then).
 
 Rows batch together only when laid out alike (same offset, head and buffer length — e.g. rows that saw the same
-appends); there is no left padding in a ring, so ``prepare_prefill`` takes unpadded rows only.
+appends); there is no left padding in a ring, so ``prepare_prefill`` takes unpadded rows only. mlx-lm's
+``BatchGenerator`` names (``merge``, ``extend``, ``filter``, ``extract``, ``prepare``, ``finalize``) follow the same
+rule: rows laid out differently, or a padded prompt step, raise ``InvalidCacheState`` rather than run misaligned.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from ..cache_parts import ReuseFloor, describe, extract_one_row, source_row_stat
 from ..contracts import PrefillPadding
 from ..justified import check_keep_counts, padding_rows
 from ..rows import check_keep, check_row, non_negative, owned
+from .dtypes import check_kv_dtypes
 from .masks import causal_mask
-from .plain import check_kv_dtypes
+from .model_face import MlxLmBatchFace
 from .token_rows import check_kv_inputs
 
 STEP = 256
@@ -51,7 +54,7 @@ def _positive(value: object, name: str) -> int:
     return value
 
 
-class RotatingKVCache(ReuseFloor):
+class RotatingKVCache(ReuseFloor, MlxLmBatchFace):
     """A sliding-window key/value ring (see the module docstring)."""
 
     step = STEP

@@ -6,6 +6,10 @@ This is mlx-lm's ``BatchKVCache`` geometry: every row ends at the write head ``o
 subclass says how an append becomes planes (``_encode``) and what a read returns (``_fetch``); trim, speculative
 rounds, prefill padding and row membership live here. Every operation validates, then stages, then publishes, so a
 rejected call changes nothing.
+
+mlx-lm model code reading ``offset`` of a batch gets per-row positions, as from mlx-lm's ``BatchKVCache``; every
+other reader gets the width (see ``model_face``). ``BatchGenerator``'s names (``merge``, ``extend``, ``filter``,
+``extract``, ``prepare``, ``finalize``, ``left_padding``) map onto the row operations.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ..cache_parts import ReuseFloor, describe, extract_one_row, source_row_stat
 from ..justified import RowBookkeeping
 from ..rows import check_keep, check_row, non_negative, owned, prefill_leads, row_roll_indices
 from .masks import attention_mask
+from .model_face import MlxLmBatchFace, batch_positions
 
 STEP = 256
 AXIS = 2
@@ -67,7 +72,7 @@ def check_kv_inputs(keys: Any, values: Any) -> tuple[int, int, int]:
     return b, h, length
 
 
-class TokenRows(ReuseFloor, RowBookkeeping):
+class TokenRows(ReuseFloor, RowBookkeeping, MlxLmBatchFace):
     """Row bookkeeping and storage for the token-axis key/value caches (see the module docstring)."""
 
     step = STEP
@@ -96,6 +101,21 @@ class TokenRows(ReuseFloor, RowBookkeeping):
         raise NotImplementedError
 
     # -- row layout ----------------------------------------------------------------------------------------------
+    @property
+    def offset(self) -> int | mx.array:
+        """The width (every row ends at this column); to mlx-lm code reading a batch, per-row positions."""
+        return batch_positions(self._width, self._offsets, self._batch_face)
+
+    @property
+    def _idx(self) -> int:
+        """The write head under mlx-lm's ``BatchKVCache`` name: its ``extend`` reads it from the batch it joins."""
+        return self._width
+
+    @property
+    def left_padding(self) -> mx.array:
+        """Per-row padding columns in front of each row, as mlx-lm's ``BatchKVCache`` holds it."""
+        return mx.array(self.left_pad, dtype=mx.int32)
+
     @property
     def rope_offset(self) -> int | mx.array:
         """RoPE position of the next column per row: an int when rows agree, else int32 ``[B]`` (mlx-lm batches)."""

@@ -21,7 +21,8 @@ from ..encodings.turboquant import (
     unpack_bits,
 )
 from ..formats import TurboFormat
-from .plain import check_float
+from .dtypes import check_float
+from .model_face import NotForModelCode
 from .token_rows import TokenRows, zero_columns
 
 HEAD_DIMS = (64, 128, 256, 512)
@@ -66,6 +67,19 @@ class TurboQuantKVCache(TokenRows):
         if not self._planes:
             return None
         return self._planes[1].shape[3] * 32, self._planes[4].shape[3] * 32
+
+    @property
+    def keys(self) -> mx.array:
+        """Not offered: mlx-lm code that reads or re-assigns ``cache.keys`` (glm_moe_dsa's indexer, pipeline
+        parallelism) would need plain buffers; this cache holds codes. Reads go through ``keys_and_values()``."""
+        raise NotForModelCode(
+            "TurboQuantKVCache holds codes, not key/value buffers: model code that reads or assigns cache.keys / "
+            "cache.values (glm_moe_dsa's indexer, pipeline-parallel models) cannot use it; use KVCache there"
+        )
+
+    @property
+    def values(self) -> mx.array:
+        return self.keys
 
     def _fetch(self, planes: list[mx.array]) -> tuple[mx.array, mx.array]:
         k_codes, k_scales, k_zeros, v_codes, v_scales = planes
