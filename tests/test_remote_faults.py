@@ -402,3 +402,21 @@ def test_restore_batch_takes_remote_hits(tmp_path, redis_server):
                 single = caches_for(toks)[layer]
                 got = cache.extract_row(row)
                 assert bits_of([got]) == bits_of([single])
+
+
+def test_snapshot_of_a_provider_this_host_lacks_is_a_miss(tmp_path, redis_server):
+    """Host A stores a kind host B's provider does not know: B misses it (and falls back to what it can load)."""
+    from store_cases import RingCache, ring_provider
+
+    toks = tokens(100, seed=60)
+    ring = [RingCache(G) for _ in range(1)]
+    ring[0].append_latent(mx.zeros((1, 100, 16)), mx.zeros((1, 100, 8)), None)
+    with open_store(tmp_path / "a", IDENTITY, chunk_tokens=CHUNK, provider=ring_provider("other-provider-v1"),
+                    remote=redis_server.url) as a, host(tmp_path / "b", redis_server.url) as b:
+        a.save("ring", toks, ring)
+        assert a.tier.flush(30) and a.tier.counters["published"] == 1
+        b.save("mine", toks[:40], caches_for(toks[:40]))
+        r = b.restore_prefix(toks + [1])
+        assert r is not None and r.session_id == "mine" and r.length == 40  # the loadable local one
+        assert b.tier.counters["restore_misses"] == 1 and b.tier.counters["chunks_fetched"] == 0
+        assert b.restore_prefix(toks + [1]).session_id == "mine" and b.tier.counters["restore_misses"] == 1

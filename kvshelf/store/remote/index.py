@@ -47,14 +47,15 @@ def usable(p: int, s: RemoteSummary) -> bool:
 class RemoteLookup:
     """One lookup against the shared index (see the module docstring). ``run`` → (p, summary, sid) or None."""
 
-    def __init__(self, client, keys: Keys, nsk: bytes, prompt: LazyTokens, block: int = BLOCK_TOKENS):
+    def __init__(self, client, keys: Keys, nsk: bytes, prompt: LazyTokens, block: int = BLOCK_TOKENS,
+                 exclude: set[bytes] = frozenset()):
         self.client, self.keys, self.nsk, self.prompt, self.block = client, keys, nsk, prompt, block
         self.n = prompt.n
         self.pos = _Positions(self.n, block)
         self.counts: dict[int, int] = {}
         self.key_of: dict[int, str] = {}
         self.best: tuple[int, RemoteSummary, bytes] | None = None
-        self.seen: set[bytes] = set()
+        self.seen: set[bytes] = set(exclude)  # snapshot ids not to serve (this host cannot load them)
         self.examined = 0
         self.round_trips = 0
 

@@ -110,6 +110,8 @@ def check_manifest(store, manifest: Manifest, namespace: str, p: int | None) -> 
     if manifest.namespace != namespace:
         raise IdentityMismatch("namespace", manifest.namespace, namespace, f"remote snapshot {manifest.snapshot_id}")
     store.provider.check_provider(manifest.provider)
+    for entry in manifest.entries:  # a kind this host cannot load is refused before any chunk is fetched
+        store.provider.for_entry(entry)
     p = manifest.length if p is None else int(p)
     if not 0 <= p <= manifest.length or (p < manifest.length and (not manifest.trimmable or
                                                                   p < manifest.minimum_reusable_offset)):

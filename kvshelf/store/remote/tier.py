@@ -27,7 +27,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from ...errors import CorruptData, KvShelfError, SnapshotNotFound, StoreFull
+from ...errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, StoreFull
 from .. import manifest as mf
 from ..backend import BackendUnavailable
 from ..identity import namespace_key
@@ -77,6 +77,7 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._memo: OrderedDict[str, tuple[bytes, str]] = OrderedDict()  # remote hit sid -> (nsk, namespace)
+        self._unloadable: set[bytes] = set()  # remote snapshots of a provider or kind this host lacks
         self.counters = {k: 0 for k in (
             "published", "publish_dropped", "publish_failed", "publish_skipped", "chunks_uploaded",
             "bytes_uploaded", "chunks_present", "lookups", "hits", "misses", "lookup_errors", "restores",
@@ -258,7 +259,7 @@ class RemoteTier:
         nsk = namespace_key(self.store.id_key, namespace)
         try:
             with translate("lookup"):
-                best = RemoteLookup(self.client, self.keys, nsk, prompt).run()
+                best = RemoteLookup(self.client, self.keys, nsk, prompt, exclude=self._unloadable).run()
         except _REMOTE_ERRORS:
             self.breaker.failure()
             self.counters["lookup_errors"] += 1
@@ -306,6 +307,12 @@ class RemoteTier:
             self.breaker.failure()
             self.counters["restore_misses"] += 1
             raise SnapshotNotFound(f"remote snapshot {snapshot_id}: {exc}") from None
+        except IncompatibleFormat as exc:  # fine for the hosts that made it; a miss here, not looked up again
+            self.counters["restore_misses"] += 1
+            self._memo.pop(snapshot_id, None)
+            if len(self._unloadable) < 65536:
+                self._unloadable.add(sid)
+            raise SnapshotNotFound(f"remote snapshot {snapshot_id} cannot be loaded on this host: {exc}") from None
         except (CorruptData, _Missing) as exc:
             self.breaker.success()
             self.counters["restore_misses"] += 1
