@@ -46,7 +46,9 @@ class RedisByteStore:
     def close(self) -> None:
         self.client.close()
 
-    def put(self, name: str, buffers: Sequence[Buffer]) -> int:
+    def put(self, name: str, buffers: Sequence[Buffer], *, durable: bool = True) -> int:
+        """All or nothing (``MULTI``/``EXEC``). ``durable`` is accepted for the seam; the server's own persistence
+        settings (RDB/AOF) decide what survives its restart — the shared tier never relies on it."""
         key = self.key(name)
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if v.nbytes] or [memoryview(b"")]
