@@ -187,7 +187,6 @@ def test_replaced_chunk_is_detected_dropped_and_counted(tmp_path, redis_server, 
         assert check_outcome(b, toks + [1], toks).length == 160
 
 
-@pytest.mark.slow
 def test_maxmemory_eviction_of_part_of_a_session(tmp_path):
     server = RedisServer(["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "3"])
     try:

@@ -77,6 +77,7 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._memo: OrderedDict[str, tuple[bytes, str]] = OrderedDict()  # remote hit sid -> (nsk, namespace)
+        self._memo_lock = threading.Lock()
         self._unloadable: set[bytes] = set()  # remote snapshots of a provider or kind this host lacks
         self.counters = {k: 0 for k in (
             "published", "publish_dropped", "publish_failed", "publish_skipped", "chunks_uploaded",
@@ -270,9 +271,10 @@ class RemoteTier:
             return local_hit
         p, s, sid = best
         self.counters["hits"] += 1
-        self._memo[sid.hex()] = (nsk, s.namespace)
-        while len(self._memo) > 4096:
-            self._memo.popitem(last=False)
+        with self._memo_lock:  # serving threads look up concurrently
+            self._memo[sid.hex()] = (nsk, s.namespace)
+            while len(self._memo) > 4096:
+                self._memo.popitem(last=False)
         return PrefixHit(s.session_id, sid.hex(), p, s.namespace, s.length)
 
     def knows(self, snapshot_id: str) -> bool:
@@ -291,9 +293,11 @@ class RemoteTier:
                 strict: bool = False) -> Restored:
         """A remote hit restored bit-exact, or ``SnapshotNotFound`` (gone, corrupt, unreachable: a miss). ``keep``
         overrides ``keep_local``; ``strict``: a failed local copy raises instead of being counted."""
-        if snapshot_id not in self._memo:
+        with self._memo_lock:
+            found = self._memo.get(snapshot_id)
+        if found is None:
             raise SnapshotNotFound(f"snapshot {snapshot_id} is neither local nor a remote hit of this handle")
-        nsk, namespace = self._memo[snapshot_id]
+        nsk, namespace = found
         sid = bytes.fromhex(snapshot_id)
         if not self.breaker.allow():
             raise SnapshotNotFound(f"remote snapshot {snapshot_id}: the remote tier {self.where} is unavailable")
