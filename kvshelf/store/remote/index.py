@@ -6,7 +6,7 @@ the snapshot id (lexicographic order = the local dupsort order). Every snapshot 
 number of members along a prompt's boundaries is non-increasing, and the search of ``lookup.py`` carries over:
 
 1. the deepest recorded boundary is found by a *k-ary* search: every round probes up to ``PROBES`` boundaries with
-   pipelined ``ZCARD`` (one round trip), so a 32k-token prompt (2,063 boundaries) takes about four round trips;
+   pipelined ``ZCARD`` (one round trip), so a 32k-token prompt (2,063 boundaries) takes about five round trips;
 2. at that boundary ``ZRANGE BYLEX`` on both sides of the prompt's continuation gives the records whose predicted
    usable length ``min(boundary + matching following tokens, len(prompt) - 1)`` is largest; their summaries and
    tokens come in one more round trip and are *verified* (sealed records, tokens compared in full — never the hash);
@@ -20,20 +20,20 @@ produces a wrong one: whatever is served was token-verified, and its chunks are 
 from __future__ import annotations
 
 import numpy as np
+import xxhash
 
 from ...errors import CorruptData
 from ..lookup import LazyTokens, _matching, _Positions
 from ..prefix import (
     BLOCK_TOKENS,
     all_boundaries,
-    boundary_hash,
     common_prefix,
     continuation,
 )
 from .keys import Keys
 from .records import RemoteSummary, decode_summary, decode_tokens
 
-PROBES = 12          # boundaries probed per round trip of the deepest-boundary search
+PROBES = 8           # boundaries probed per round trip (more cost more in redis-py per command than a round trip)
 WINDOW = 16          # records read on each side of the prompt's continuation per level
 MAX_LEVELS = 8       # levels scanned per lookup at most
 MAX_CANDIDATES = 64  # summaries read per lookup at most
@@ -54,20 +54,30 @@ class RemoteLookup:
         self.pos = _Positions(self.n, block)
         self.counts: dict[int, int] = {}
         self.key_of: dict[int, str] = {}
+        self._state: dict[int, xxhash.xxh3_128] = {}
         self.best: tuple[int, RemoteSummary, bytes] | None = None
         self.seen: set[bytes] = set(exclude)  # snapshot ids not to serve (this host cannot load them)
         self.examined = 0
         self.round_trips = 0
 
     def _key(self, i: int) -> str:
+        """The boundary key of level ``i``, hashed on from the nearest level below already hashed (the streaming
+        state is kept per level), so all the probes of a lookup hash the prompt about once, not once per probe."""
         key = self.key_of.get(i)
         if key is None:
             at = self.pos[i]
-            key = self.key_of[i] = self.keys.boundary(self.nsk, boundary_hash(self.nsk, self.prompt.head(at), at))
+            below = max((j for j in self._state if j < i), default=None)
+            if below is None:
+                h, done = xxhash.xxh3_128(self.nsk), 0
+            else:
+                h, done = self._state[below].copy(), self.pos[below]
+            h.update(memoryview(self.prompt.head(at))[done:at])
+            self._state[i] = h
+            key = self.key_of[i] = self.keys.boundary(self.nsk, h.digest())
         return key
 
     def _probe(self, levels) -> None:
-        todo = sorted({i for i in levels if i not in self.counts})
+        todo = sorted({i for i in levels if i not in self.counts})  # ascending: each hash continues the last
         if not todo:
             return
         pipe = self.client.pipeline(transaction=False)
@@ -166,9 +176,12 @@ class RemoteLookup:
         pipe = self.client.pipeline(transaction=False)
         for _, sid in cands:
             pipe.get(self.keys.summary(self.nsk, sid))
+        pipe.get(self.keys.tokens(self.nsk, cands[0][1]))  # the likeliest answer's tokens in the same round trip
         self.round_trips += 1
+        *summaries, first_tokens = pipe.execute()
+        fetched = {cands[0][1]: first_tokens}
         viable = []
-        for (predicted, sid), raw in zip(cands, pipe.execute()):
+        for (predicted, sid), raw in zip(cands, summaries):
             try:
                 s = decode_summary(raw, f"summary {sid.hex()}") if raw is not None else None
             except CorruptData:
@@ -180,11 +193,15 @@ class RemoteLookup:
             batch = viable[at_:at_ + 2]
             if self.best is not None and batch[0][0] <= self.best[0]:
                 return  # predictions only fall from here
-            pipe = self.client.pipeline(transaction=False)
-            for _, sid, _ in batch:
-                pipe.get(self.keys.tokens(self.nsk, sid))
-            self.round_trips += 1
-            for (predicted, sid, s), raw in zip(batch, pipe.execute()):
+            missing = [sid for _, sid, _ in batch if sid not in fetched]
+            if missing:
+                pipe = self.client.pipeline(transaction=False)
+                for sid in missing:
+                    pipe.get(self.keys.tokens(self.nsk, sid))
+                self.round_trips += 1
+                fetched.update(zip(missing, pipe.execute()))
+            for predicted, sid, s in batch:
+                raw = fetched[sid]
                 try:
                     stored = decode_tokens(raw, f"tokens of {sid.hex()}") if raw is not None else None
                 except CorruptData:
