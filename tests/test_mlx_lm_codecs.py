@@ -288,3 +288,67 @@ def test_rows_of_another_head_geometry_do_not_batch():
         P.for_entry(a).batch_plan([a, b])
     with pytest.raises(InvalidCacheState, match="only one kind batches"):
         P.for_entry(a).batch_plan([a, P.snapshot(fill(C.ConcatenateKVCache(), [3]))[0]])
+
+
+def _tree(draw, depth: int, n: int):
+    """A random CacheList tree over n positions: KVCache, open rings, ArraysCache leaves, nested lists."""
+    kinds = ["kv", "ring", "arrays"] + (["list"] if depth < 2 else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "kv":
+        return fill(C.KVCache(), [n], heads=draw(st.integers(1, 2)), dim=32, seed=draw(st.integers(0, 9)))
+    if kind == "ring":
+        return rotating(n + draw(st.integers(1, 4)), draw(st.integers(0, 2)), [n])
+    if kind == "arrays":
+        cache = C.ArraysCache(2)
+        cache[draw(st.integers(0, 1))] = mx.full((1, 2, 3), float(n))
+        return cache
+    return C.CacheList(*[_tree(draw, depth + 1, n) for _ in range(draw(st.integers(1, 3)))])
+
+
+@settings(max_examples=30)
+@given(st.data(), st.integers(1, 12))
+def test_any_cache_list_tree_round_trips_and_cuts_iff_every_child_can(data, n):
+    tree = C.CacheList(*[_tree(data.draw, 1, n) for _ in range(data.draw(st.integers(1, 3)))])
+    entry, back = roundtrip(tree, n)
+
+    def flat(cache):
+        return [x for c in cache.caches for x in flat(c)] if isinstance(cache, C.CacheList) else [cache]
+
+    assert [type(c) for c in flat(back)] == [type(c) for c in flat(tree)]
+    for a, b in zip(flat(tree), flat(back)):
+        state_equal(a, b)
+    codec = P.for_entry(entry)
+    assert codec.header_trimmable(entry) == tree.is_trimmable()
+    if tree.is_trimmable():
+        assert codec.prefix_entry(entry, n - 1).offset == n - 1
+    else:
+        with pytest.raises(CacheRangeError):
+            codec.prefix_entry(entry, n - 1)
+
+
+@settings(max_examples=15)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=3))
+def test_cache_list_batches_directly_when_every_child_can_else_through_merge(lengths):
+    def row(n, ring):
+        first = fill(C.KVCache(), [n]) if n else C.KVCache()
+        second = rotating(16, 0, [n]) if ring and n else (C.RotatingKVCache(16) if ring else
+                                                          fill(C.KVCache(), [n], heads=1, dim=32) if n else C.KVCache())
+        return C.CacheList(first, second)
+
+    for ring in (False, True):
+        rows = [row(n, ring) for n in lengths]
+        entries, arrays = zip(*(P.snapshot(r, length=n) for r, n in zip(rows, lengths)))
+        codec = P.for_entry(entries[0])
+        plan = codec.batch_plan(entries)
+        want = C.CacheList.merge(rows)
+        if ring:
+            assert plan is None
+            built = codec.load_batch(entries, arrays)
+        else:
+            filled = [mx.zeros(t.shape, dtype=getattr(mx, t.dtype)) for t in plan.tensors]
+            for (b, slot), (k, start) in plan.targets().items():
+                filled[k][b:b + 1, :, start:start + entries[b].offset, :] = arrays[b][slot]
+            built = codec.adopt_batch(entries, filled)
+        assert type(built) is C.CacheList
+        for got, expected in zip(built.caches, want.caches):
+            state_equal(got, expected)

@@ -222,3 +222,18 @@ def test_caches_mlx_lm_cannot_load_are_refused_for_its_files(tmp_path):
     with pytest.raises(InvalidCacheState, match="no mlx-lm class"):
         write_prompt_cache(tmp_path / "x.safetensors", [1, 2, 3, 4], [mla])
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_the_inbox_watcher_ingests_mlx_lm_files_that_carry_their_tokens(sessions, tmp_path):
+    tokens, cache, file = sessions["mamba2"]
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    write_prompt_cache(inbox / "chat-9.safetensors", tokens, cache, identity={"model_id": "m2"})
+    (inbox / "bare.safetensors").write_bytes(file.read_bytes())  # mlx-lm's own file: no tokens -> failed/
+    proc = run_cli("watch", str(inbox), "--store", str(tmp_path / "store"), "--settle", "0.2s",
+                   "--exit-when-idle", "2s")
+    assert proc.returncode in (0, 1), proc.stderr
+    assert (inbox / "done" / "chat-9.safetensors").exists() and (inbox / "failed" / "bare.safetensors").exists()
+    assert "carries no tokens" in (inbox / "failed" / "bare.safetensors.reason.txt").read_text()
+    with open_store(str(tmp_path / "store"), identity=Identity("m2")) as store:
+        assert_same_caches(store.restore("chat-9").caches, cache)

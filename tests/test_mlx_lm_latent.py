@@ -19,8 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as lm_cache
+from mlx_lm_latent_cases import log_probs, provider
 from mlx_lm_models import (
     MLA_NAMES,
     PROMPT,
@@ -33,15 +33,12 @@ from mlx_lm_models import (
 )
 
 from kvshelf import Identity, open_store
-from kvshelf.codecs import default_provider
-from kvshelf.codecs.provider import DEFAULT_PROVIDER_ID
 from kvshelf.errors import CacheRangeError, InvalidCacheState
 from kvshelf.latent_legos import KvScheme
 from kvshelf.latent_legos.mla import MLACache
 from kvshelf.latent_legos.paged import PagedLatentCache
 from kvshelf.mlx_lm import make_prompt_cache
 from kvshelf.mlx_lm.latent_cache import DSALatentCache, MLALatentCache
-from kvshelf.mlx_lm.latent_codec import LATENT_ADAPTER_CODECS
 
 HERE = Path(__file__).parent
 STEPS = 4
@@ -52,18 +49,6 @@ SCHEMES = {
     "paged-f32": (None, 4),
     "paged-affine8": (KvScheme.affine(8, 32), 8),
 }
-
-
-def provider():
-    """The default provider with the latent adapters' codecs (kvshelf.mlx_lm's plugin registers them itself once
-    it is present; until then they join here under the same provider id)."""
-    if "mlx-lm.latent" in default_provider.kinds:
-        return default_provider
-    return default_provider.extended(DEFAULT_PROVIDER_ID, LATENT_ADAPTER_CODECS)
-
-
-def log_probs(logits):
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 @pytest.mark.parametrize("name", [*MLA_NAMES, "glm4_moe_lite"])
@@ -164,7 +149,7 @@ import json, sys
 import numpy as np
 from mlx_lm_models import build, continue_greedy
 from kvshelf import Identity, open_store
-from test_mlx_lm_latent import provider
+from mlx_lm_latent_cases import provider
 name, path, steps, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 model = build(name)
 out = {}
@@ -224,71 +209,6 @@ def test_restore_prefix_cuts_latents_inside_the_session(tmp_path, name):
         assert same_run(resumed, continue_greedy(model, prompt[6], fresh, 2))
 
 
-def sessions(store, model, make, prompts):
-    firsts, serial = [], []
-    for i, prompt in enumerate(prompts):
-        caches = make(model)
-        tokens, _ = greedy(model, prompt, caches, steps=0)
-        store.save(f"s{i}", prompt, caches)
-        firsts.append(tokens[0])
-        serial.append((caches, continue_greedy(model, tokens[0], caches, STEPS)))
-    return firsts, serial
-
-
-def batched_decode(model, caches, firsts):
-    inputs, logits = list(firsts), [[] for _ in firsts]
-    for _ in range(STEPS):
-        step = forward(model, mx.array([[t] for t in inputs]), caches)
-        inputs = mx.argmax(step, axis=-1).tolist()
-        for b in range(len(firsts)):
-            logits[b].append(step[b : b + 1])
-    return logits
-
-
-PROMPTS = [PROMPT, PROMPT[:6], PROMPT[:3] + [9]]
-
-
-@pytest.mark.parametrize("scheme", [None, KvScheme.affine(8, 32)], ids=["f32", "affine8"])
-def test_restore_batch_of_deepseek_latents_decodes_each_row_like_its_serial_run(tmp_path, scheme):
-    model = build("deepseek_v3")
-    with open_store(tmp_path / "store", identity=Identity("deepseek_v3"), provider=provider()) as store:
-        firsts, serial = sessions(store, model, lambda m: make_prompt_cache(m, scheme), PROMPTS)
-        batch = store.restore_batch(["s0", "s1", "s2"])
-        assert all(type(c) is MLALatentCache and c.lego.row_offsets == [10, 6, 4] for c in batch.caches)
-        for b, logits in enumerate(batched_decode(model, batch.caches, firsts)):
-            assert all(same(x, y) for x, y in zip(logits, serial[b][1][1])), f"row {b}"
-        rows = [store.restore(f"s{i}").caches for i in range(3)]
-    gen = BatchGenerator(model, max_tokens=STEPS)
-    uids = gen.insert([[f] for f in firsts], caches=rows)
-    got = {u: ([], []) for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid][0].append(r.token)
-            got[r.uid][1].append(r.logprobs)
-    gen.close()
-    for u, (_, (tokens, logits)) in zip(uids, serial):
-        assert got[u][0] == tokens
-        assert all(same(lp[None], log_probs(w)) for lp, w in zip(got[u][1], logits))
-
-
-def test_restore_batch_of_glm_latents_equals_mlx_lm_batching_the_same_rows(tmp_path):
-    """glm_moe_dsa's batched sparse gather orders the top-k positions by batch column, so a batched row is not
-    bit-identical to its serial run even on mlx-lm's own BatchKVCache; our batch must equal that batch exactly."""
-    model = build("glm_moe_dsa")
-    with open_store(tmp_path / "store", identity=Identity("glm"), provider=provider()) as store:
-        firsts, _ = sessions(store, model, make_prompt_cache, PROMPTS)
-        batch = store.restore_batch(["s0", "s1", "s2"])
-    assert all(type(c) is DSALatentCache for c in batch.caches)
-    theirs = []
-    for prompt in PROMPTS:
-        caches = lm_cache.make_prompt_cache(model)
-        greedy(model, prompt, caches, steps=0)
-        theirs.append(caches)
-    merged = [lm_cache.CacheList.merge([c[i] for c in theirs]) for i in range(len(model.layers))]
-    for ours, ref in zip(batched_decode(model, batch.caches, firsts), batched_decode(model, merged, firsts)):
-        assert all(same(x, y) for x, y in zip(ours, ref))
-
-
 @pytest.mark.parametrize("scheme", [KvScheme.bf16(), KvScheme.affine(4, 32, quantized_kv_start=7),
                                     KvScheme.turbo(8, 3)], ids=["f32", "affine4@7", "turbo8"])
 def test_dsa_two_call_steps_read_and_store_what_one_append_would(scheme):
@@ -338,25 +258,6 @@ def test_bfloat16_model_reads_are_bit_identical_to_mlx_lm_kv_cache():
     assert face.dtype == mx.bfloat16 and face.meta_state == ("kv:mla:target", "bfloat16")
 
 
-def test_paged_latents_batch_and_join_batch_generator(tmp_path):
-    model = build("deepseek_v3")
-    with open_store(tmp_path / "store", identity=Identity("paged"), provider=provider()) as store:
-        firsts, serial = sessions(store, model, lambda m: make_prompt_cache(m, paged_block_size=4), PROMPTS)
-        batch = store.restore_batch(["s0", "s1", "s2"])
-        assert all(type(c.lego) is PagedLatentCache for c in batch.caches)
-        for b, logits in enumerate(batched_decode(model, batch.caches, firsts)):
-            assert all(same(x, y) for x, y in zip(logits, serial[b][1][1])), f"row {b}"
-        rows = [store.restore(f"s{i}").caches for i in range(3)]
-    gen = BatchGenerator(model, max_tokens=STEPS)
-    uids = gen.insert([[f] for f in firsts], caches=rows)
-    got = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid].append(r.token)
-    gen.close()
-    assert [got[u] for u in uids] == [tokens for _, (tokens, _) in serial]
-
-
 def test_snapshot_files_carry_latent_adapters_and_malformed_adapter_entries_are_refused(tmp_path):
     import msgspec
 
@@ -396,40 +297,3 @@ def test_generate_step_runs_on_the_faces_like_on_mlx_lm_caches(name):
     ours, theirs = run(make_prompt_cache(model)), run(lm_cache.make_prompt_cache(model))
     assert [t for t, _ in ours] == [t for t, _ in theirs]
     assert all(same(a, b) for (_, a), (_, b) in zip(ours, theirs))
-
-
-def generated(model, prompts, caches):
-    gen = BatchGenerator(model, max_tokens=STEPS)
-    uids = gen.insert(prompts, caches=caches)
-    got = {u: ([], []) for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            got[r.uid][0].append(r.token)
-            got[r.uid][1].append(r.logprobs)
-    gen.close()
-    return [got[u] for u in uids]
-
-
-@pytest.mark.parametrize("paged", [None, 4])
-def test_batch_generator_prefills_unequal_continuations_on_latent_rows(tmp_path, paged):
-    """Restored latent rows take continuations of different lengths (mlx-lm's right-padded prompt step through
-    prepare/finalize, a DSA layer's two calls per step inside it) exactly as mlx-lm's own BatchGenerator does on
-    mlx-lm's caches (f32). (A one-token continuation runs the MLA layer's multi-token branch in the padded step and
-    its one-token branch when alone, so the serial run is not the reference here; mlx-lm's batching is.)"""
-    extra = [[7, 1, 33], [12], [5, 61]]
-    for name in MLA_NAMES:
-        model = build(name)
-        with open_store(tmp_path / name, identity=Identity(name), provider=provider()) as store:
-            firsts, _ = sessions(store, model, lambda m: make_prompt_cache(m, paged_block_size=paged), PROMPTS)
-            rows = [store.restore(f"s{i}").caches for i in range(3)]
-        prompts = [[f, *more] for f, more in zip(firsts, extra)]
-        ours = generated(model, prompts, rows)
-        theirs = []
-        for row_prompt in PROMPTS:
-            caches = lm_cache.make_prompt_cache(model)
-            forward(model, row_prompt, caches)
-            theirs.append(caches)
-        want = generated(model, prompts, theirs)
-        for (tokens, logprobs), (want_tokens, want_lp) in zip(ours, want):
-            assert tokens == want_tokens, name
-            assert all(same(a, b) for a, b in zip(logprobs, want_lp)), name

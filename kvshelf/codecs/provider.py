@@ -136,12 +136,14 @@ class PluggableProvider(CodecProvider):
             self.plugin_codecs()
             if kind in self._plugin_kinds:
                 return self._plugin_kinds[kind]
-            if kind.startswith("mlx-lm."):
+            if kind.startswith("mlx-lm.") and not any(k.startswith("mlx-lm.") for k in self._plugin_kinds):
                 raise IncompatibleFormat(
                     f"codec provider {self.id!r} has no codec for cache kind {kind!r}: it was written from mlx-lm's "
                     "caches; install mlx-lm (pip install 'kvshelf[mlx-lm]') to read it"
                 )
-        return super().for_entry(entry)
+            known = ", ".join(sorted([*self._by_kind, *self._plugin_kinds]))
+            raise IncompatibleFormat(f"codec provider {self.id!r} has no codec for cache kind {kind!r} (known: {known})")
+        return self._by_kind[kind]
 
 
 default_provider = PluggableProvider(

@@ -19,6 +19,7 @@ import msgspec
 from mlx_lm.models.cache import CacheList
 
 from ..codecs import validate
+from ..codecs.batch_plan import BatchPlan, BatchTensor, RowSource
 from ..codecs.header import CacheEntry, TensorSlot
 from ..codecs.latent_common import check_prefix
 from ..errors import InvalidCacheState, KvShelfError
@@ -169,6 +170,46 @@ class ListCodec(MlxCodec):
                 raise _in_child(entry, index, k, exc) from None
             start += n
         return CacheList(*caches)
+
+    # -- the direct batch path: when every child has one (glm_moe_dsa's two KVCaches), the children's plans side
+    # by side, each child's slots shifted to where they sit in the row's list entry ---------------------------------
+    def _child_rows(self, entries: list[CacheEntry]) -> list[tuple[Any, list[CacheEntry]]]:
+        per_row = [self.children(e, i) for i, e in enumerate(entries)]
+        if len({len(r) for r in per_row}) != 1:
+            raise InvalidCacheState(f"{self.kind}: rows have different child counts; mlx-lm's merge needs one layout")
+        out = []
+        for k in range(len(per_row[0])):
+            kinds = sorted({r[k][1].kind for r in per_row})
+            if len(kinds) != 1:
+                raise InvalidCacheState(f"{self.kind}: child {k} is of kinds {kinds} across the rows")
+            out.append((per_row[0][k][0], [r[k][1] for r in per_row]))
+        return out
+
+    def batch_plan(self, entries: Sequence[CacheEntry]) -> BatchPlan | None:
+        entries = list(entries)
+        self._check_batch(entries)
+        tensors: list[BatchTensor] = []
+        bases = [0] * len(entries)
+        for k, (codec, rows) in enumerate(self._child_rows(entries)):
+            plan = codec.batch_plan(rows) if isinstance(codec, MlxCodec) else None
+            if plan is None:
+                return None
+            for t in plan.tensors:
+                moved = tuple(RowSource(None if s.slot is None else s.slot + bases[b], s.start)
+                              for b, s in enumerate(t.rows))
+                tensors.append(BatchTensor(f"{k}.{t.name}", t.dtype, t.shape, t.token_axis, moved))
+            bases = [base + len(row.tensors) for base, row in zip(bases, rows)]
+        return BatchPlan(tuple(tensors))
+
+    def adopt_batch(self, entries: Sequence[CacheEntry], arrays: Sequence[mx.array]) -> CacheList:
+        arrays, start, children = list(arrays), 0, []
+        for codec, rows in self._child_rows(list(entries)):
+            n = len(codec.batch_plan(rows).tensors)
+            children.append(codec.adopt_batch(rows, arrays[start:start + n]))
+            start += n
+        cache = CacheList()
+        cache.caches = tuple(children)  # as CacheList.merge builds it
+        return cache
 
     def header_trimmable(self, entry: CacheEntry) -> bool:
         return all(codec.header_trimmable(child) for codec, child in self.children(entry))

@@ -2,7 +2,9 @@
 
 ``KVCache``, ``QuantizedKVCache`` and ``TurboQuantKVCache`` share right-justified rows over planes with positions
 on axis 2 (mlx-lm's ``BatchKVCache`` geometry); ``RotatingKVCache`` is a ring (rows batch only when laid out alike);
-``ArraysCache`` holds recurrent state (never trimmable).
+``ArraysCache`` holds recurrent state (never trimmable). ``model_face`` is what mlx-lm's model and batching code see:
+per-row ``offset`` positions for a batch, and ``BatchGenerator``'s ``merge``/``extend``/``filter``/``extract``/
+``prepare``/``finalize``.
 """
 
 from .arrays import ArraysCache
