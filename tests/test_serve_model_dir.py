@@ -162,3 +162,28 @@ def test_a_taken_port_ends_kvshelf_serve_instead_of_hanging(model_dir, tmp_path)
                                "--model", str(model_dir), "--port", str(port)], env=server_env(),
                               capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 1 and "the server failed" in proc.stderr  # plain mlx_lm.server hangs here
+
+
+def test_adapter_and_draft_model_are_part_of_the_identity(model_dir, tmp_path):
+    import mlx.core as mx
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2}))
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), {"a": mx.zeros((2, 2))})
+    base = model_identity(model_dir)
+    tuned = model_identity(model_dir, adapter_path=adapter)
+    assert tuned.model_id.startswith(base.model_id + "+adapter:") and tuned.config_fingerprint != base.config_fingerprint
+    draft = make_model_dir(tmp_path / "draft", "llama", seed=2)
+    assert model_identity(model_dir, draft_model=draft).config_fingerprint != base.config_fingerprint
+
+
+def test_a_store_that_cannot_be_opened_leaves_the_server_on_ram(model_dir, tmp_path):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the store should be")
+    with Server(model_dir, blocked, tmp_path / "s.log") as server:
+        msgs = conversation(words(30), ["hello world"], [])
+        a, b = server.chat(msgs, max_tokens=4), server.chat(msgs, max_tokens=4)
+        assert a["text"] == b["text"] and b["cached_tokens"] > 0  # RAM still serves the repeat
+        server.wait_log(r"kvshelf store .* unavailable for .* serving from RAM only")
+        assert [p["source"] for p in server.prefix_lines()] == ["none", "ram"]

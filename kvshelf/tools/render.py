@@ -18,6 +18,10 @@ from pathlib import PurePath
 from typing import Any
 
 import msgspec
+# rich imports its emoji table lazily, on the first print. When two threads print for the first time at once (the
+# inbox watcher's observer thread and its main loop), one of them can see the module half-initialised and fail with
+# an ImportError; importing it here, once, in the thread that imports this module, closes that window.
+import rich._emoji_codes  # noqa: F401
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
