@@ -52,8 +52,9 @@ def check_name(name: str) -> str:
 class ByteStore(Protocol):
     """Immutable named objects with ranged reads into caller buffers. See the module docstring for the contract."""
 
-    def put(self, name: str, buffers: Sequence[Buffer]) -> int:
-        """Store the concatenation of ``buffers`` as ``name``, all or nothing; returns its size in bytes."""
+    def put(self, name: str, buffers: Sequence[Buffer], *, durable: bool = True) -> int:
+        """Store the concatenation of ``buffers`` as ``name``, all or nothing; returns its size in bytes.
+        ``durable=False`` may skip the medium's syncs (still all or nothing; may be lost in a power cut)."""
         ...
 
     def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
@@ -84,7 +85,7 @@ class MemoryByteStore:
         self._objects: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
-    def put(self, name: str, buffers: Sequence[Buffer]) -> int:
+    def put(self, name: str, buffers: Sequence[Buffer], *, durable: bool = True) -> int:
         check_name(name)
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         with self._lock:
