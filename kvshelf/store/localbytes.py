@@ -187,6 +187,8 @@ class LocalByteStore:
             return removed
         for name in names:
             path = os.path.join(self.tmp_dir, name)
+            if os.path.isdir(path):
+                continue  # work directories of offline jobs (held under the store's exclusive lock)
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except (FileNotFoundError, IsADirectoryError):

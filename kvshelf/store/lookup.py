@@ -106,6 +106,7 @@ class _Lookup:
         self.store, self.txn, self.nsk, self.prompt = store, txn, nsk, prompt
         self.db = store.index.db
         self.block = store.block
+        self.touched = store._touched()  # uses this handle remembers but has not written yet
         self.n = prompt.n
         self.pos = _Positions(self.n, self.block)
         self.keys: dict[int, bytes] = {}
@@ -239,7 +240,7 @@ class _Lookup:
         p = min(common_prefix(stored, self.prompt.head(min(self.n, reach))[:reach]), self.n - 1)
         if not _usable(p, s):
             return
-        rank = (p, max(s.last_used_ns, self.store._touched.get(sid, 0)))
+        rank = (p, max(s.last_used_ns, self.touched.get(sid, 0)))
         if self.best is not None and p == self.best[0]:
             self.ties += 1
         elif self.best is None or p > self.best[0]:

@@ -125,7 +125,7 @@ def _densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
     plans = plan_blobs(entries, new_arrays, m.chunk_tokens)
     chunks, own, todo = [], [], []
     for plan in plans:
-        ref = BlobRef(content_hash(plan.pieces), plan.start, plan.stop, sum(p.data.nbytes for p in plan.pieces))
+        ref = BlobRef(content_hash(plan.pieces), plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
         (own if plan.stop == 0 else chunks).append(ref)
         todo.append((ref, plan.pieces))
     new = msgspec.structs.replace(m, entries=entries, chunks=chunks, own=own)
@@ -372,7 +372,7 @@ def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
     step.bytes_before = step.bytes_after = os.stat(data).st_size
     try:
         with store.exclusive():
-            copy = lmdb_files.compact_copy(store.index.env, os.path.join(store.root, "tmp"))
+            copy = lmdb_files.compact_copy(store.copy_index, os.path.join(store.root, "tmp"))
             step.bytes_after = os.stat(copy).st_size
             if dry_run or step.bytes_after >= step.bytes_before:
                 lmdb_files.discard(copy)
