@@ -182,6 +182,23 @@ def _orphans(store, leased: set[str]) -> list[tuple[str, str]]:
     return found
 
 
+def _object_of(store, name: str, kind: str) -> str | None:
+    if is_pack(name):
+        return name
+    if kind == "orphan-manifest":
+        return keys.legacy_manifest(name)
+    return next((keys.legacy_blob(name, e) for e in ("raw", "zstd") if store.bytes.exists(keys.legacy_blob(name, e))),
+                None)
+
+
+def orphan_objects(store) -> list[tuple[str, str, int]]:
+    out = []
+    for name, kind in _orphans(store, store._leased_objects()):
+        obj = _object_of(store, name, kind)
+        out.append((name, kind, (store.bytes.size(obj) or 0) if obj is not None else 0))
+    return out
+
+
 def rename_legacy_manifest(store, sid_hex: str) -> None:
     """A quarantined v1 snapshot keeps its manifest file as evidence, renamed ``.quarantined``."""
     src = keys.legacy_manifest(sid_hex)
@@ -209,12 +226,7 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
         def sweep(txn):
             blobs, manifests, nbytes = [], [], 0
             for name, kind in _orphans(store, leased):
-                obj = name if is_pack(name) else None
-                if obj is None and kind == "orphan-blob":
-                    obj = next((keys.legacy_blob(name, e) for e in ("raw", "zstd")
-                                if store.bytes.exists(keys.legacy_blob(name, e))), None)
-                if obj is None and kind == "orphan-manifest":
-                    obj = keys.legacy_manifest(name)
+                obj = _object_of(store, name, kind)
                 if obj is None or ledger.object_live(store.index, txn, obj):
                     continue
                 (manifests if kind == "orphan-manifest" else blobs).append(name)
@@ -309,4 +321,4 @@ def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[st
         found[m.snapshot_id] = (written_ns, m, pack)
 
 
-__all__ = ["gc_store", "rebuild_store_index", "rename_legacy_manifest", "verify_store"]
+__all__ = ["gc_store", "orphan_objects", "rebuild_store_index", "rename_legacy_manifest", "verify_store"]

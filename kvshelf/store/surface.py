@@ -72,6 +72,14 @@ class ToolsSurface:
                 if size is not None:
                     yield name, size
 
+    def orphans(self) -> list[tuple[str, str, int]]:
+        """(name, kind, bytes) of crash residue: objects the index does not need and no live reader holds — kind
+        ``orphan-blob`` (a pack or a v1 blob; name: pack object name or v1 hash) or ``orphan-manifest``."""
+        from .maintenance import orphan_objects
+
+        self._check_open()
+        return orphan_objects(self)
+
     def leased_hashes(self) -> set[str]:
         """Chunk hashes that live readers hold right now (never rewrite or remove these)."""
         return self._live_leases()[1]
