@@ -3,7 +3,7 @@ each save until the store's stored bytes (all identities) fit. Other identities'
 
 from __future__ import annotations
 
-from . import keys, ledger
+from . import keys
 
 
 def evict_to_budget(store, protect: bytes | None = None) -> int:
@@ -26,7 +26,7 @@ def evict_to_budget(store, protect: bytes | None = None) -> int:
                 sid = keys.lru_sid(key)
                 if sid == protect or sid.hex() in leased:
                     continue
-                return sid, ledger.drop(store.index, txn, sid)
+                return store._remove(txn, sid, "evicted")
             return None
 
         victim = store._txn(pick)

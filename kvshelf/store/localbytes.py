@@ -156,7 +156,11 @@ class LocalByteStore:
             finally:
                 os.close(fd)  # drops the flock
             if durable:
-                syncs.fsync_dir(os.path.dirname(final))
+                try:
+                    syncs.fsync_dir(os.path.dirname(final))
+                except BaseException:
+                    _unlink(final)  # all or nothing: a put that raises leaves no object behind
+                    raise
             return total
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):

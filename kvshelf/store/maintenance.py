@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 from collections import Counter, defaultdict
 
+import msgspec
 import numpy as np
 
 from ..errors import CorruptData, IncompatibleFormat
@@ -234,15 +235,6 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
                 if not dry_run:
                     store.bytes.delete(obj)
                     ledger.forget_pack(store.index, txn, obj)
-            if not dry_run:
-                for tomb in list(store.bytes.names(TOMB_DIR)):
-                    sid_hex = tomb[len(TOMB_DIR):].split(".")[0]
-                    try:
-                        indexed = txn.get(bytes.fromhex(sid_hex), db=store.index.db["manifests"]) is not None
-                    except ValueError:
-                        indexed = False
-                    if not indexed and not _tomb_needed(store, tomb):
-                        store.bytes.delete(tomb)
             return blobs, manifests, nbytes
 
         if dry_run:
@@ -255,14 +247,6 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
     return GcReport(dry_run, blobs, manifests, tmp, expired, nbytes)
 
 
-def _tomb_needed(store, tomb: str) -> bool:
-    """A tombstone matters while the pack holding that snapshot's manifest exists (it names it)."""
-    size = store.bytes.size(tomb)
-    if not size or tomb.endswith(".quarantined"):
-        return bool(size) and tomb.endswith(".quarantined")  # quarantine evidence stays until an operator acts
-    return True
-
-
 def rebuild_store_index(store) -> int:
     """Replace the index by one built from the packs' trailers and v1 manifest files (offline: the store held
     ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise)."""
@@ -271,8 +255,23 @@ def rebuild_store_index(store) -> int:
         return _reindex(store)
 
 
+def _tombs(store) -> tuple[set[str], dict[bytes, float]]:
+    """(tombstoned snapshot ids, per session key the creation time up to which its snapshots were removed)."""
+    sids, dead_until = set(), {}
+    for name in store.bytes.names(TOMB_DIR):
+        sids.add(name[len(TOMB_DIR):].split(".")[0])
+        try:
+            buf = bytearray(store.bytes.size(name) or 0)
+            store.bytes.read_into(name, 0, [memoryview(buf)])
+            skey, created_at, _reason = msgspec.msgpack.decode(bytes(buf))
+            dead_until[skey] = max(dead_until.get(skey, float("-inf")), float(created_at))
+        except (ValueError, TypeError, msgspec.DecodeError, CorruptData, ObjectMissing):
+            continue  # a tombstone lost its content in a crash: its own snapshot stays excluded
+    return sids, dead_until
+
+
 def _reindex(store) -> int:
-    tombs = {name[len(TOMB_DIR):].split(".")[0] for name in store.bytes.names(TOMB_DIR)}
+    tombs, dead_until = _tombs(store)
     located: ledger.Placed = {}
     sizes: dict[str, int] = {}
     found: dict[str, tuple[int, Manifest, str]] = {}
@@ -298,15 +297,16 @@ def _reindex(store) -> int:
             store.bytes.read_into(name, 0, [memoryview(buf)])
             _consider(found, bytes(buf), 0, "", tombs)
     ordered = sorted(found.values(), key=lambda item: item[1].created_at)
-    n = 0
     for _written, m, pack in ordered:  # oldest first: a session's newest snapshot replaces older ones
         if any(r.hash not in located for r in m.blobs):
             continue
+        if m.created_at <= dead_until.get(keys.manifest_keys(m)[2], float("-inf")):
+            continue  # its session was deleted, evicted or quarantined at or after this snapshot
         placed = {r.hash: located[r.hash] for r in m.blobs}
         store.index.write(lambda txn, m=m, pack=pack, placed=placed: ledger.commit(
             store.index, txn, m, pack, sizes.get(pack, 0), placed))
-        n += 1
-    return n
+    with store.index.read() as txn:
+        return txn.stat(store.index.db["manifests"])["entries"]
 
 
 def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[str]) -> None:

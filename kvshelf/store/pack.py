@@ -3,7 +3,7 @@
 Why: a durable save then costs one data pass, one fsync and one directory fsync for all its chunks (v1 paid both per
 chunk and once more for a separate manifest file), and ``rebuild_index`` still finds every manifest on disk.
 
-Layout (``packs/<uuid>.pack``)::
+Layout (``packs/<snapshot id>.pack`` for a save; see ``new_pack_name``)::
 
     b"KVSHPK2\\n"
     chunk frames, back to back: each exactly a v1 chunk blob (``u64 len | safetensors JSON | tensor bytes``, or its
@@ -33,7 +33,11 @@ PACK_DIR = "packs/"
 TOMB_DIR = "tomb/"
 
 
-def new_pack_name() -> str:
+def new_pack_name(snapshot_id: str = "", rewrite: bool = False) -> str:
+    """``packs/<snapshot id>.pack`` for the pack of a save (named after the snapshot it commits),
+    ``packs/<snapshot id>-<uuid>.pack`` for a rewritten manifest of that snapshot, ``packs/<uuid>.pack`` else."""
+    if snapshot_id:
+        return f"{PACK_DIR}{snapshot_id}{'-' + uuid.uuid4().hex[:12] if rewrite else ''}.pack"
     return f"{PACK_DIR}{uuid.uuid4().hex}.pack"
 
 

@@ -45,7 +45,7 @@ def repack_store(store, min_live_ratio: float = 0.5) -> dict[str, int]:
             if s.pack and s.pack not in sparse:
                 continue
             raw = store.manifest(sid.hex())
-            pack = new_pack_name()
+            pack = new_pack_name(sid.hex(), rewrite=True)
             psize = store.bytes.put(pack, PackBuilder().finish(mf.encode(raw)))
             gone = store._txn(lambda txn, sid=sid, pack=pack, psize=psize: ledger.move_manifest(
                 store.index, txn, sid, pack, psize))

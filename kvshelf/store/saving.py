@@ -98,7 +98,8 @@ def write(store, cap: Capture) -> SnapshotInfo:
                 todo = [r for r in unique.values()
                         if txn.get(bytes.fromhex(r.hash), db=store.index.db["chunks"]) is None]
             for _attempt in range(5):
-                pack, size, placed = write_pack(store, [(r, by_hash[r.hash].pieces) for r in todo], mf.encode(manifest))
+                pack, size, placed = write_pack(store, [(r, by_hash[r.hash].pieces) for r in todo], mf.encode(manifest),
+                                                name=new_pack_name(sid if not packs else ""))
                 packs.append(pack)
                 written += sum(unique[h].nbytes for h in placed)
                 n_written += len(placed)
@@ -123,13 +124,13 @@ def write(store, cap: Capture) -> SnapshotInfo:
                         cap.namespace, n_written, len(unique) - n_written, time.perf_counter() - t0)
 
 
-def write_pack(store, items: list, manifest: bytes = b"") -> tuple[str, int, ledger.Placed]:
+def write_pack(store, items: list, manifest: bytes = b"", name: str | None = None) -> tuple[str, int, ledger.Placed]:
     """One pack holding the chunks ``[(ref, pieces)]`` back to back and ``manifest`` in its trailer; durable when
     this returns (one fsync + one directory fsync). Returns (name, size, where each chunk lies)."""
     builder = PackBuilder()
     for ref, pieces in items:
         builder.add(ref.hash, raw_buffers(pieces, chunk_metadata(ref)))
-    name = new_pack_name()
+    name = name or new_pack_name()
     size = store.bytes.put(name, builder.finish(manifest))
     placed = {h: (name, off, n, enc, size) for h, (off, n, enc) in builder.where.items()}
     return name, size, placed

@@ -185,12 +185,24 @@ class Store(LeasingMixin, ToolsSurface):
     def _evict_to_budget(self, protect: bytes | None = None) -> int:
         return evict_to_budget(self, protect)
 
-    def _after_drop(self, dropped: bytes | None, freed: list[str], tomb: str = "") -> None:
-        """After a delete / eviction / quarantine: leave a tombstone (so ``rebuild_index`` never brings the snapshot
-        back from a pack that outlives it) and unlink what is dead."""
-        if dropped is not None and tomb is not None:
-            self.bytes.put(keys.tomb(dropped.hex(), quarantined=bool(tomb)), [tomb.encode()], durable=False)
+    def _remove(self, txn, sid: bytes, reason: str = "") -> tuple[bytes, list[str], bytes] | None:
+        """Drop a snapshot for good (delete, eviction, quarantine) in ``txn``: (sid, objects freed, tombstone)."""
+        raw = txn.get(sid, db=self.index.db["summaries"])
+        if raw is None:
+            return None
+        s = mf.decode(raw, mf.Summary, f"summary {sid.hex()}")
+        tomb = msgspec.msgpack.encode([keys.summary_session_key(s), s.created_at, reason])
+        return sid, ledger.drop(self.index, txn, sid), tomb
+
+    def _after_drop(self, dropped: bytes, freed: list[str], tomb: bytes, quarantined: bool = False) -> None:
+        """After a delete / eviction / quarantine: leave a tombstone (the session and its creation time, so
+        ``rebuild_index`` never brings back this snapshot or an older one of its session from a pack that outlives
+        it; not synced: it only matters if the index is lost) and unlink what is dead."""
         self._reclaim(freed)
+        try:
+            self.bytes.put(keys.tomb(dropped.hex(), quarantined=quarantined), [tomb], durable=False)
+        except (KvShelfError, OSError):  # e.g. a full disk: the removal itself is committed; only a rebuild of a
+            pass                         # lost index could bring the snapshot back
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, prompt_tokens: Sequence[int], namespace: str = "") -> PrefixHit | None:
@@ -357,6 +369,13 @@ class Store(LeasingMixin, ToolsSurface):
                                f"{self.identity.model_id!r} in the store at {self.root}")
 
     def _restore(self, manifest: Manifest, p: int) -> Restored:
+        entries, arrays = self._read_arrays(manifest, p)
+        caches = [self.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(entries, arrays)]
+        return Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
+                        manifest.namespace)
+
+    def _read_arrays(self, manifest: Manifest, p: int) -> tuple[list, list[list]]:
+        """Lease the snapshot, read the chunks covering [0, p) into fresh arrays, verify, release: (entries, arrays)."""
         read = self._open_read(manifest, p)
         objects = restoring.Objects(self.bytes)
         try:
@@ -370,9 +389,7 @@ class Store(LeasingMixin, ToolsSurface):
             self._close_read(read)
         self.counters["blobs_read"] += n_chunks
         self.counters["bytes_read"] += n_bytes
-        caches = [self.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(read.entries, arrays)]
-        return Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
-                        manifest.namespace)
+        return read.entries, arrays
 
     def _open_read(self, manifest: Manifest, p: int) -> restoring.Read:
         """The entries cut to ``p`` and the chunks covering [0, p), leased (re-reading a manifest compacted since)."""
@@ -433,22 +450,22 @@ class Store(LeasingMixin, ToolsSurface):
             if raw is None:
                 return None
             s = mf.decode(raw, mf.Summary, "summary")
-            freed = ledger.drop(self.index, txn, sid)
+            removed = self._remove(txn, sid, reason[:2000])
             skey = keys.summary_session_key(s)
             if txn.get(skey, db=self.index.db["sessions"]) is None:
                 txn.put(skey, msgspec.msgpack.encode([snapshot_id, reason[:2000]]), db=self.index.db["quarantine"])
-            return s, freed
+            return s, removed
 
         result = self._txn(drop)
         if result is None:
             return
-        s, freed = result
+        s, removed = result
         self.counters["quarantined"] += 1
         if not s.pack:  # v1: keep the manifest file as evidence, renamed
             from .maintenance import rename_legacy_manifest
 
             rename_legacy_manifest(self, snapshot_id)
-        self._after_drop(sid, freed, tomb=reason[:2000] or "quarantined")
+        self._after_drop(*removed, quarantined=True)
 
     def delete(self, session_id: str, namespace: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
@@ -457,9 +474,7 @@ class Store(LeasingMixin, ToolsSurface):
 
         def drop(txn):
             sid = txn.get(skey, db=self.index.db["sessions"])
-            if sid is None:
-                return None
-            return bytes(sid), ledger.drop(self.index, txn, bytes(sid))
+            return None if sid is None else self._remove(txn, bytes(sid))
 
         result = self._txn(drop)
         if result is None:

@@ -254,7 +254,7 @@ class ToolsSurface:
         skey = keys.manifest_keys(base)[2]
         db = self.index.db
         with self.save_gate():
-            pack = new_pack_name()
+            pack = new_pack_name(snapshot_id, rewrite=True)
             size = self.bytes.put(pack, PackBuilder().finish(mf.encode(new)))
             with self._lock:
                 placed = dict(self._placed)

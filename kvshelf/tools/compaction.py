@@ -235,7 +235,7 @@ def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
 def _raw_overhead(store: Store, hash_: str) -> int:
     """The bytes of a blob's safetensors framing (its raw file = framing + payload), for ``--dry-run``."""
     with store.open_blob(hash_, verify=False) as reader:
-        return reader.data_start - (len(KVZ_MAGIC) if reader.compressed else 0)
+        return reader.data_start - reader.base - (len(KVZ_MAGIC) if reader.compressed else 0)
 
 
 # --- the job -----------------------------------------------------------------------------------------------------
