@@ -207,9 +207,10 @@ def object_live(index, txn, name: str) -> bool:
     if name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
         sid_hex = name[len(keys.LEGACY_MANIFESTS):-len(".msgpack")]
         try:
-            return txn.get(bytes.fromhex(sid_hex), db=db["manifests"]) is not None
+            raw = txn.get(bytes.fromhex(sid_hex), db=db["summaries"])
         except ValueError:
             return False
+        return raw is not None and not mf.decode(raw, Summary, f"summary {sid_hex}").pack  # not moved into a pack
     return True  # anything else is not the ledger's to remove
 
 
