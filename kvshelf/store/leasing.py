@@ -39,6 +39,7 @@ class LeasingMixin:
         self._lease_counter = 0
         self._touches: dict[bytes, tuple[int, list[str]]] = {}  # sid -> (when, hashes) not yet written
         self._touch_timer: threading.Timer | None = None
+        self._forget: set[str] = set()  # packs unlinked whose emptied records the next write transaction drops
 
     # ------------------------------------------------------------------ write transactions
     def _txn(self, fn, unlink: Sequence[str] = ()):
@@ -46,6 +47,7 @@ class LeasingMixin:
         that are dead and unleased (under the writer lock), then ``fn``."""
         with self._lock:
             touches, self._touches = self._touches, {}
+            forget, self._forget = self._forget, set()
         leased = None
         if unlink:
             try:
@@ -57,6 +59,9 @@ class LeasingMixin:
         def run(txn):
             for sid, (when, hashes) in touches.items():
                 self._apply_touch(txn, sid, when, hashes)
+            for name in forget:  # packs unlinked by _reclaim: drop their (emptied) records
+                if not ledger.object_live(self.index, txn, name):
+                    ledger.forget_pack(self.index, txn, name)
             for name in unlink:
                 if name not in leased and not ledger.object_live(self.index, txn, name):
                     self.bytes.delete(name)
@@ -69,13 +74,27 @@ class LeasingMixin:
             with self._lock:  # not written: keep them for the next transaction
                 for sid, item in touches.items():
                     self._touches.setdefault(sid, item)
+                self._forget.update(forget)
             raise
 
     def _reclaim(self, names: Sequence[str]) -> None:
-        """Unlink the objects among ``names`` that are dead and unleased (a write transaction, under the lock)."""
+        """Unlink the objects among ``names`` that are dead in the ledger and unleased — no write transaction (no
+        fsync): a dead object never becomes live again (only the writer of a fresh pack, or an offline rebuild,
+        indexes chunks into an object), and the lease files are read after the drop committed, so a reader either
+        is seen here or sees the chunks gone. Emptied pack records are forgotten by the next write transaction."""
         names = [n for n in dict.fromkeys(names) if n]
-        if names:
-            self._txn(lambda txn: None, unlink=names)
+        if not names:
+            return
+        try:
+            leased = self._leased_objects()
+        except Unknown:
+            return  # a live handle's lease file is unreadable right now: unlink nothing this time (gc will)
+        with self.index.read() as txn:
+            dead = [n for n in names if n not in leased and not ledger.object_live(self.index, txn, n)]
+        for name in dead:
+            self.bytes.delete(name)
+        with self._lock:
+            self._forget.update(n for n in dead if keys.is_pack(n))
 
     def _leased_objects(self) -> set[str]:
         out: set[str] = set()

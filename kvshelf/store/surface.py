@@ -54,7 +54,9 @@ class ToolsSurface:
         with self.index.read() as txn:
             rows = [(bytes(k).decode(), bytes(v)) for k, v in txn.cursor(db=self.index.db["packs"])]
         for name, raw in rows:
-            yield name, mf.decode(raw, PackMeta, f"pack record {name}")
+            m = mf.decode(raw, PackMeta, f"pack record {name}")
+            if m.live_chunks or m.manifests:  # emptied ones are unlinked (their records forgotten later)
+                yield name, m
 
     def chunk_location(self, hash_: str) -> tuple[str, int, int] | None:
         """(object name, offset, length) of an indexed chunk; for a local store ``bytes.path(name)`` is its file."""
@@ -108,7 +110,8 @@ class ToolsSurface:
         with self.index.read() as txn:
             total = self.index.meta_int(txn, b"total_bytes")
             n_chunks = txn.stat(self.index.db["chunks"])["entries"]
-            n_packs = txn.stat(self.index.db["packs"])["entries"]
+            n_packs = sum(1 for _k, v in txn.cursor(db=self.index.db["packs"])
+                          if (lambda m: m.live_chunks or m.manifests)(mf.decode(v, PackMeta, "pack record")))
             n_snapshots_all = txn.stat(self.index.db["manifests"])["entries"]
             own = own_bytes = 0
             cur = txn.cursor(db=self.index.db["lru"])
