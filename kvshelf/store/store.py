@@ -72,6 +72,8 @@ class Store(LeasingMixin, ToolsSurface):
         self.id_key = identity.key if identity is not None else None
         self.bytes = byte_store if byte_store is not None else LocalByteStore(self.root,
                                                                               os.path.join(self.root, "tmp"))
+        if isinstance(self.bytes, LocalByteStore):
+            ensure_dir(os.path.join(self.root, "packs"))  # made once here, not inside a save (its own fsync)
         lock_dir = os.path.join(self.root, "locks")
         ensure_dir(lock_dir)
         self._gate_path = os.path.join(lock_dir, "save.lock")
