@@ -21,7 +21,6 @@ from ..errors import CorruptData, IncompatibleFormat
 from . import keys, ledger
 from . import manifest as mf
 from .backend import ObjectMissing
-from .identity import namespace_key
 from .localbytes import open_object
 from .manifest import ChunkMeta, Manifest, PackMeta, Summary
 from .pack import TOMB_DIR, is_pack, read_trailer

@@ -7,7 +7,6 @@ invisible to them (leases honoured, one write transaction per swap, the old copy
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
