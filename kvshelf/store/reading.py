@@ -130,18 +130,34 @@ class ReadingMixin:
                                     f"(trimmable={manifest.trimmable}, floor={manifest.minimum_reusable_offset})")
 
     def _restore(self, manifest: Manifest, p: int) -> Restored:
-        entries, arrays = self._read_arrays(manifest, p)
-        caches = [self.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(entries, arrays)]
+        entries, arrays, planned = self._read_arrays(manifest, p, direct=True)
+        caches = [self.provider.for_entry(e).adopt_batch([e], a) if pl else
+                  self.provider.for_entry(e).load(e, a, verify=False) for e, a, pl in zip(entries, arrays, planned)]
         return Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
                         manifest.namespace)
 
-    def _read_arrays(self, manifest: Manifest, p: int) -> tuple[list, list[list]]:
-        """Lease the snapshot, read the chunks covering [0, p) into fresh arrays, verify, release: (entries, arrays)."""
+    def _single_row_plans(self, entries: list) -> list:
+        """Per layer the codec's batch plan for this one row (None: no direct path): read into it, the codec adopts
+        the arrays as they are (``adopt_batch``) instead of copying them into its layout (``load``)."""
+        plans = []
+        for e in entries:
+            plan_of = getattr(self.provider.for_entry(e), "batch_plan", None)
+            plan = plan_of([e]) if plan_of is not None and e.tensors else None
+            if plan is not None and (not plan.tensors or any(t.token_axis is None for t in plan.tensors)
+                                     or len(plan.targets()) != len(e.tensors)):
+                plan = None
+            plans.append(plan)
+        return plans
+
+    def _read_arrays(self, manifest: Manifest, p: int, direct: bool = False):
+        """Lease the snapshot, read the chunks covering [0, p) into fresh arrays, verify, release: (entries, arrays)
+        — or, with ``direct``, (entries, arrays, planned per layer) where planned layers hold batch-plan tensors."""
         read = self._open_read(manifest, p)
         objects = restoring.Objects(self.bytes)
         try:
+            plans = self._single_row_plans(read.entries) if direct else None
             try:
-                arrays, n_chunks, n_bytes = restoring.read_direct(objects, read, self.verify_reads)
+                arrays, n_chunks, n_bytes = restoring.read_direct(objects, read, self.verify_reads, plans)
             except CorruptData as exc:
                 self._corrupt(read, exc)
             read.ok = True
@@ -150,6 +166,8 @@ class ReadingMixin:
             self._close_read(read)
         self.counters["blobs_read"] += n_chunks
         self.counters["bytes_read"] += n_bytes
+        if direct:
+            return read.entries, arrays, [pl is not None for pl in plans]
         return read.entries, arrays
 
     def _open_read(self, manifest: Manifest, p: int) -> restoring.Read:

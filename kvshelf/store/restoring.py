@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 import xxhash
 
 from ..codecs.dtypes import safetensors_code
@@ -106,14 +107,27 @@ class _ChunkHash:
 
 
 class _Slot:
-    """One destination tensor and the chunk pieces that fill it."""
+    """One destination tensor and the chunk pieces that fill it: a slot of the entry as it is, or (``plan``) a
+    tensor of the layer's single-row batch plan — ``[1, H, capacity, D]`` with the slot's ``T`` positions at column
+    ``col0`` and zeros around them (what ``merge_row_states`` would build by copying; ``adopt_batch`` takes it as
+    it is)."""
 
-    def __init__(self, i: int, j: int, slot):
+    def __init__(self, i: int, j: int, slot, *, shape=None, dtype: str | None = None, col0: int = 0,
+                 key: str | None = None):
         self.i, self.j, self.slot = i, j, slot
-        self.shape = tuple(int(d) for d in slot.shape)
-        self.itemsize = storage_dtype(slot.dtype).itemsize
+        self.key = key or f"{i}.{j}"
+        self.dtype = dtype or slot.dtype
+        self.shape = tuple(int(d) for d in (shape if shape is not None else slot.shape))
+        self.axis = slot.token_axis if slot is not None else None
+        self.length = int(slot.shape[self.axis]) if slot is not None and self.axis is not None else 0
+        self.col0 = col0
+        self.itemsize = storage_dtype(self.dtype).itemsize
         self.nbytes = math.prod(self.shape) * self.itemsize
         self.pieces: list[tuple[int, BlobRef, int]] = []  # (chunk index, ref, tensor index within the chunk)
+
+    @property
+    def padded(self) -> bool:
+        return self.slot is None or (self.axis is not None and self.shape[self.axis] != self.length)
 
 
 class VirtualFile:
@@ -125,8 +139,8 @@ class VirtualFile:
         header, off = {}, 0
         self.at: dict[int, _Slot] = {}
         for s in slots:
-            header[f"{s.i}.{s.j}"] = {"dtype": safetensors_code(s.slot.dtype), "shape": list(s.shape),
-                                      "data_offsets": [off, off + s.nbytes]}
+            header[s.key] = {"dtype": safetensors_code(s.dtype), "shape": list(s.shape),
+                             "data_offsets": [off, off + s.nbytes]}
             self.at[off] = s
             off += s.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -177,9 +191,30 @@ class VirtualFile:
         return n
 
 
-def read_direct(objects: Objects, read: Read, verify: bool) -> tuple[list[list[mx.array]], int, int]:
-    """Every slot of ``read.entries`` as a freshly loaded MLX array; returns (arrays, chunks read, bytes read)."""
-    slots = [[_Slot(i, j, s) for j, s in enumerate(e.tensors)] for i, e in enumerate(read.entries)]
+def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None = None
+                ) -> tuple[list[list[mx.array]], int, int]:
+    """Every destination of ``read.entries`` as a freshly loaded MLX array — per layer the slots as they are, or
+    the tensors of ``plans[layer]`` (a single-row ``BatchPlan``) — returns (arrays per layer, chunks, bytes read)."""
+    slots: list[list[_Slot]] = []   # per layer: the destinations, in the order the caller gets them
+    by_slot: list[list[_Slot | None]] = []  # per layer and entry slot: the destination its pieces go to
+    for i, e in enumerate(read.entries):
+        plan = plans[i] if plans is not None else None
+        if plan is None:
+            row = [_Slot(i, j, s) for j, s in enumerate(e.tensors)]
+            slots.append(row)
+            by_slot.append(list(row))
+            continue
+        targets = {j: kt for (b, j), kt in plan.targets().items() if b == 0}
+        row = [_Slot(i, None, None, shape=t.shape, dtype=t.dtype, key=f"{i}.p{k}") for k, t in enumerate(plan.tensors)]
+        mapped: list[_Slot | None] = []
+        for j, s in enumerate(e.tensors):
+            k, start = targets[j]
+            dest = row[k]
+            dest.slot, dest.j, dest.axis, dest.col0 = s, j, plan.tensors[k].token_axis, start
+            dest.length = int(s.shape[dest.axis])
+            mapped.append(dest)
+        slots.append(row)
+        by_slot.append(mapped)
     readers: list[BlobReader] = []
     hashes: list[_ChunkHash] = []
     try:
@@ -190,30 +225,34 @@ def read_direct(objects: Objects, read: Read, verify: bool) -> tuple[list[list[m
             for k, t in enumerate(reader.tensors):
                 i, j = slot_index(t.name)
                 try:
-                    slots[i][j].pieces.append((c, ref, k))
+                    dest = by_slot[i][j]
                 except IndexError:
                     raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} names no slot of this snapshot") from None
+                dest.pieces.append((c, ref, k))
         decompressed: dict[int, memoryview] = {}
 
         def fill(slot: _Slot, dest: memoryview) -> None:
             _fill_slot(slot, dest, readers, hashes, decompressed)
 
         flat = [s for row in slots for s in row if s.nbytes]
+        flat.sort(key=lambda s: (s.i, -1 if s.j is None else s.j))  # entry slot order: chunk header order
         vf = VirtualFile(flat, fill)
         loaded = mx.load(vf, format="safetensors") if flat else {}
-        out = [[None] * len(row) for row in slots]
-        for s in flat:  # in slot order, so every chunk's tensors arrive in header order (hashed in order)
-            a = loaded[f"{s.i}.{s.j}"]
+        out: list[list] = [[None] * len(row) for row in slots]
+        index = {id(s): (i, k) for i, row in enumerate(slots) for k, s in enumerate(row)}
+        for s in flat:  # one at a time, so every chunk's tensors arrive in header order (hashed in order)
+            a = loaded[s.key]
             mx.eval(a)
             if vf.error is not None:
                 raise vf.error
-            out[s.i][s.j] = a
-        for row in slots:
-            for s in row:
+            i, k = index[id(s)]
+            out[i][k] = a
+        for i, row in enumerate(slots):
+            for k, s in enumerate(row):
                 if not s.nbytes:
-                    out[s.i][s.j] = _empty(s)
-                    for c, _ref, k in s.pieces:
-                        hashes[c].feed(k, [])
+                    out[i][k] = _empty(s)
+                    for c, _ref, kk in s.pieces:
+                        hashes[c].feed(kk, [])
         for ch in hashes:
             ch.check()
         return out, len(readers), sum(r.data_bytes for r in readers)
@@ -225,30 +264,42 @@ def read_direct(objects: Objects, read: Read, verify: bool) -> tuple[list[list[m
 def _empty(s: _Slot) -> mx.array:
     from .layout import owned_zeros, as_stored
 
-    arrays, _ = owned_zeros([(s.slot.name, s.slot.dtype, s.shape)])
-    return as_stored(s.slot.dtype, arrays[0])
+    arrays, _ = owned_zeros([(s.key, s.dtype, s.shape)])
+    return as_stored(s.dtype, arrays[0])
 
 
 def _fill_slot(slot: _Slot, dest: memoryview, readers, hashes, decompressed) -> None:
-    axis = slot.slot.token_axis
+    axis = slot.axis
+    if slot.padded:  # zero what no piece covers (a planned tensor's columns around the row, or all of it)
+        host = np.frombuffer(dest, np.uint8)
+        if slot.slot is None or axis is None:
+            host[:] = 0
+        else:
+            outer = math.prod(slot.shape[:axis])
+            inner = math.prod(slot.shape[axis + 1:]) * slot.itemsize
+            grid = host.reshape(outer, slot.shape[axis] * inner)
+            grid[:, :slot.col0 * inner] = 0
+            grid[:, (slot.col0 + slot.length) * inner:] = 0
     for c, ref, k in slot.pieces:
         reader = readers[c]
         t = reader.tensors[k]
+        want_full = tuple(int(d) for d in slot.slot.shape)
         if axis is None:
-            if t.shape != slot.shape:
-                raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {slot.shape}")
+            if t.shape != want_full:
+                raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want_full}")
             views = [dest]
             keep = n_here = 1
         else:
             n_here = t.shape[axis] if len(t.shape) > axis else -1
-            want = slot.shape[:axis] + (n_here,) + slot.shape[axis + 1:]
+            want = want_full[:axis] + (n_here,) + want_full[axis + 1:]
             if n_here < 0 or t.shape != want or ref.start + n_here > max(ref.stop, ref.start):
                 raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want}")
-            keep = max(0, min(n_here, slot.shape[axis] - ref.start))
+            keep = max(0, min(n_here, slot.length - ref.start))
             outer = math.prod(slot.shape[:axis])
             inner = math.prod(slot.shape[axis + 1:]) * slot.itemsize
             span = slot.shape[axis] * inner
-            views = [dest[o * span + ref.start * inner:o * span + (ref.start + keep) * inner] for o in range(outer)]
+            at = (slot.col0 + ref.start) * inner
+            views = [dest[o * span + at:o * span + at + keep * inner] for o in range(outer)]
         if keep == n_here:
             _read_piece(reader, c, k, views, decompressed)
             hashes[c].feed(k, views)
