@@ -97,14 +97,20 @@ def write(store, cap: Capture) -> SnapshotInfo:
             with store.index.read() as txn:
                 todo = [r for r in unique.values()
                         if txn.get(bytes.fromhex(r.hash), db=store.index.db["chunks"]) is None]
-            for _attempt in range(5):
-                pack, size, placed = write_pack(store, [(r, by_hash[r.hash].pieces) for r in todo], mf.encode(manifest),
-                                                name=new_pack_name(sid if not packs else ""))
-                packs.append(pack)
-                written += sum(unique[h].nbytes for h in placed)
-                n_written += len(placed)
+            placed: ledger.Placed = {}
+            for attempt in range(5):  # the first pack carries the manifest; a retry's only the chunks it re-writes
+                name, size, more = write_pack(store, [(r, by_hash[r.hash].pieces) for r in todo],
+                                              mf.encode(manifest) if attempt == 0 else b"",
+                                              name=new_pack_name(sid if attempt == 0 else ""))
+                packs.append(name)
+                if attempt == 0:
+                    pack, pack_size = name, size
+                placed.update(more)
+                written += sum(unique[h].nbytes for h in more)
+                n_written += len(more)
                 try:
-                    old, freed = store._txn(lambda txn: ledger.commit(store.index, txn, manifest, pack, size, placed))
+                    old, freed = store._txn(lambda txn: ledger.commit(store.index, txn, manifest, pack, pack_size,
+                                                                      placed))
                     committed = True
                     break
                 except ledger.MissingChunks as missing:  # dropped by a concurrent eviction since we checked
@@ -114,7 +120,7 @@ def write(store, cap: Capture) -> SnapshotInfo:
         finally:
             if not committed:  # a failed save leaves nothing behind (what it wrote is unreferenced)
                 store._reclaim(packs)
-    store._reclaim([p for p in packs[:-1]] + freed)
+    store._reclaim(packs[1:] + freed)  # a retry's pack is dead if a concurrent save indexed its chunks first
     reused = need - written
     store.counters["blobs_written"] += n_written
     store.counters["bytes_written"] += written
