@@ -222,6 +222,9 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
             reader = objects.chunk(ref, read.where[ref.hash], verify)
             readers.append(reader)
             hashes.append(_ChunkHash(reader, verify))
+            advise = getattr(reader.source, "willneed", None)
+            if advise is not None:
+                advise(reader.base, reader.length)
             for k, t in enumerate(reader.tensors):
                 i, j = slot_index(t.name)
                 try:
