@@ -26,7 +26,7 @@ from .harness import (
 GROUPS: dict[str, tuple[str, ...]] = {
     "save": ("1", "2", "3"),
     "restore": ("4", "5", "6", "11"),
-    "kv": ("1", "4"),
+    "kv": ("1", "2", "4", "5", "11"),
     "lookup": ("7",),
     "disk": ("8",),
     "compaction": ("9",),

@@ -73,4 +73,26 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
                             extra={"worker": doc}))
     finally:
         remove(store_path)
+    rows.append(_kv_save(ctx, size))
     return rows
+
+
+def _kv_save(ctx: Context, size: str) -> Row:
+    """Issue 11's row: a KV float16 save (512 MiB at L) may add at most 64 MiB above the cache itself."""
+    mlx_path = ctx.scratch.fresh("rss-mlxlm-kv").with_suffix(".safetensors")
+    store_path = ctx.scratch.fresh("rss-store-kv")
+    try:
+        base = _worker("mlx-kv-save", mlx_path, size)
+        doc = _worker("kv-save", store_path, size)
+    except Exception as exc:  # noqa: BLE001
+        return unavailable("10", "peak RSS above the cache of a KV float16 save", str(exc))
+    finally:
+        remove(mlx_path)
+        remove(store_path)
+    above = (doc["peak"] - doc["rss_before"]) / MiB
+    base_above = (base["peak"] - base["rss_before"]) / MiB
+    return Row("10", f"peak RSS above the cache of a save, KV float16 ({doc['nbytes'] / MiB:.0f} MiB), own process",
+               Sample("MiB", [above]), Sample("MiB", [base_above]), "mlx-lm save_prompt_cache, same measure",
+               "≤ +64 MiB", 64.0, check="value",
+               notes=f"peak {doc['peak'] / MiB:.0f} MiB − {doc['rss_before'] / MiB:.0f} MiB holding the cache",
+               extra={"worker": doc, "baseline_worker": base})

@@ -1,6 +1,6 @@
 """Child process for measure 10: one save or restore of the large workload, reporting its peak RSS as JSON.
 
-``python -m benchmarks.rss_worker {save|restore|mlx-save|mlx-load} PATH SIZE`` prints one JSON line:
+``python -m benchmarks.rss_worker {save|restore|mlx-save|mlx-load|kv-save|mlx-kv-save} PATH SIZE`` prints one JSON line:
 ``rss_start`` (after imports, before any cache data exists), ``rss_before`` (just before the operation) and
 ``peak`` (VmHWM over the operation: the kernel's high-water mark is reset through ``/proc/self/clear_refs`` right
 before it, so building the test data does not count). Bytes throughout.
@@ -57,6 +57,33 @@ def main(argv: list[str]) -> int:
         _reset_peak()
         caches = load_prompt_cache(str(path))
         data.eval_mlx_lm(caches)
+        out["peak"] = _status("VmHWM")
+    elif op in ("kv-save", "mlx-kv-save"):  # the plain multi-head workload, float16 (512 MiB at L)
+        small = size == "small"
+        layers, n = (2, 512) if small else (data.KV_LAYERS, 4096)
+        kv_tokens = data.token_ids(n, seed=5)
+        gc.collect()
+        out["rss_start"] = _status("VmRSS")
+        pairs = data.kv_data(layers, n, mx.float16)
+        out["nbytes"] = sum(int(a.nbytes) for p in pairs for a in p)
+        if op == "kv-save":
+            held = data.kv_caches(pairs)
+        else:
+            from benchmarks.kv import mlx_lm_kv
+
+            held = mlx_lm_kv(pairs)
+        del pairs
+        gc.collect()
+        mx.clear_cache()
+        out["rss_before"] = _status("VmRSS")
+        _reset_peak()
+        if op == "kv-save":
+            with open_store(path, identity=identity) as store:
+                store.save("big", kv_tokens, held)
+        else:
+            from mlx_lm.models.cache import save_prompt_cache
+
+            save_prompt_cache(str(path), held)
         out["peak"] = _status("VmHWM")
     else:
         gc.collect()

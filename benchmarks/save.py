@@ -65,7 +65,7 @@ def _store_save_sample(ctx: Context, tokens, caches, reps: int | None = None) ->
 def measure_full_save(ctx: Context) -> list[Row]:
     rows: list[Row] = []
     w = ctx.workload
-    target = "≤ 1.25× raw"
+    target = "≤ 1.10× raw"
     raw_f32 = _raw_sample(ctx, data.raw_buffers(ctx.data()))
     mlx = _mlx_lm_sample(ctx, data.mlx_lm_caches(ctx.data()))
     missing = data.kvshelf_missing(*data.LEGOS, *data.STORE)
@@ -84,7 +84,7 @@ def measure_full_save(ctx: Context) -> list[Row]:
             rows.append(unavailable("1", name, f"{type(exc).__name__}: {exc}", target=target))
             continue
         state = sum(len(b) for b in buffers)
-        rows.append(Row("1", name, value, raw, "raw write+fsync, same bytes", target, 1.25,
+        rows.append(Row("1", name, value, raw, "raw write+fsync, same bytes", target, 1.10,
                         notes=f"{state / 2**20:.1f} MiB",
                         extra={"state_bytes": state, "bytes_written": getattr(infos[-1], "bytes_written", None)}))
         if variant == "mla-f32":

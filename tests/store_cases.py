@@ -34,12 +34,29 @@ def same_caches(a: list, b: list) -> None:
         assert describe(x) == describe(y)
 
 
+def chunk_file(store, hash_: str) -> tuple[str, int, int]:
+    """(file, offset, length) of a stored chunk: its frame inside a pack (or a whole v1 blob file)."""
+    name, offset, length = store.chunk_location(hash_)
+    return store.bytes.path(name), offset, length
+
+
+def flip_chunk_byte(store, hash_: str, from_end: int = 5, bit: int = 0x40) -> None:
+    """Flip one bit ``from_end`` bytes before the end of a chunk's bytes (tensor data: same size, only a hash sees)."""
+    path, offset, length = chunk_file(store, hash_)
+    with open(path, "r+b") as f:
+        f.seek(offset + length - from_end)
+        b = f.read(1)
+        f.seek(offset + length - from_end)
+        f.write(bytes([b[0] ^ bit]))
+
+
 def open_test_store(path, **options):
     options.setdefault("chunk_tokens", 4)
     return open_store(path, identity=options.pop("identity", IDENTITY), **options)
 
 
-__all__ = ["IDENTITY", "LAYERS", "session", "token_ids", "same_caches", "open_test_store", "bits"]
+__all__ = ["IDENTITY", "LAYERS", "session", "token_ids", "same_caches", "open_test_store", "bits", "chunk_file",
+           "flip_chunk_byte"]
 
 
 class RingCache(MLACache):

@@ -23,10 +23,10 @@ def test_lookup_reads_no_blobs_it_answers_with_the_blob_directory_unreadable(tmp
     with open_test_store(root) as store:
         store.save("a", tokens, session(MLA, (40,)))
         before = dict(store.counters)
-        blobs = root / "blobs"
-        os.chmod(blobs, 0o000)  # any open of a chunk or manifest file would now fail (EACCES)
+        blobs = root / "packs"
+        os.chmod(blobs, 0o000)  # any open of a pack (chunks, manifests) would now fail (EACCES)
         try:
-            if os.access(blobs / "manifests", os.R_OK):  # running as root: access bits do not bind; move it away
+            if os.access(blobs, os.R_OK):  # running as root: access bits do not bind; move it away
                 os.chmod(blobs, 0o700)
                 os.rename(blobs, root / "blobs-away")
             hit = store.lookup(tokens[:23] + [60_000])

@@ -100,7 +100,7 @@ def test_the_installed_console_script_is_the_cli(populated) -> None:
 def test_show_and_ls_read_no_tensor_bytes(store_copy) -> None:
     """With every chunk file gone, show and ls still answer in full (verify, which reads blobs, does not)."""
     expected = run_json("show", "s-paged-affine", "--store", str(store_copy))
-    for chunk in (store_copy / "blobs").glob("??/*.safetensors"):
+    for chunk in (store_copy / "packs").glob("*.pack"):
         chunk.unlink()
     assert run_json("show", "s-paged-affine", "--store", str(store_copy)) == expected
     listing = run_json("ls", "--store", str(store_copy))

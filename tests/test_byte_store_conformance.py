@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvshelf.errors import CorruptData, InvalidCacheState, KvShelfError
 from kvshelf.store.backend import ByteStore, MemoryByteStore, ObjectMissing
-
+from kvshelf.store.localbytes import LocalByteStore, open_object
 
 
 def _redis_byte_store(tmp_path):
@@ -37,6 +37,7 @@ def _redis_byte_store(tmp_path):
 
 BYTE_STORES = {
     "memory": lambda tmp_path: MemoryByteStore(),
+    "local": lambda tmp_path: LocalByteStore(str(tmp_path / "objects")),
     "redis": _redis_byte_store,
 }
 
@@ -144,3 +145,23 @@ def test_any_ranges_read_back(store, data, cuts):
         out = bytearray(hi - lo)
         store.read_into("h", lo, [memoryview(out)])
         assert bytes(out) == data[lo:hi]
+
+
+def test_put_not_durable_is_still_all_or_nothing_and_readable(store):
+    assert store.put("t/1", [b"tomb", b"stone"], durable=False) == 9
+    out = bytearray(9)
+    store.read_into("t/1", 0, [memoryview(out)])
+    assert bytes(out) == b"tombstone"
+
+
+def test_open_object_reads_ranges_without_reopening(store):
+    store.put("o/1", [bytes(range(200))])
+    with open_object(store, "o/1") as reader:
+        assert reader.size() == 200
+        a, b = bytearray(10), bytearray(5)
+        reader.read_into(100, [memoryview(a), memoryview(b)])
+        assert bytes(a) == bytes(range(100, 110)) and bytes(b) == bytes(range(110, 115))
+        with pytest.raises(CorruptData):
+            reader.read_into(195, [memoryview(bytearray(10))])
+    with pytest.raises(ObjectMissing):
+        open_object(store, "o/none")

@@ -114,12 +114,12 @@ def test_stats_ratios_are_the_documented_quotients(store_dir) -> None:
 
 
 def _blob_files(root: Path) -> list[Path]:
-    return sorted(p for p in (root / "blobs").glob("??/*.safetensors"))
+    return sorted(p for p in (root / "packs").glob("*.pack"))
 
 
 def test_orphans_make_stats_and_verify_exit_1_until_gc(fresh_store) -> None:
     victim = _blob_files(fresh_store)[0]
-    orphan = fresh_store / "blobs" / "ff" / ("f" * 32 + ".safetensors")  # crash residue: a blob nobody indexed
+    orphan = fresh_store / "packs" / ("f" * 32 + ".pack")  # crash residue: a pack nobody indexed
     orphan.parent.mkdir(mode=0o700, exist_ok=True)
     shutil.copy(victim, orphan)
     stats = run_json("stats", "--store", str(fresh_store), expect_rc=1)
@@ -139,9 +139,11 @@ def test_verify_deep_rehashes_and_names_the_sessions(fresh_store) -> None:
         sid = store.sessions(namespace="")[0]
         manifest = store.manifest(store.restore("s-turbo").snapshot_id)
     ref: BlobRef = next(r for r in manifest.chunks if r.start == 64)  # not shared with any other session
-    path = fresh_store / "blobs" / ref.hash[:2] / f"{ref.hash}.safetensors"
+    with open_store(fresh_store, identity=MODEL) as store:
+        name, offset, length = store.chunk_location(ref.hash)
+    path = fresh_store / name
     data = bytearray(path.read_bytes())
-    data[-5] ^= 0x40  # one flipped bit in tensor data: same size, so only a re-hash sees it
+    data[offset + length - 5] ^= 0x40  # one flipped bit in tensor data: same size, so only a re-hash sees it
     path.write_bytes(bytes(data))
     assert sid is not None
     shallow = run_json("verify", "--store", str(fresh_store))

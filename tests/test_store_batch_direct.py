@@ -21,7 +21,7 @@ from codec_cases import (
     read_bits,
 )
 from kv_cases import MAKERS, flat, kv, same
-from store_cases import open_test_store, token_ids
+from store_cases import flip_chunk_byte, open_test_store, token_ids
 
 from kvshelf import Identity, open_store
 from kvshelf.codecs.mla_codec import MLACodec
@@ -212,12 +212,7 @@ def test_corrupt_chunk_in_one_row_raises_and_returns_nothing(tmp_path):
         store.save("bad", token_ids(10, 2), latent_session(case, (10,), 2))
         bad = store.manifest(store.sessions()[[s.session_id for s in store.sessions()].index("bad")].snapshot_id)
         ref = bad.chunks[1]
-        path = store.blobs.path(ref.hash, store.chunk_info(ref.hash).encoding)
-        with open(path, "r+b") as f:
-            f.seek(-7, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-7, os.SEEK_END)
-            f.write(bytes([byte[0] ^ 0x10]))
+        flip_chunk_byte(store, ref.hash, from_end=7, bit=0x10)
         result = None
         with pytest.raises(CorruptData) as raised:
             result = store.restore_batch(["good", "bad", "good"])

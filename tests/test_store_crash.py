@@ -45,8 +45,8 @@ def _wait_ready(log: Path, proc: subprocess.Popen, timeout: float = 30.0) -> Non
 
 
 def blob_files(store_dir: Path) -> set[str]:
-    """Every chunk blob on disk (content-addressed files under ``blobs/ab/``), by name."""
-    return {p.name for p in (store_dir / "blobs").glob("??/*") if p.is_file()}
+    """Every object holding chunks on disk (layout v2: ``packs/<uuid>.pack``), by object name."""
+    return {f"packs/{p.name}" for p in (store_dir / "packs").glob("*.pack") if p.is_file()}
 
 
 RESIDUE = {"orphan-blob", "orphan-manifest"}  # what a kill may leave behind; gc's to reclaim, not a fault
@@ -91,7 +91,7 @@ def check_store(
         after = blob_files(store_dir)
         assert sorted(report.orphan_blobs) == orphans
         assert sorted(report.orphan_manifests) == stray_manifests
-        assert sorted(before - after) == sorted(f"{h}.safetensors" for h in orphans)
+        assert sorted(before - after) == orphans
         again = store.gc(dry_run=True)
         assert (again.orphan_blobs, again.orphan_manifests, again.tmp_files) == ([], [], []), f"gc left {again}"
         assert store.verify() == []  # blobs were re-hashed above; gc only removed unreferenced ones
@@ -102,8 +102,8 @@ def check_store(
             prefix = store.restore_prefix(sw.session_tokens(session, cut) + [sw.VOCAB + 1])
             assert prefix is not None and prefix.length == cut, f"{session}[:{cut}]: {prefix and prefix.length}"
             assert sw.mismatch(prefix.caches, session, cut) is None
-        referenced = store.stats()["blobs"]
-        assert len(after) == referenced, f"{len(after)} blob files on disk, {referenced} referenced"
+        referenced = store.stats()["packs"]
+        assert len(after) == referenced, f"{len(after)} packs on disk, {referenced} referenced"
     tmp = store_dir / "tmp"
     assert not tmp.exists() or list(tmp.iterdir()) == [], f"in-flight residue left in {tmp}"
     return len(ids), len(orphans)

@@ -81,7 +81,7 @@ def _recover(store, store_dir: Path, saved: dict[str, int], failed: str) -> None
     assert info.length == 300
     saved[failed] = 300
     _check_intact(store, saved)
-    assert len(blob_files(store_dir)) == store.stats()["blobs"]
+    assert len(blob_files(store_dir)) == store.stats()["packs"]
 
 
 def test_real_full_filesystem_raises_store_full_and_keeps_earlier_snapshots(small_fs: Path) -> None:

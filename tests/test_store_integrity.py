@@ -10,7 +10,7 @@ import time
 
 import pytest
 from codec_cases import CASES_BY_ID
-from store_cases import open_test_store, same_caches, session, token_ids
+from store_cases import chunk_file, flip_chunk_byte, open_test_store, same_caches, session, token_ids
 
 from kvshelf.errors import CorruptData, SnapshotNotFound, StoreFull
 from kvshelf.store import blobs as blobs_module
@@ -23,16 +23,8 @@ def mla(n, seed=0):
     return session(MLA, (n,), seed)
 
 
-def blob_path(store, h):
-    return store.blobs.path(h, store.chunk_info(h).encoding if store.chunk_info(h) else "raw")
-
-
-def flip_byte(path, from_end=5):
-    with open(path, "r+b") as f:
-        f.seek(-from_end, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-from_end, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0x40]))
+def packs_on_disk(root):
+    return sorted((root / "packs").glob("*.pack"))
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +61,8 @@ def test_saving_a_grown_session_writes_only_new_chunks(tmp_path):
         again = store.save("b", tokens, session(MLA, (40, 40)))
         assert (again.bytes_written, again.bytes_reused) == (0, 80 * PER_TOKEN)
         assert len(store.sessions()) == 2 and store.stats()["blobs"] == 5  # the old partial chunk was freed
-        assert len(list((tmp_path / "s" / "blobs").glob("??/*.safetensors"))) == 5
+        live = {store.chunk_location(h)[0] for h, _m in store.iter_chunks()}
+        assert len(live) == 2 and {p.name for p in packs_on_disk(tmp_path / "s")} >= {n.split("/")[1] for n in live}
         same_caches(store.restore("a").caches, session(MLA, (40, 40)))
         assert store.verify(deep=True) == []
 
@@ -81,7 +74,7 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
         b = store.save("b", shared + token_ids(20, seed=2), session(MLA, (64, 20), seed=0))
         assert b.bytes_reused == 64 * PER_TOKEN
         bad = store.manifest(a.snapshot_id).chunks[-1]  # a's own last chunk
-        flip_byte(blob_path(store, bad.hash))
+        flip_chunk_byte(store, bad.hash)
         assert [f.kind for f in store.verify(deep=False)] == []
         assert [(f.kind, f.where) for f in store.verify(deep=True)] == [("corrupt-blob", f"blob {bad.hash}")]
         with pytest.raises(CorruptData, match=rf"session 'a' .*chunk {bad.hash} covering tokens \[96, 100\)"):
@@ -92,7 +85,7 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
         same_caches(store.restore("b").caches, session(MLA, (64, 20), seed=0))
         assert {s.session_id for s in store.sessions()} == {"b"}
         assert store.stats()["quarantined_sessions"] == 1
-        assert (tmp_path / "s" / "blobs" / "manifests" / f"{a.snapshot_id}.quarantined").exists()
+        assert (tmp_path / "s" / "tomb" / f"{a.snapshot_id}.quarantined").exists()  # the evidence: why, and when
         assert store.verify(deep=True) == []  # the bad chunk was a's alone: freed with it
         store.save("a", shared, session(MLA, (64,), seed=0))  # a new save of the session clears the quarantine
         assert store.restore("a").length == 64
@@ -102,9 +95,9 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
 def test_truncated_blob_is_corrupt_data(tmp_path):
     with open_test_store(tmp_path / "s", chunk_tokens=16) as store:
         info = store.save("a", token_ids(40), mla(40))
-        path = blob_path(store, store.manifest(info.snapshot_id).chunks[1].hash)
+        path, offset, length = chunk_file(store, store.manifest(info.snapshot_id).chunks[-1].hash)
         with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) - 100)
+            f.truncate(offset + length - 100)  # the last chunk (and the pack's trailer) cut short
         with pytest.raises(CorruptData, match="truncated"):
             store.restore("a")
         assert store.sessions() == [] and store.verify(deep=True) == []
@@ -177,11 +170,12 @@ def test_leased_snapshot_is_not_evicted_and_keeps_its_chunks(tmp_path):
         lease = store._lease(manifest, manifest.chunks)  # what a restore in flight holds
         store.save("b", token_ids(48, seed=2), mla(48, seed=2))  # over budget, but a is leased
         assert {s.session_id for s in store.sessions()} == {"a", "b"}
+        files = {chunk_file(store, r.hash)[0] for r in manifest.chunks}
         store.delete("a")  # even an explicit delete leaves a reader's chunks on disk
-        assert all(store.blobs.has(r.hash) for r in manifest.chunks)
+        assert all(os.path.exists(f) for f in files)
         store._release(lease, None, manifest.chunks)  # the reader is done: the freed chunks go with its release
         report = store.gc(dry_run=False)
-        assert report.orphan_blobs == [] and not any(store.blobs.has(r.hash) for r in manifest.chunks)
+        assert report.orphan_blobs == [] and not any(os.path.exists(f) for f in files)
         assert store.verify(deep=True) == []
 
 
@@ -217,21 +211,21 @@ def test_gc_dry_run_reports_and_removes_nothing(tmp_path):
     root = tmp_path / "s"
     with open_test_store(root, chunk_tokens=16) as store:
         store.save("a", token_ids(40), mla(40))
-        orphan = "ab" * 16
-        src = next((root / "blobs").glob("??/*.safetensors"))
-        (root / "blobs" / "ab").mkdir(mode=0o700, exist_ok=True)
-        shutil.copy(src, root / "blobs" / "ab" / f"{orphan}.safetensors")
+        orphan = f"packs/{'ab' * 16}.pack"
+        src = packs_on_disk(root)[0]
+        shutil.copy(src, root / orphan)  # crash residue: a pack written, never committed
         (root / "tmp" / "999999999-dead.tmp").write_bytes(b"x")
-        (root / "blobs" / "manifests" / f"{'cd' * 16}.msgpack").write_bytes(b"\x80")
+        (root / "blobs" / "manifests").mkdir(mode=0o700, parents=True)
+        (root / "blobs" / "manifests" / f"{'cd' * 16}.msgpack").write_bytes(b"\x80")  # a v1 writer's residue
         kinds = sorted(f.kind for f in store.verify())
         assert kinds == ["orphan-blob", "orphan-manifest"]
         dry = store.gc(dry_run=True)
         assert (dry.orphan_blobs, dry.orphan_manifests, dry.tmp_files) == ([orphan], ["cd" * 16],
                                                                            ["999999999-dead.tmp"])
         assert dry.bytes == os.path.getsize(src)
-        assert (root / "blobs" / "ab" / f"{orphan}.safetensors").exists() and (root / "tmp" / "999999999-dead.tmp").exists()
+        assert (root / orphan).exists() and (root / "tmp" / "999999999-dead.tmp").exists()
         done = store.gc(dry_run=False)
-        assert done.orphan_blobs == [orphan] and not (root / "blobs" / "ab" / f"{orphan}.safetensors").exists()
+        assert done.orphan_blobs == [orphan] and not (root / orphan).exists()
         assert not (root / "tmp" / "999999999-dead.tmp").exists()
         assert store.gc(dry_run=True).orphan_blobs == []
         same_caches(store.restore("a").caches, mla(40))

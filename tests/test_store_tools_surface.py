@@ -65,7 +65,7 @@ def _save_during_manifest_write(root: Path, snapshot_id: str, session: str, toke
     fired = threading.Event()
 
     def hook(path: str, nbytes: int) -> None:
-        if fired.is_set() or not path.endswith(f"{snapshot_id}.msgpack"):
+        if fired.is_set() or f"/{snapshot_id}-" not in path or not path.endswith(".pack"):
             return
         fired.set()
         errors = []
@@ -98,7 +98,7 @@ def test_replace_manifest_loses_cleanly_to_a_save_committed_after_its_read(store
         r = store.restore("s-mla")
         assert r.tokens == newer and _bits(r.caches) == _bits(make_caches("mla", 90, 42))
         assert store.verify(deep=True) == []
-        assert not (store_dir / "blobs" / "manifests" / f"{sid}.msgpack").exists()
+        assert not list((store_dir / "packs").glob(f"{sid}-*.pack"))  # the losing rewrite's pack was unlinked
 
 
 def test_compaction_skips_a_snapshot_saved_again_during_its_rewrite(store_dir) -> None:
@@ -106,7 +106,7 @@ def test_compaction_skips_a_snapshot_saved_again_during_its_rewrite(store_dir) -
     with open_store(store_dir, identity=MODEL, chunk_tokens=32) as store:
         sid = next(s.snapshot_id for s in store.sessions() if s.session_id == "s-paged-f32")
         mla_before = _bits(store.restore("s-mla").caches)
-    n_blobs = sum(1 for _ in (store_dir / "blobs").glob("??/*"))
+    n_blobs = sum(1 for _ in (store_dir / "packs").glob("*.pack"))
     fired = _save_during_manifest_write(store_dir, sid, "s-paged-f32", newer, make_caches("paged-f32", 75, 43))
     with open_admin(store_dir) as store:
         report = compact(store, cold_after=3600.0, grace=0.0, compact_index=False)
@@ -121,7 +121,7 @@ def test_compaction_skips_a_snapshot_saved_again_during_its_rewrite(store_dir) -
         r = store.restore("s-paged-f32")
         assert r.tokens == newer and _bits(r.caches) == _bits(make_caches("paged-f32", 75, 43))
         assert _bits(store.restore("s-mla").caches) == mla_before
-    assert sum(1 for _ in (store_dir / "blobs").glob("??/*")) < n_blobs + 4
+    assert sum(1 for _ in (store_dir / "packs").glob("*.pack")) < n_blobs + 4
 
 
 def test_a_reader_holding_a_manifest_rewritten_in_place_reads_the_new_one(store_dir) -> None:
@@ -263,7 +263,8 @@ def test_the_open_lock_says_exactly_whether_another_process_has_the_store_open(s
 
 
 def _kvz_sizes(root: Path) -> int:
-    return sum(p.stat().st_size for p in (root / "blobs").glob("??/*.kvz"))
+    with open_store(root, admin=True) as store:
+        return sum(meta.stored_bytes for _h, meta in store.iter_chunks() if meta.encoding == "zstd")
 
 
 def test_zstd_level_is_used_and_reaches_the_cli(store_dir, tmp_path) -> None:

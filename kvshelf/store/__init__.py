@@ -1,12 +1,13 @@
-"""kvshelf.store: the session store — an LMDB index over content-addressed safetensors chunk blobs.
+"""kvshelf.store: the session store — an LMDB index over content-addressed safetensors chunks, one pack per save.
 
 ``open_store(path, identity=Identity(model_id, ...))`` gives a :class:`Store` with ``save``/``save_async``/``flush``,
 ``restore``/``restore_prefix``/``restore_batch``, ``lookup``, ``sessions``/``delete``, ``stats``/``verify``/``gc``/
 ``rebuild_index`` and ``close``; ``open_store(path, admin=True)`` opens it identity-blind for offline tools. The layout and the guarantees are described in docs/ARCHITECTURE.md §3.
 """
 
-from .blobs import BlobStore, LocalBlobStore
+from .backend import ByteStore, MemoryByteStore
 from .identity import Identity
+from .localbytes import LocalByteStore
 from .manifest import BlobRef, ChunkMeta, Manifest
 from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .openlock import StoreBusy
@@ -14,13 +15,14 @@ from .store import Store, open_store
 
 __all__ = [
     "BlobRef",
-    "BlobStore",
+    "ByteStore",
     "ChunkMeta",
     "Finding",
     "GcReport",
     "Identity",
-    "LocalBlobStore",
+    "LocalByteStore",
     "Manifest",
+    "MemoryByteStore",
     "PrefixHit",
     "Restored",
     "RestoredBatch",

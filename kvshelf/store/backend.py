@@ -52,8 +52,9 @@ def check_name(name: str) -> str:
 class ByteStore(Protocol):
     """Immutable named objects with ranged reads into caller buffers. See the module docstring for the contract."""
 
-    def put(self, name: str, buffers: Sequence[Buffer]) -> int:
-        """Store the concatenation of ``buffers`` as ``name``, all or nothing; returns its size in bytes."""
+    def put(self, name: str, buffers: Sequence[Buffer], *, durable: bool = True) -> int:
+        """Store the concatenation of ``buffers`` as ``name``, all or nothing; returns its size in bytes.
+        ``durable=False`` may skip the medium's syncs (still all or nothing; may be lost in a power cut)."""
         ...
 
     def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
@@ -75,6 +76,14 @@ class ByteStore(Protocol):
         ...
 
 
+def put_unsynced(store: ByteStore, name: str, buffers: Sequence[Buffer]) -> int:
+    """``put(..., durable=False)`` — on an implementation written before that keyword existed, a durable put."""
+    try:
+        return store.put(name, buffers, durable=False)
+    except TypeError:
+        return store.put(name, buffers)
+
+
 class MemoryByteStore:
     """A ByteStore in process memory: the second implementation of the seam (tests, the conformance suite, and a
     scratch store that never touches disk). Thread-safe; objects are copied in on ``put`` so callers may reuse
@@ -84,7 +93,7 @@ class MemoryByteStore:
         self._objects: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
-    def put(self, name: str, buffers: Sequence[Buffer]) -> int:
+    def put(self, name: str, buffers: Sequence[Buffer], *, durable: bool = True) -> int:
         check_name(name)
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         with self._lock:
@@ -126,4 +135,4 @@ class MemoryByteStore:
         return iter(found)
 
 
-__all__ = ["BackendUnavailable", "Buffer", "ByteStore", "MemoryByteStore", "ObjectMissing", "check_name"]
+__all__ = ["BackendUnavailable", "Buffer", "ByteStore", "MemoryByteStore", "ObjectMissing", "check_name", "put_unsynced"]

@@ -58,12 +58,27 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Piece:
-    """A tensor to be written: name, mlx dtype name, shape, and its C-order bytes (a zero-copy view)."""
+    """A tensor to be written: name, mlx dtype name, shape, and its C-order bytes — one zero-copy view, or the
+    list of contiguous runs it is made of (a ``[1, H, t, D]`` token window of a ``[1, H, T, D]`` plane is H runs),
+    which are hashed and ``pwritev``-ed as they lie, never joined."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: memoryview
+    data: memoryview | list[memoryview]
+
+    @property
+    def segments(self) -> list[memoryview]:
+        return self.data if isinstance(self.data, list) else [self.data]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.data) if isinstance(self.data, list) else self.data.nbytes
+
+    def contiguous(self) -> memoryview:
+        if not isinstance(self.data, list):
+            return self.data
+        return self.data[0] if len(self.data) == 1 else memoryview(b"".join(self.data))
 
 
 def storage_dtype(dtype: str) -> np.dtype:
@@ -81,7 +96,8 @@ def content_hash(pieces: list[Piece]) -> str:
     """The blob's name: xxh3-128 over the descriptor and then every tensor's bytes, in order."""
     h = xxhash.xxh3_128(descriptor(pieces))
     for p in pieces:
-        h.update(p.data)
+        for seg in p.segments:
+            h.update(seg)
     return h.hexdigest()
 
 
@@ -90,7 +106,7 @@ def frame_header(pieces: list[Piece], metadata: dict[str, str]) -> bytes:
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for p in pieces:
-        n = p.data.nbytes
+        n = p.nbytes
         header[p.name] = {"dtype": DTYPES[p.dtype][0], "shape": list(p.shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -99,7 +115,7 @@ def frame_header(pieces: list[Piece], metadata: dict[str, str]) -> bytes:
 
 def raw_buffers(pieces: list[Piece], metadata: dict[str, str]) -> list[memoryview | bytes]:
     header = frame_header(pieces, metadata)
-    return [struct.pack("<Q", len(header)), header, *(p.data for p in pieces if p.data.nbytes)]
+    return [struct.pack("<Q", len(header)), header, *(seg for p in pieces for seg in p.segments if seg.nbytes)]
 
 
 def _shuffle(data: memoryview, dtype: str) -> memoryview | bytes:
@@ -121,12 +137,12 @@ def _unshuffle_into(src: memoryview, dst: memoryview, dtype: str) -> None:
 
 def kvz_buffers(pieces: list[Piece], metadata: dict[str, str], level: int = 3) -> list[bytes]:
     header = frame_header(pieces, metadata)
-    total = sum(p.data.nbytes for p in pieces)
+    total = sum(p.nbytes for p in pieces)
     compressor = zstandard.ZstdCompressor(level=level)
     chunker = compressor.chunker(size=total, chunk_size=1 << 20)
     out = [KVZ_MAGIC, struct.pack("<Q", len(header)), header]
     for p in pieces:
-        out.extend(chunker.compress(_shuffle(p.data, p.dtype)))
+        out.extend(chunker.compress(_shuffle(p.contiguous(), p.dtype)))
     out.extend(chunker.finish())
     return out
 
@@ -156,41 +172,62 @@ def _parse_header(raw: bytes, where: str) -> tuple[list[TensorInfo], dict[str, s
 
 
 class BlobReader:
-    """An open blob: its tensors, and ``read_into`` that fills caller buffers and checks the content hash."""
+    """An open chunk — a whole v1 blob file, or ``length`` bytes at ``base`` inside a pack — read through a ranged
+    source (``read_into(offset, buffers)``): its tensors, and ``read_into`` that fills caller buffers and checks the
+    content hash. ``BlobReader(path)`` opens a file by path (v1 blobs, tools)."""
 
-    def __init__(self, path: str, expect_hash: str | None = None):
+    def __init__(self, path: str | None = None, expect_hash: str | None = None, *, source=None, base: int = 0,
+                 length: int | None = None, where: str | None = None, owns_source: bool | None = None):
         self.path, self.expect_hash = path, expect_hash
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptData(f"blob {os.path.basename(path)} is missing") from None
+        self.where = where or (os.path.basename(path) if path else "chunk")
+        if source is None:
+            from .localbytes import LocalReader
+
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise CorruptData(f"blob {self.where} is missing") from None
+            source = LocalReader(fd, self.where)
+            owns_source = True if owns_source is None else owns_source
+        self.source, self.base, self._owns = source, base, bool(owns_source)
+        self.length = length
         try:
             self._open()
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
+    def _pread(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        try:
+            self.source.read_into(offset, [memoryview(buf)])
+        except CorruptData:
+            raise CorruptData(f"blob {self.where} is truncated") from None
+        return bytes(buf)
+
     def _open(self) -> None:
-        where = os.path.basename(self.path)
-        head = os.pread(self._fd, 16, 0)
+        where = self.where
+        if self.length is None:
+            self.length = self.source.size() - self.base
+        if self.length < 16:
+            raise CorruptData(f"blob {where} is truncated ({self.length} bytes)")
+        head = self._pread(self.base, 16)
         self.compressed = head[:8] == KVZ_MAGIC
-        base = 8 if self.compressed else 0
-        if len(head) < base + 8:
-            raise CorruptData(f"blob {where} is truncated ({len(head)} bytes)")
-        (hlen,) = struct.unpack("<Q", head[base:base + 8])
-        if hlen > MAX_HEADER:
-            raise CorruptData(f"blob {where}: header length {hlen} is implausible")
-        raw = os.pread(self._fd, hlen, base + 8)
-        if len(raw) != hlen:
-            raise CorruptData(f"blob {where} is truncated inside its header")
+        at = 8 if self.compressed else 0
+        (hlen,) = struct.unpack("<Q", head[at:at + 8])
+        if hlen > MAX_HEADER or at + 8 + hlen > self.length:
+            raise CorruptData(f"blob {where}: header length {hlen} is implausible (or the blob is truncated)")
+        raw = self._pread(self.base + at + 8, hlen)
         self.tensors, self.metadata = _parse_header(raw, where)
-        self.data_start = base + 8 + hlen
+        self.data_start = self.base + at + 8 + hlen
         self.data_bytes = self.tensors[-1].stop if self.tensors else 0
+        if not self.compressed and self.data_start + self.data_bytes > self.base + self.length:
+            raise CorruptData(f"blob {where} is truncated (tensor data ends early)")
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._owns and self.source is not None:
+            self.source.close()
+        self.source = None
 
     def __enter__(self) -> "BlobReader":
         return self
@@ -198,59 +235,49 @@ class BlobReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def read_into(self, dests: list[memoryview | None]) -> list[memoryview]:
-        """Fill one buffer per tensor (None: a fresh one is made) and verify the content hash over them."""
-        where = os.path.basename(self.path)
+    def read_into(self, dests: list[memoryview | list[memoryview] | None]) -> list[memoryview | list[memoryview]]:
+        """Fill one destination per tensor (a buffer, a list of runs making it up in C order, or None: a fresh
+        buffer) and verify the content hash over them, each tensor hashed right after it was read (still hot)."""
+        where = self.where
         if len(dests) != len(self.tensors):
             raise CorruptData(f"blob {where} holds {len(self.tensors)} tensors, expected {len(dests)}")
         bufs = []
         for t, d in zip(self.tensors, dests):
-            d = memoryview(bytearray(t.nbytes)) if d is None else d.cast("B")
-            if d.nbytes != t.nbytes:
-                raise CorruptData(f"blob {where}: tensor {t.name!r} holds {t.nbytes} bytes, expected {d.nbytes}")
-            bufs.append(d)
+            d = memoryview(bytearray(t.nbytes)) if d is None else d
+            views = [v.cast("B") for v in d] if isinstance(d, list) else [d.cast("B")]
+            if sum(v.nbytes for v in views) != t.nbytes:
+                raise CorruptData(f"blob {where}: tensor {t.name!r} holds {t.nbytes} bytes, expected "
+                                  f"{sum(v.nbytes for v in views)}")
+            bufs.append(views)
+        h = xxhash.xxh3_128(descriptor(self.tensors)) if self.expect_hash is not None else None
         if self.compressed:
             self._decompress_into(bufs, where)
+            if h is not None:
+                for views in bufs:
+                    for v in views:
+                        h.update(v)
         else:
-            self._pread_into(bufs, where)
-        if self.expect_hash is not None:
-            h = xxhash.xxh3_128(descriptor(self.tensors))
-            for b in bufs:
-                h.update(b)
+            for t, views in zip(self.tensors, bufs):
+                try:
+                    self.source.read_into(self.data_start + t.start, views)
+                except CorruptData:
+                    raise CorruptData(f"blob {where} is truncated (tensor data ends early)") from None
+                if h is not None:
+                    for v in views:
+                        h.update(v)
+        if h is not None:
             got = h.hexdigest()
             if got != self.expect_hash:
                 raise CorruptData(f"blob {where}: content hash {got} does not match its name {self.expect_hash}")
-        return bufs
+        return [views if isinstance(d, list) else views[0] for d, views in zip(dests, bufs)]
 
-    def _pread_into(self, bufs: list[memoryview], where: str) -> None:
-        """Tensors lie back to back, so one ``preadv`` fills many buffers; short reads fall back per buffer."""
-        offset, at = self.data_start, 0
-        while at < len(bufs):
-            batch, size = [], 0
-            while at + len(batch) < len(bufs) and len(batch) < _IOV_MAX:
-                n = bufs[at + len(batch)].nbytes
-                if batch and size + n > _IO_MAX:
-                    break
-                batch.append(bufs[at + len(batch)])
-                size += n
-            if size > _IO_MAX or os.preadv(self._fd, batch, offset) != size:
-                break  # oversized or short: finish buffer by buffer from here
-            offset += size
-            at += len(batch)
-        for b in bufs[at:]:
-            done = 0
-            while done < b.nbytes:
-                n = os.preadv(self._fd, [b[done:done + _IO_MAX]], offset + done)
-                if n <= 0:
-                    raise CorruptData(f"blob {where} is truncated (tensor data ends early)")
-                done += n
-            offset += b.nbytes
-
-    def _decompress_into(self, bufs: list[memoryview], where: str) -> None:
-        size = os.fstat(self._fd).st_size - self.data_start
+    def _decompress_into(self, bufs: list[list[memoryview]], where: str) -> None:
+        size = self.base + self.length - self.data_start
         frame = bytearray(size)
-        if os.preadv(self._fd, [frame], self.data_start) != size:
-            raise CorruptData(f"blob {where} is truncated (compressed data ends early)")
+        try:
+            self.source.read_into(self.data_start, [memoryview(frame)])
+        except CorruptData:
+            raise CorruptData(f"blob {where} is truncated (compressed data ends early)") from None
         try:
             payload = zstandard.ZstdDecompressor().decompress(bytes(frame), max_output_size=self.data_bytes)
         except zstandard.ZstdError as exc:
@@ -258,8 +285,16 @@ class BlobReader:
         if len(payload) != self.data_bytes:
             raise CorruptData(f"blob {where}: compressed data holds {len(payload)} bytes, expected {self.data_bytes}")
         view = memoryview(payload)
-        for t, b in zip(self.tensors, bufs):
-            _unshuffle_into(view[t.start:t.stop], b, t.dtype)
+        for t, views in zip(self.tensors, bufs):
+            if len(views) == 1:
+                _unshuffle_into(view[t.start:t.stop], views[0], t.dtype)
+            else:
+                tmp = memoryview(bytearray(t.nbytes))
+                _unshuffle_into(view[t.start:t.stop], tmp, t.dtype)
+                at = 0
+                for v in views:
+                    v[:] = tmp[at:at + v.nbytes]
+                    at += v.nbytes
 
 
 __all__ = ["TensorInfo", "Piece", "BlobReader", "content_hash", "descriptor", "raw_buffers", "kvz_buffers",

@@ -13,7 +13,7 @@ sessions       idk + nsk + session id (utf-8)              sid of the session's 
 prefix         16-byte boundary hash (dupsort)             sid of every snapshot holding that boundary
 chunks         16-byte blob hash                           ``ChunkMeta`` (refcount, sizes, encoding, last use)
 lru            idk + be64 last-used ns + sid               empty (eviction order per identity)
-leases         be64 pid + be64 counter                     ``Lease``
+packs          pack object name (utf-8)                    ``PackMeta`` (live chunks / bytes, size, manifests)
 quarantine     idk + nsk + session id                      sid hex + reason (msgpack)
 =============  ==========================================  ==============================================
 """
@@ -29,11 +29,13 @@ from typing import TypeVar
 import lmdb
 
 from ..errors import IncompatibleFormat, KvShelfError, StoreFull
-from .blobs import ensure_dir
+from . import syncs
+from .localbytes import ensure_dir
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # 2: layout v2 (packs, sealed records); a format-1 index is read as it is and marked 2 on open
+READS_FORMATS = (1, 2)
 _T = TypeVar("_T")
-DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "lru", "leases", "quarantine")
+DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine")
 
 
 def _disk_nearly_full(path: str, reserve: int = 8 << 20) -> bool:
@@ -85,11 +87,17 @@ class Index:
         self._check_format()
 
     def _check_format(self) -> None:
-        with self.env.begin(write=True) as txn:
+        with self.env.begin() as txn:
             raw = txn.get(b"format", db=self.db["meta"])
-            if raw is None:
-                txn.put(b"format", struct.pack("<Q", INDEX_FORMAT), db=self.db["meta"])
-            elif struct.unpack("<Q", raw)[0] != INDEX_FORMAT:
+        if raw is not None and struct.unpack("<Q", raw)[0] == INDEX_FORMAT:
+            return  # the common case: no write transaction (no fsync) at open
+        with self._lock, self.env.begin(write=True) as txn:
+            raw = txn.get(b"format", db=self.db["meta"])
+            if raw is None or struct.unpack("<Q", raw)[0] in READS_FORMATS:
+                if raw is None or struct.unpack("<Q", raw)[0] != INDEX_FORMAT:
+                    txn.put(b"format", struct.pack("<Q", INDEX_FORMAT), db=self.db["meta"])
+                    txn.drop(self.env.open_db(b"leases", txn=txn), delete=True)  # v1 leases: gone with their commits
+            else:
                 raise IncompatibleFormat(f"index at {self.path} has format {struct.unpack('<Q', raw)[0]}, "
                                          f"this kvshelf reads format {INDEX_FORMAT}")
 
@@ -108,7 +116,9 @@ class Index:
             while True:
                 try:
                     with self.env.begin(write=True) as txn:
-                        return fn(txn)
+                        result = fn(txn)
+                    syncs.note_commit()
+                    return result
                 except lmdb.MapFullError:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
                 except lmdb.Error as exc:
@@ -125,6 +135,12 @@ class Index:
     def writer_lock(self) -> threading.RLock:
         """The process-wide lock every write transaction of this environment runs under (a context manager)."""
         return self._lock
+
+    def table(self, name: str):
+        """The handle of a plain (not dupsort) named table, for ``indexstore.LmdbIndexStore``."""
+        if name not in DB_NAMES:
+            raise KvShelfError(f"index table {name!r} does not exist (tables: {', '.join(DB_NAMES)})")
+        return self.db[name]
 
     def meta_int(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
         raw = txn.get(name, db=self.db["meta"])

@@ -40,10 +40,25 @@ def _region(host: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
     return host[(slice(None),) * axis + (slice(start, stop),)]
 
 
+def runs(region: np.ndarray) -> list[memoryview]:
+    """The region's bytes in C order as the contiguous runs it is made of (zero-copy): one view when it is
+    contiguous, else one per index of its leading axes down to the deepest contiguous block."""
+    if region.size == 0:
+        return [memoryview(b"")]
+    if region.flags["C_CONTIGUOUS"]:
+        return [memoryview(region).cast("B")]
+    inner, k = region.itemsize, region.ndim
+    while k > 0 and (region.shape[k - 1] == 1 or region.strides[k - 1] == inner):
+        inner *= region.shape[k - 1]
+        k -= 1
+    if k == 0:  # pragma: no cover - C-contiguous after all
+        return [memoryview(np.ascontiguousarray(region)).cast("B")]
+    return [memoryview(region[idx]).cast("B") for idx in np.ndindex(*region.shape[:k])]
+
+
 def _as_piece(name: str, dtype: str, region: np.ndarray) -> Piece:
-    if not region.flags["C_CONTIGUOUS"]:
-        region = np.ascontiguousarray(region)
-    return Piece(name, dtype, tuple(region.shape), memoryview(region).cast("B") if region.size else memoryview(b""))
+    segs = runs(region)
+    return Piece(name, dtype, tuple(region.shape), segs[0] if len(segs) == 1 else segs)
 
 
 @dataclass

@@ -24,16 +24,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from . import manifest as mf
 from .manifest import Summary
 from .prefix import boundary_hash, common_prefix, continuation, tokens_array
 
-if TYPE_CHECKING:
-    from .store import Store
 
 TIE_CANDIDATES = 32   # equal-length usable candidates compared for recency
 MAX_EXAMINED = 256    # summaries read per lookup at most
@@ -102,10 +98,11 @@ def _matching(record: bytes | memoryview, query: bytes) -> int:
 class _Lookup:
     """One lookup in one read transaction (see the module docstring)."""
 
-    def __init__(self, store: "Store", txn, nsk: bytes, prompt: LazyTokens):
+    def __init__(self, store, txn, nsk: bytes, prompt: LazyTokens):
         self.store, self.txn, self.nsk, self.prompt = store, txn, nsk, prompt
         self.db = store.index.db
         self.block = store.block
+        self.touched = store._touched()  # uses this handle remembers but has not written yet
         self.n = prompt.n
         self.pos = _Positions(self.n, self.block)
         self.keys: dict[int, bytes] = {}
@@ -239,7 +236,7 @@ class _Lookup:
         p = min(common_prefix(stored, self.prompt.head(min(self.n, reach))[:reach]), self.n - 1)
         if not _usable(p, s):
             return
-        rank = (p, max(s.last_used_ns, self.store._touched.get(sid, 0)))
+        rank = (p, max(s.last_used_ns, self.touched.get(sid, 0)))
         if self.best is not None and p == self.best[0]:
             self.ties += 1
         elif self.best is None or p > self.best[0]:

@@ -1,75 +1,100 @@
 """Checking and repairing a store: ``verify`` (the test oracle), ``gc`` (crash residue) and ``rebuild_index``.
 
-``verify`` recomputes from the manifests what every other table must hold (refcounts, prefix records, sessions, LRU
-keys, total bytes) and compares, then checks the blob directory against the index. ``gc`` only removes what no index
-record references, holding the save gate exclusively (no save is between writing blobs and committing) and LMDB's
-writer lock while unlinking. ``rebuild_index`` re-indexes every manifest file whose blobs are all present.
+``verify`` recomputes from the manifests what every other table must hold (refcounts, per-pack counts, prefix
+records, sessions, LRU keys, total bytes) and compares, then checks the byte store against the index. ``gc`` removes
+only what the ledger says is dead (``ledger.object_live``) and no live lease holds, under the exclusive save gate (no
+save is between writing its pack and committing it) and LMDB's writer lock. ``rebuild_index`` re-indexes every
+manifest found in a pack trailer (or a v1 manifest file) whose chunks are all present, skipping tombstoned ones.
+
+Nothing here imports ``Store``: these functions take the handle and use its rooms (``index``, ``bytes``, ``leases``).
 """
 
 from __future__ import annotations
 
 import shutil
-import time
-from collections import Counter
-from typing import TYPE_CHECKING
+from collections import Counter, defaultdict
 
+import msgspec
 import numpy as np
 
 from ..errors import CorruptData, IncompatibleFormat
+from . import keys, ledger
 from . import manifest as mf
-from .blobs import pid_alive
-from .manifest import ChunkMeta, Lease, Manifest, Summary
+from .backend import ObjectMissing, put_unsynced
+from .localbytes import open_object
+from .manifest import ChunkMeta, Manifest, PackMeta, Summary
+from .pack import TOMB_DIR, is_pack, read_trailer
 from .prefix import all_boundaries
 from .results import Finding, GcReport
 
-if TYPE_CHECKING:
-    from .store import Store
+
+def _manifest_on_disk(store, sid_hex: str, summary: Summary) -> bytes | None:
+    try:
+        if summary.pack:
+            with open_object(store.bytes, summary.pack) as r:
+                return read_trailer(r, summary.pack).manifest
+        size = store.bytes.size(keys.legacy_manifest(sid_hex))
+        if size is None:
+            return None
+        buf = bytearray(size)
+        store.bytes.read_into(keys.legacy_manifest(sid_hex), 0, [memoryview(buf)])
+        return bytes(buf)
+    except (ObjectMissing, CorruptData):
+        return None
 
 
-def verify_store(store: "Store", deep: bool = False) -> list[Finding]:
-    from .store import identity_key_of
-    from .identity import namespace_key
-
+def verify_store(store, deep: bool = False) -> list[Finding]:
     db = store.index.db
     out: list[Finding] = []
     refs: Counter[str] = Counter()
+    manifests_in: Counter[str] = Counter()
     prefix_records = 0
     with store.index.read() as txn:
         manifests = {}
         for sid, raw in txn.cursor(db=db["manifests"]):
             try:
-                manifests[sid] = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+                manifests[bytes(sid)] = mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()}")
             except (CorruptData, IncompatibleFormat) as exc:
-                out.append(Finding("bad-manifest", sid.hex(), str(exc)))
+                out.append(Finding("bad-manifest", bytes(sid).hex(), str(exc)))
         prefix_cur = txn.cursor(db=db["prefix"])
         for sid, m in manifests.items():
             where = f"snapshot {sid.hex()} (session {m.session_id!r})"
-            idk = identity_key_of(m)
-            nsk = namespace_key(idk, m.namespace)
+            idk, nsk, skey = keys.manifest_keys(m)
             raw = txn.get(sid, db=db["summaries"])
             if raw is None:
                 out.append(Finding("missing-summary", where, "no summary record"))
                 continue
-            s = mf.decode(raw, Summary, "summary")
+            try:
+                s = mf.decode(raw, Summary, "summary")
+            except CorruptData as exc:
+                out.append(Finding("bad-summary", where, str(exc)))
+                continue
             if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
                 out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
             toks = txn.get(sid, db=db["tokens"])
             if toks is None or not np.array_equal(np.frombuffer(toks, "<i8"), np.asarray(m.tokens, "<i8")):
                 out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest"))
-            skey = idk + nsk + m.session_id.encode("utf-8", "surrogatepass")
             if txn.get(skey, db=db["sessions"]) != sid:
                 out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
-            if txn.get(idk + s.last_used_ns.to_bytes(8, "big") + sid, db=db["lru"]) is None:
+            if txn.get(keys.lru_key(idk, s.last_used_ns, sid), db=db["lru"]) is None:
                 out.append(Finding("lru-drift", where, "no LRU record"))
             bounds = all_boundaries(nsk, np.asarray(m.tokens, "<i8"), store.block)
             prefix_records += len(bounds)
             missing = sum(1 for key, cont in bounds if not prefix_cur.set_key_dup(key, cont + sid))
             if missing:
                 out.append(Finding("prefix-drift", where, f"{missing} of {len(bounds)} prefix records missing"))
-            if store.blobs.get_manifest(m.snapshot_id) is None:
-                out.append(Finding("missing-manifest-file", where, "no manifest file next to the blobs"))
-            elif deep and mf.decode(store.blobs.get_manifest(m.snapshot_id), Manifest, "manifest file") != m:
-                out.append(Finding("manifest-file-drift", where, "manifest file differs from the index"))
+            if s.pack:
+                manifests_in[s.pack] += 1
+            on_disk = _manifest_on_disk(store, sid.hex(), s)
+            if on_disk is None:
+                out.append(Finding("missing-manifest-file", where, "its manifest is on disk in no pack or file"))
+            elif deep:
+                try:
+                    same = mf.decode(on_disk, Manifest, "manifest on disk") == m
+                except (CorruptData, IncompatibleFormat):
+                    same = False
+                if not same:
+                    out.append(Finding("manifest-file-drift", where, "the manifest on disk differs from the index"))
             for h in {r.hash for r in m.blobs}:
                 refs[h] += 1
         n_prefix = txn.stat(db["prefix"])["entries"]
@@ -79,123 +104,223 @@ def verify_store(store: "Store", deep: bool = False) -> list[Finding]:
         if n_lru != len(manifests):
             out.append(Finding("lru-drift", "lru index", f"{n_lru} records for {len(manifests)} snapshots"))
         for key, sid in txn.cursor(db=db["sessions"]):
-            if sid not in manifests:
-                out.append(Finding("dangling-session", key[32:].decode("utf-8", "replace"), f"-> {sid.hex()}"))
-        chunks = {}
+            if bytes(sid) not in manifests:
+                out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {bytes(sid).hex()}"))
+        chunks: dict[str, ChunkMeta] = {}
         for key, raw in txn.cursor(db=db["chunks"]):
-            chunks[bytes(key).hex()] = mf.decode(raw, ChunkMeta, "chunk record")
+            try:
+                chunks[bytes(key).hex()] = mf.decode(raw, ChunkMeta, "chunk record")
+            except CorruptData as exc:
+                out.append(Finding("bad-chunk-record", f"blob {bytes(key).hex()}", str(exc)))
+        packs: dict[str, PackMeta] = {}
+        for key, raw in txn.cursor(db=db["packs"]):
+            packs[bytes(key).decode()] = mf.decode(raw, PackMeta, "pack record")
         total = store.index.meta_int(txn, b"total_bytes")
-        leased = store._live_leases(txn)[1]
+    leased_objects = store._leased_objects()
     for h, n in refs.items():
         meta = chunks.get(h)
         if meta is None:
             out.append(Finding("refcount-drift", f"blob {h}", f"referenced by {n} snapshots but has no record"))
         elif meta.refs != n:
             out.append(Finding("refcount-drift", f"blob {h}", f"refcount {meta.refs}, referenced by {n}"))
+    live = defaultdict(lambda: [0, 0])
     for h, meta in chunks.items():
         if h not in refs:
             out.append(Finding("refcount-drift", f"blob {h}", f"refcount {meta.refs} but no snapshot references it"))
-        st = store.blobs.stat(h)
-        if st is None:
-            out.append(Finding("missing-blob", f"blob {h}", "indexed blob file is missing"))
+        name, offset, length = keys.location(h, meta)
+        size = store.bytes.size(name)
+        if size is None:
+            out.append(Finding("missing-blob", f"blob {h}", f"its object {name} is missing"))
             continue
-        if (st.stored_bytes, st.encoding) != (meta.stored_bytes, meta.encoding):
-            out.append(Finding("size-drift", f"blob {h}", f"file is {st.encoding} {st.stored_bytes} bytes, "
-                                                          f"index says {meta.encoding} {meta.stored_bytes}"))
+        if meta.pack:
+            live[meta.pack][0] += 1
+            live[meta.pack][1] += meta.stored_bytes
+            if offset + meta.stored_bytes > size:
+                out.append(Finding("size-drift", f"blob {h}", f"lies past the end of {name} ({size} bytes)"))
+        elif size != meta.stored_bytes:
+            out.append(Finding("size-drift", f"blob {h}", f"file is {meta.encoding} {size} bytes, "
+                                                          f"index says {meta.stored_bytes}"))
         if deep:
             try:
-                with store.blobs.open(h, verify=True) as reader:
+                with store.open_blob(h, verify=True) as reader:
                     reader.read_into([None] * len(reader.tensors))
             except CorruptData as exc:
                 out.append(Finding("corrupt-blob", f"blob {h}", str(exc)))
+    for name, pm in packs.items():
+        if (pm.live_chunks, pm.live_bytes, pm.manifests) == (0, 0, 0) and name not in live and \
+                name not in manifests_in:
+            continue  # emptied and unlinked; the next write transaction forgets the record
+        want = live.get(name, [0, 0])
+        if (pm.live_chunks, pm.live_bytes, pm.manifests) != (want[0], want[1], manifests_in.get(name, 0)):
+            out.append(Finding("pack-drift", f"pack {name}", f"record says {pm.live_chunks} chunks / "
+                                                              f"{pm.live_bytes} bytes / {pm.manifests} manifests, "
+                                                              f"the index implies {want[0]} / {want[1]} / "
+                                                              f"{manifests_in.get(name, 0)}"))
+    for name in set(live) | set(manifests_in):
+        if name not in packs:
+            out.append(Finding("pack-drift", f"pack {name}", "referenced but has no pack record"))
     if total != sum(m.stored_bytes for m in chunks.values()):
-        out.append(Finding("total-drift", "meta", f"total_bytes {total}, blob records sum to "
+        out.append(Finding("total-drift", "meta", f"total_bytes {total}, chunk records sum to "
                                                   f"{sum(m.stored_bytes for m in chunks.values())}"))
-    for st in store.blobs.iter():
-        if st.hash not in chunks and st.hash not in leased:
-            out.append(Finding("orphan-blob", f"blob {st.hash}", "no index record (crash residue: run gc)"))
-    indexed = {sid.hex() for sid in manifests}
-    for sid_hex in store.blobs.iter_manifests():
-        if sid_hex not in indexed:
-            out.append(Finding("orphan-manifest", f"manifest {sid_hex}", "not indexed (crash residue: run gc)"))
+    for name, kind in _orphans(store, leased_objects):
+        out.append(Finding(kind, f"{'manifest' if kind == 'orphan-manifest' else 'blob'} {name}",
+                           "not indexed (crash residue: run gc)"))
     return out
 
 
-def gc_store(store: "Store", dry_run: bool = True) -> GcReport:
-    tmp = store.blobs.reap_tmp(dry_run=dry_run)
-    db = store.index.db
-    now = time.time()
+def _orphans(store, leased: set[str]) -> list[tuple[str, str]]:
+    """(object, kind) of every object the ledger does not need and no live lease holds."""
+    found = []
+    with store.index.read() as txn:
+        for prefix in ("packs/", "blobs/"):
+            for name in sorted(store.bytes.names(prefix)):
+                if name in leased or ledger.object_live(store.index, txn, name):
+                    continue
+                if is_pack(name):
+                    found.append((name, "orphan-blob"))
+                elif keys.parse_legacy_blob(name) is not None:
+                    found.append((keys.parse_legacy_blob(name)[0], "orphan-blob"))
+                elif name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
+                    found.append((name[len(keys.LEGACY_MANIFESTS):-len(".msgpack")], "orphan-manifest"))
+    return found
 
-    def sweep_leases(txn):
-        dead = []
-        for key, raw in txn.cursor(db=db["leases"]):
-            lease = mf.decode(raw, Lease, "lease")
-            if lease.expires <= now or not pid_alive(lease.pid):
-                dead.append(bytes(key))
-        if not dry_run:
-            for key in dead:
-                txn.delete(key, db=db["leases"])
-        return len(dead)
 
-    expired = store._txn(sweep_leases) if not dry_run else _in_read(store, sweep_leases)
+def _object_of(store, name: str, kind: str) -> str | None:
+    if is_pack(name):
+        return name
+    if kind == "orphan-manifest":
+        return keys.legacy_manifest(name)
+    return next((keys.legacy_blob(name, e) for e in ("raw", "zstd") if store.bytes.exists(keys.legacy_blob(name, e))),
+                None)
+
+
+def orphan_objects(store) -> list[tuple[str, str, int]]:
+    out = []
+    for name, kind in _orphans(store, store._leased_objects()):
+        obj = _object_of(store, name, kind)
+        out.append((name, kind, (store.bytes.size(obj) or 0) if obj is not None else 0))
+    return out
+
+
+def rename_legacy_manifest(store, sid_hex: str) -> None:
+    """A quarantined v1 snapshot keeps its manifest file as evidence, renamed ``.quarantined``."""
+    src = keys.legacy_manifest(sid_hex)
+    size = store.bytes.size(src)
+    if size is None:
+        return
+    buf = bytearray(size)
+    store.bytes.read_into(src, 0, [memoryview(buf)])
+    put_unsynced(store.bytes, keys.legacy_manifest(sid_hex, quarantined=True), [buf])
+    store.bytes.delete(src)
+
+
+def gc_store(store, dry_run: bool = True) -> GcReport:
+    reap = getattr(store.bytes, "reap_tmp", None)
+    tmp = reap(dry_run=dry_run) if reap is not None else []
+    expired = store.leases.reap(dry_run=dry_run)
     try:
         gate = store.save_gate(exclusive=True, timeout=10.0)
         gate.__enter__()
     except TimeoutError:
         return GcReport(dry_run, [], [], tmp, expired, 0, "saves kept the store busy; orphan sweep skipped")
     try:
+        leased = store._leased_objects()
+
         def sweep(txn):
-            leased = store._live_leases(txn)[1]
-            blobs, nbytes = [], 0
-            for st in list(store.blobs.iter()):
-                if st.hash in leased or txn.get(bytes.fromhex(st.hash), db=db["chunks"]) is not None:
+            blobs, manifests, nbytes = [], [], 0
+            for name, kind in _orphans(store, leased):
+                obj = _object_of(store, name, kind)
+                if obj is None or ledger.object_live(store.index, txn, obj):
                     continue
-                blobs.append(st.hash)
-                nbytes += st.stored_bytes
+                (manifests if kind == "orphan-manifest" else blobs).append(name)
+                nbytes += (store.bytes.size(obj) or 0) if kind != "orphan-manifest" else 0
                 if not dry_run:
-                    store.blobs.delete(st.hash)
-            manifests = []
-            for sid_hex in list(store.blobs.iter_manifests()):
-                if txn.get(bytes.fromhex(sid_hex), db=db["manifests"]) is None:
-                    manifests.append(sid_hex)
-                    if not dry_run:
-                        store.blobs.delete_manifest(sid_hex)
+                    store.bytes.delete(obj)
+                    ledger.forget_pack(store.index, txn, obj)
             return blobs, manifests, nbytes
 
-        blobs, manifests, nbytes = store._txn(sweep) if not dry_run else _in_read(store, sweep)
+        if dry_run:
+            with store.index.read() as txn:
+                blobs, manifests, nbytes = sweep(txn)
+        else:
+            blobs, manifests, nbytes = store._txn(sweep)
     finally:
         gate.__exit__(None, None, None)
     return GcReport(dry_run, blobs, manifests, tmp, expired, nbytes)
 
 
-def _in_read(store: "Store", fn):
-    with store.index.read() as txn:
-        return fn(txn)
-
-
-def rebuild_store_index(store: "Store") -> int:
-    """Replace the index by one built from the manifest files (offline: the store held ``exclusive``, so no other
-    process or handle has it open; ``StoreBusy`` otherwise)."""
+def rebuild_store_index(store) -> int:
+    """Replace the index by one built from the packs' trailers and v1 manifest files (offline: the store held
+    ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise)."""
     with store.exclusive():
         store.replace_index(lambda path: shutil.rmtree(path, ignore_errors=True))
         return _reindex(store)
 
 
-def _reindex(store: "Store") -> int:
-    found = []
-    for sid_hex in store.blobs.iter_manifests():
-        raw = store.blobs.get_manifest(sid_hex)
+def _tombs(store) -> tuple[set[str], dict[bytes, float]]:
+    """(tombstoned snapshot ids, per session key the creation time up to which its snapshots were removed)."""
+    sids, dead_until = set(), {}
+    for name in store.bytes.names(TOMB_DIR):
+        sids.add(name[len(TOMB_DIR):].split(".")[0])
         try:
-            m = mf.decode(raw or b"", Manifest, f"manifest file {sid_hex}")
-        except (CorruptData, IncompatibleFormat):
-            continue
-        if m.snapshot_id != sid_hex or any(store.blobs.stat(r.hash) is None for r in m.blobs):
-            continue
-        found.append(m)
-    found.sort(key=lambda m: m.created_at)
-    for m in found:  # oldest first: a session's newest snapshot replaces older ones, as when they were saved
-        store.index.write(lambda txn, m=m: store._commit(txn, m, replaces=None))
-    return len(found)
+            buf = bytearray(store.bytes.size(name) or 0)
+            store.bytes.read_into(name, 0, [memoryview(buf)])
+            skey, created_at, _reason = msgspec.msgpack.decode(bytes(buf))
+            dead_until[skey] = max(dead_until.get(skey, float("-inf")), float(created_at))
+        except (ValueError, TypeError, msgspec.DecodeError, CorruptData, ObjectMissing):
+            continue  # a tombstone lost its content in a crash: its own snapshot stays excluded
+    return sids, dead_until
 
 
-__all__ = ["verify_store", "gc_store", "rebuild_store_index"]
+def _reindex(store) -> int:
+    tombs, dead_until = _tombs(store)
+    located: ledger.Placed = {}
+    sizes: dict[str, int] = {}
+    found: dict[str, tuple[int, Manifest, str]] = {}
+    for name in sorted(store.bytes.names("packs/")):
+        if not is_pack(name):
+            continue
+        try:
+            with open_object(store.bytes, name) as r:
+                contents = read_trailer(r, name)
+                sizes[name] = r.size()
+        except (CorruptData, ObjectMissing):
+            continue
+        for h, off, n, enc in contents.chunks:
+            located.setdefault(h, (name, off, n, enc, sizes[name]))
+        if contents.manifest:
+            _consider(found, contents.manifest, contents.written_ns, name, tombs)
+    for name in sorted(store.bytes.names("blobs/")):
+        legacy = keys.parse_legacy_blob(name)
+        if legacy is not None:
+            located.setdefault(legacy[0], (name, 0, store.bytes.size(name) or 0, legacy[1], 0))
+        elif name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
+            buf = bytearray(store.bytes.size(name) or 0)
+            store.bytes.read_into(name, 0, [memoryview(buf)])
+            _consider(found, bytes(buf), 0, "", tombs)
+    ordered = sorted(found.values(), key=lambda item: item[1].created_at)
+    for _written, m, pack in ordered:  # oldest first: a session's newest snapshot replaces older ones
+        if any(r.hash not in located for r in m.blobs):
+            continue
+        if m.created_at <= dead_until.get(keys.manifest_keys(m)[2], float("-inf")):
+            continue  # its session was deleted, evicted or quarantined at or after this snapshot
+        placed = {r.hash: located[r.hash] for r in m.blobs}
+        store.index.write(lambda txn, m=m, pack=pack, placed=placed: ledger.commit(
+            store.index, txn, m, pack, sizes.get(pack, 0), placed))
+    with store.index.read() as txn:
+        return txn.stat(store.index.db["manifests"])["entries"]
+
+
+def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[str]) -> None:
+    try:
+        m = mf.decode(raw, Manifest, "manifest on disk")
+    except (CorruptData, IncompatibleFormat):
+        return
+    if m.snapshot_id in tombs:
+        return
+    have = found.get(m.snapshot_id)
+    if have is None or written_ns > have[0]:  # an in-place rewrite (compaction) wrote a newer one
+        found[m.snapshot_id] = (written_ns, m, pack)
+
+
+__all__ = ["gc_store", "orphan_objects", "rebuild_store_index", "rename_legacy_manifest", "verify_store"]

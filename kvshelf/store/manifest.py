@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
+import xxhash
 from msgspec import Meta, Struct
 
 from ..codecs.header import CacheEntry
@@ -75,39 +76,68 @@ class Summary(Struct, frozen=True, array_like=True):
     nbytes: int
     created_at: float
     last_used_ns: int
+    pack: str = ""  # the pack whose trailer holds this snapshot's manifest ("": a v1 manifest file)
 
 
 class ChunkMeta(Struct, frozen=True, array_like=True):
-    """Per blob: how many manifests reference it, payload bytes, bytes on disk, encoding, last use."""
+    """Per chunk: how many manifests reference it, payload bytes, bytes on disk, encoding, last use, and where it
+    lies: ``stored_bytes`` at ``offset`` in ``pack`` ("": a v1 blob file ``blobs/<hh>/<hash>.<ext>``)."""
 
     refs: int
     nbytes: int
     stored_bytes: int
     encoding: str
     last_used_ns: int
+    pack: str = ""
+    offset: int = 0
+
+
+class PackMeta(Struct, frozen=True, array_like=True):
+    """Per pack: live chunks and their bytes, the pack's size, and how many indexed snapshots' manifests it holds
+    (a pack may go only when both counts are zero; compaction rewrites packs whose live ratio fell)."""
+
+    live_chunks: int
+    live_bytes: int
+    size: int
+    manifests: int
 
 
 class Lease(Struct, frozen=True, array_like=True):
-    """A reader's claim: these blobs must not be unlinked before ``expires`` while ``pid`` is alive."""
+    """A reader's claim: these chunks, and the objects (packs, v1 blobs) they lie in, must not be unlinked or
+    rewritten before ``expires`` while the lease file holding it is locked (``leases.py``; ``pid`` is information)."""
 
     pid: int
     expires: float
     snapshot_id: str
     hashes: list[str]
+    objects: list[str] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_SEALED = 0xC1  # the one byte msgpack never emits: marks a checksummed record (v1 records are bare msgpack)
 
 
 def encode(obj: Struct) -> bytes:
-    return _encoder.encode(obj)
+    """msgpack behind a tag byte and its xxh3-64, so a flipped index byte is caught where the record is read."""
+    body = _encoder.encode(obj)
+    return bytes([_SEALED]) + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
+
+
+def unseal(data: bytes | memoryview, what: str) -> bytes | memoryview:
+    """The msgpack body of a record: checksum checked for sealed (v2) records, v1 records passed as they are."""
+    if len(data) and data[0] == _SEALED:
+        body = data[9:]
+        if len(data) < 9 or xxhash.xxh3_64_intdigest(body) != int.from_bytes(data[1:9], "little"):
+            raise CorruptData(f"{what} fails its checksum (a damaged index record)")
+        return body
+    return data
 
 
 def decode(data: bytes | memoryview, kind: type, what: str):
     decoder = _decoders.get(kind) or _decoders.setdefault(kind, msgspec.msgpack.Decoder(kind))
     try:
-        obj = decoder.decode(data)
+        obj = decoder.decode(unseal(data, what))
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
         raise CorruptData(f"{what} does not decode as a {kind.__name__}: {exc}") from None
     if kind is Manifest and obj.format_version != MANIFEST_VERSION:
@@ -116,4 +146,4 @@ def decode(data: bytes | memoryview, kind: type, what: str):
     return obj
 
 
-__all__ = ["BlobRef", "Manifest", "Summary", "ChunkMeta", "Lease", "encode", "decode", "MANIFEST_VERSION"]
+__all__ = ["BlobRef", "Manifest", "Summary", "ChunkMeta", "PackMeta", "Lease", "unseal", "encode", "decode", "MANIFEST_VERSION"]

@@ -163,13 +163,10 @@ def blob_totals(store: Store) -> dict[str, int]:
 
 def orphans(store: Store) -> dict[str, int]:
     """Blob and manifest files no index record references (leased blobs of live readers excluded)."""
-    indexed = {h for h, _ in store.iter_chunks()}
-    leased = store.leased_hashes()
-    blobs = [st for st in store.blobs.iter() if st.hash not in indexed and st.hash not in leased]
-    snapshots = {m.snapshot_id for m in store.iter_manifests()}
-    files = [s for s in store.blobs.iter_manifests() if s not in snapshots]
-    return {"orphan_count": len(blobs), "orphan_bytes": sum(st.stored_bytes for st in blobs),
-            "orphan_manifests": len(files)}
+    found = store.orphans()
+    blobs = [size for _name, kind, size in found if kind == "orphan-blob"]
+    files = [name for name, kind, _size in found if kind == "orphan-manifest"]
+    return {"orphan_count": len(blobs), "orphan_bytes": sum(blobs), "orphan_manifests": len(files)}
 
 
 def stats(store: Store, max_bytes: int | None = None) -> dict[str, Any]:
@@ -297,8 +294,8 @@ def remote_gc(remote: str, prefix: str | None = None, dry_run: bool = False, wai
 
 def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Rebuild the index from the blob directory (offline: ``StoreBusy`` while another process has the store open)."""
-    if not (Path(path) / "blobs").is_dir():
-        raise StoreMissing(f"no kvshelf blob directory at {Path(path) / 'blobs'}")
+    if not any((Path(path) / d).is_dir() for d in ("packs", "blobs")):
+        raise StoreMissing(f"no kvshelf pack or blob directory at {Path(path)}")
     started = time.perf_counter()
     with open_admin(path, create=True) as store:
         try:

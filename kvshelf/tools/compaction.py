@@ -9,8 +9,10 @@ Steps, in order (each reported with its count and bytes before/after; ``dry_run`
                   float planes (``Store.rewrite_blob``: same content hash, the reader handles both); a chunk that does
                   not shrink goes back to raw. Hot chunks stay raw for zero-copy restores.
    ``decompress`` zstd chunks used within the last ``cold_after`` seconds (hot again) go back to raw.
-5. ``release``    blobs that steps 2-3 replaced are removed, at least ``grace`` seconds after the last swap.
-6. ``index``      the LMDB file is rewritten by a compacting copy and swapped in atomically — only while this handle
+5. ``repack``     v1 chunk files and packs less than half live are rewritten into fresh packs (``Store.repack``: same
+                  bytes, same hashes; the emptied objects go once no reader leases them).
+6. ``release``    blobs that steps 2-3 replaced are removed, at least ``grace`` seconds after the last swap.
+7. ``index``      the LMDB file is rewritten by a compacting copy and swapped in atomically — only while this handle
                   holds the store alone (``Store.exclusive``: the open lock says no other process has it open);
                   otherwise skipped with the reason.
 
@@ -77,7 +79,7 @@ class CompactionReport:
 
 
 def _disk_bytes(store: Store) -> int:
-    return sum(st.stored_bytes for st in store.blobs.iter()) + lmdb_files.index_bytes(store.root)
+    return sum(size for _name, size in store.stored_objects()) + lmdb_files.index_bytes(store.root)
 
 
 # --- reading and writing snapshots at the blob level ------------------------------------------------------------------
@@ -125,7 +127,7 @@ def _densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
     plans = plan_blobs(entries, new_arrays, m.chunk_tokens)
     chunks, own, todo = [], [], []
     for plan in plans:
-        ref = BlobRef(content_hash(plan.pieces), plan.start, plan.stop, sum(p.data.nbytes for p in plan.pieces))
+        ref = BlobRef(content_hash(plan.pieces), plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
         (own if plan.stop == 0 else chunks).append(ref)
         todo.append((ref, plan.pieces))
     new = msgspec.structs.replace(m, entries=entries, chunks=chunks, own=own)
@@ -233,7 +235,7 @@ def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
 def _raw_overhead(store: Store, hash_: str) -> int:
     """The bytes of a blob's safetensors framing (its raw file = framing + payload), for ``--dry-run``."""
     with store.open_blob(hash_, verify=False) as reader:
-        return reader.data_start - (len(KVZ_MAGIC) if reader.compressed else 0)
+        return reader.data_start - reader.base - (len(KVZ_MAGIC) if reader.compressed else 0)
 
 
 # --- the job -----------------------------------------------------------------------------------------------------
@@ -342,7 +344,10 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
         target.items.append(h)
     steps.append(hot)
 
-    # 5. release what steps 2-3 replaced
+    # 5. repack: v1 chunk blobs and packs whose live ratio fell under MIN_LIVE_RATIO into fresh packs
+    steps.append(_repack(store, dry_run))
+
+    # 6. release what steps 2-3 replaced
     step = CompactionStep("release")
     steps.append(step)
     if not dry_run and last_swap is not None:
@@ -354,7 +359,7 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
         step.items = released.orphan_blobs
         step.note = released.skipped
 
-    # 6. the index file
+    # 7. the index file
     steps.append(_compact_index(store, dry_run) if compact_index else CompactionStep("index", note="disabled"))
 
     bytes_after = _disk_bytes(store)
@@ -362,6 +367,30 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
         bytes_after = bytes_before - sum(s.bytes_before - s.bytes_after for s in steps)
     return CompactionReport(dry_run, steps, bytes_before, bytes_after, round(time.perf_counter() - started, 3),
                             len(skipped_leased) + leased_chunks)
+
+
+MIN_LIVE_RATIO = 0.5
+
+
+def _repack(store: Store, dry_run: bool) -> CompactionStep:
+    """``Store.repack``: every v1 chunk file and every chunk of a pack less than ``MIN_LIVE_RATIO`` live moves into
+    new packs (same bytes, same hash); the emptied objects go once no reader holds them."""
+    step = CompactionStep("repack")
+    packs = dict(store.iter_packs())
+    sparse = {n for n, pm in packs.items() if pm.size and pm.live_bytes / pm.size < MIN_LIVE_RATIO}
+    todo = [(h, m) for h, m in store.iter_chunks() if not m.pack or m.pack in sparse]
+    step.bytes_before = sum(m.stored_bytes for _h, m in todo if not m.pack) + sum(packs[n].size for n in sparse)
+    if dry_run:
+        step.count = len(todo)
+        step.bytes_after = sum(m.stored_bytes for _h, m in todo)
+        return step
+    before = sum(size for _n, size in store.stored_objects())
+    done = store.repack(MIN_LIVE_RATIO)
+    step.count = done["chunks_moved"]
+    after = sum(size for _n, size in store.stored_objects())
+    step.bytes_after = max(0, step.bytes_before - (before - after))
+    step.note = f"{done['objects_emptied']} object(s) emptied"
+    return step
 
 
 def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
@@ -372,7 +401,7 @@ def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
     step.bytes_before = step.bytes_after = os.stat(data).st_size
     try:
         with store.exclusive():
-            copy = lmdb_files.compact_copy(store.index.env, os.path.join(store.root, "tmp"))
+            copy = lmdb_files.compact_copy(store.copy_index, os.path.join(store.root, "tmp"))
             step.bytes_after = os.stat(copy).st_size
             if dry_run or step.bytes_after >= step.bytes_before:
                 lmdb_files.discard(copy)

@@ -25,12 +25,13 @@ def index_bytes(store_root: str | os.PathLike[str]) -> int:
         return 0
 
 
-def compact_copy(env, work_dir: str | os.PathLike[str]) -> Path:
-    """Write a compacted copy of ``env`` into a fresh directory under ``work_dir``; returns its data.mdb."""
+def compact_copy(copy_index, work_dir: str | os.PathLike[str]) -> Path:
+    """Write a compacted copy of the index (``copy_index(target_dir)``: ``Store.copy_index``) into a fresh
+    directory under ``work_dir``; returns its data.mdb."""
     target = Path(work_dir) / f"index-compact-{os.getpid()}"
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(mode=0o700, parents=True)
-    env.copy(str(target), compact=True)
+    copy_index(str(target))
     data = target / "data.mdb"
     os.chmod(data, 0o600)
     with open(data, "rb") as fh:

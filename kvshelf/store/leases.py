@@ -1,0 +1,175 @@
+"""Readers' leases without a synced commit: one lease file per store handle, alive while its flock is held.
+
+Why: v1 wrote every lease as a synced LMDB commit, so every restore paid an fsync, and judged a lease alive by its
+PID (wrong across PID namespaces and after PID reuse). Here a handle publishes its live leases by rewriting its own
+file ``<root>/leases/<uuid>.lease`` (``pwrite``, no fsync: leases need not survive a crash — a dead process holds
+nothing), and holds an exclusive ``flock`` on it for its whole life. The kernel drops that lock when the process dies,
+however it dies, so anyone can tell live lease files from residue: a file it can lock is dead (and is reaped).
+
+Safety argument (the one v1's commit gave): a reader publishes its lease *before* it checks, in a fresh LMDB read
+transaction, that every chunk it will read is still referenced. An unlinker removes an object only in a write
+transaction that starts after the drop committed, and reads the lease files inside it. If the reader's check saw the
+chunks referenced, its publication happened before the drop's commit, so the unlinker sees it; otherwise the reader
+gives up (``SnapshotNotFound``/stale) and never reads.
+
+File format: ``u64 length | u64 xxh3-64 | msgpack [Lease, ...]``; a reader racing a rewrite sees a bad checksum and
+reads again; one it cannot parse after retries is treated as holding everything (nothing is unlinked this round).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import threading
+import time
+import uuid
+
+import msgspec
+import xxhash
+
+from .localbytes import ensure_dir
+from .manifest import Lease
+
+_HEAD = struct.Struct("<QQ")
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder(list[Lease])
+
+
+class Unknown(Exception):
+    """A lease file that could not be read consistently: treat it as leasing everything."""
+
+
+class LeaseBook:
+    """This handle's leases (published in its lease file) and a view of every live handle's leases."""
+
+    def __init__(self, root: str):
+        self.dir = os.path.join(root, "leases")
+        ensure_dir(self.dir)
+        self._held: dict[bytes, Lease] = {}
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._name = ""
+        self._pid = os.getpid()
+
+    def _open_own(self) -> None:
+        stem = uuid.uuid4().hex
+        tmp = os.path.join(self.dir, f"{stem}.new")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for the handle's life; the kernel drops it when the process dies
+        self._name = f"{stem}.lease"
+        os.rename(tmp, os.path.join(self.dir, self._name))  # visible to checkers only once locked
+        self._fd = fd
+
+    def _publish(self) -> None:
+        body = _ENC.encode(list(self._held.values()))
+        data = _HEAD.pack(len(body), xxhash.xxh3_64_intdigest(body)) + body
+        if self._fd < 0:
+            self._open_own()
+        os.pwrite(self._fd, data, 0)
+        os.ftruncate(self._fd, len(data))
+
+    def add(self, key: bytes, lease: Lease) -> None:
+        with self._lock:
+            self._held[key] = lease
+            self._publish()
+
+    def remove(self, key: bytes) -> Lease | None:
+        with self._lock:
+            lease = self._held.pop(key, None)
+            if lease is not None and self._fd >= 0:
+                self._publish()
+            return lease
+
+    def live(self, now: float | None = None) -> list[Lease]:
+        """Every unexpired lease of every live handle (this one's from memory). Raises ``Unknown`` when a live
+        handle's file cannot be read consistently."""
+        now = time.time() if now is None else now
+        with self._lock:
+            out = [lease for lease in self._held.values() if lease.expires > now]
+        for name in self._files():
+            if name == self._name:
+                continue
+            leases = self._read_live(os.path.join(self.dir, name))
+            if leases:
+                out.extend(lease for lease in leases if lease.expires > now)
+        return out
+
+    def _files(self) -> list[str]:
+        try:
+            return [n for n in os.listdir(self.dir) if n.endswith(".lease")]
+        except FileNotFoundError:
+            return []
+
+    def _read_live(self, path: str) -> list[Lease] | None:
+        """The leases in another handle's file, or None when nobody holds it (dead: residue)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return None  # we could lock it: its owner is gone
+            except BlockingIOError:
+                pass
+            for _attempt in range(50):
+                raw = os.pread(fd, 1 << 24, 0)
+                if len(raw) >= _HEAD.size:
+                    n, digest = _HEAD.unpack_from(raw)
+                    body = raw[_HEAD.size:_HEAD.size + n]
+                    if len(body) == n and xxhash.xxh3_64_intdigest(body) == digest:
+                        try:
+                            return _DEC.decode(body)
+                        except (msgspec.DecodeError, msgspec.ValidationError):
+                            pass
+                elif not raw:
+                    return []  # locked, nothing published yet
+                time.sleep(0.0005)
+            raise Unknown(path)
+        finally:
+            os.close(fd)
+
+    def reap(self, dry_run: bool = False) -> int:
+        """Remove lease files nobody holds (their processes died); returns how many."""
+        dead = 0
+        for name in self._files():
+            if name == self._name:
+                continue
+            path = os.path.join(self.dir, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            dead += 1
+            if not dry_run:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            os.close(fd)
+        return dead
+
+    def expired(self, now: float | None = None) -> list[bytes]:
+        now = time.time() if now is None else now
+        with self._lock:
+            return [k for k, lease in self._held.items() if lease.expires <= now]
+
+    def close(self) -> None:
+        with self._lock:
+            self._held.clear()
+            if self._fd >= 0 and os.getpid() == self._pid:
+                try:
+                    os.unlink(os.path.join(self.dir, self._name))
+                except FileNotFoundError:
+                    pass
+                os.close(self._fd)
+            self._fd = -1
+
+
+__all__ = ["LeaseBook", "Unknown"]

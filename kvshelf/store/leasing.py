@@ -1,0 +1,207 @@
+"""A handle's write transactions, its readers' leases, and the one place objects are unlinked.
+
+Why together: unlinking is safe only under three rules at once — the object is no longer live in the ledger
+(re-checked inside the unlinking write transaction, so under LMDB's writer lock no saver can commit a reference to
+it meanwhile), no live lease names it (``leases.py``: kernel-released locks, no PID), and it is the byte store's to
+remove. Leases are taken without any commit (no fsync on the read path); uses of snapshots (LRU order, last-used
+times) are remembered in memory and written by the handle's next write transaction (a save, a delete, close, or a
+timer a few seconds later — a background commit, never inside a restore).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from ..errors import SnapshotNotFound
+from . import keys, ledger
+from . import manifest as mf
+from .leases import Unknown
+from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
+
+TOUCH_FLUSH_SECONDS = 2.0
+
+
+class Gone(Exception):
+    pass
+
+
+class Stale(SnapshotNotFound):
+    """The manifest in hand names chunks the snapshot no longer references (it was rewritten in place)."""
+
+
+class LeasingMixin:
+    """Mixed into ``Store``: needs ``index``, ``bytes``, ``leases``, ``_lock``, ``lease_seconds``, ``_closing``."""
+
+    def _init_leasing(self) -> None:
+        self._lease_counter = 0
+        self._touches: dict[bytes, tuple[int, list[str]]] = {}  # sid -> (when, hashes) not yet written
+        self._touch_timer: threading.Timer | None = None
+        self._forget: set[str] = set()  # packs unlinked whose emptied records the next write transaction drops
+
+    # ------------------------------------------------------------------ write transactions
+    def _txn(self, fn, unlink: Sequence[str] = ()):
+        """One write transaction of this handle: remembered uses first, then unlinking the objects among ``unlink``
+        that are dead and unleased (under the writer lock), then ``fn``."""
+        with self._lock:
+            touches, self._touches = self._touches, {}
+            forget, self._forget = self._forget, set()
+        leased = None
+        if unlink:
+            try:
+                leased = self._leased_objects()
+            except Unknown:
+                leased = None
+                unlink = ()
+
+        def run(txn):
+            for sid, (when, hashes) in touches.items():
+                self._apply_touch(txn, sid, when, hashes)
+            for name in forget:  # packs unlinked by _reclaim: drop their (emptied) records
+                if not ledger.object_live(self.index, txn, name):
+                    ledger.forget_pack(self.index, txn, name)
+            for name in unlink:
+                if name not in leased and not ledger.object_live(self.index, txn, name):
+                    self.bytes.delete(name)
+                    ledger.forget_pack(self.index, txn, name)
+            return fn(txn)
+
+        try:
+            return self.index.write(run)
+        except BaseException:
+            with self._lock:  # not written: keep them for the next transaction
+                for sid, item in touches.items():
+                    self._touches.setdefault(sid, item)
+                self._forget.update(forget)
+            raise
+
+    def _reclaim(self, names: Sequence[str]) -> None:
+        """Unlink the objects among ``names`` that are dead in the ledger and unleased — no write transaction (no
+        fsync): a dead object never becomes live again (only the writer of a fresh pack, or an offline rebuild,
+        indexes chunks into an object), and the lease files are read after the drop committed, so a reader either
+        is seen here or sees the chunks gone. Emptied pack records are forgotten by the next write transaction."""
+        names = [n for n in dict.fromkeys(names) if n]
+        if not names:
+            return
+        try:
+            leased = self._leased_objects()
+        except Unknown:
+            return  # a live handle's lease file is unreadable right now: unlink nothing this time (gc will)
+        with self.index.read() as txn:
+            dead = [n for n in names if n not in leased and not ledger.object_live(self.index, txn, n)]
+        for name in dead:
+            self.bytes.delete(name)
+        with self._lock:
+            self._forget.update(n for n in dead if keys.is_pack(n))
+
+    def _leased_objects(self) -> set[str]:
+        out: set[str] = set()
+        for lease in self.leases.live():
+            out.update(lease.objects)
+        return out
+
+    def _live_leases(self, txn=None) -> tuple[set[str], set[str]]:
+        """(snapshot ids, chunk hashes) held by live leases of every handle."""
+        sids, hashes = set(), set()
+        for lease in self.leases.live():
+            sids.add(lease.snapshot_id)
+            hashes.update(lease.hashes)
+        return sids, hashes
+
+    # ------------------------------------------------------------------ leases
+    def _locate(self, txn, manifest: Manifest, refs: list[BlobRef]) -> dict[str, tuple[str, int, int | None]]:
+        if txn.get(bytes.fromhex(manifest.snapshot_id), db=self.index.db["manifests"]) is None:
+            raise Gone
+        where = {}
+        for r in refs:
+            raw = txn.get(bytes.fromhex(r.hash), db=self.index.db["chunks"])
+            if raw is None:  # unreferenced: maybe already unlinked (the manifest in hand was rewritten since)
+                raise Stale(f"snapshot {manifest.snapshot_id} of session {manifest.session_id!r} was rewritten "
+                            f"(compacted) after its manifest was read")
+            where[r.hash] = keys.location(r.hash, mf.decode(raw, ChunkMeta, f"chunk record {r.hash}"))
+        return where
+
+    def _lease(self, manifest: Manifest, refs: list[BlobRef],
+               with_where: bool = False):
+        """Publish a lease on ``refs`` (and the objects they lie in), then check in a fresh read transaction that
+        they are all still referenced where we looked them up. No commit, no fsync."""
+        with self._lock:
+            self._lease_counter += 1
+            key = keys.be64(os.getpid()) + keys.be64(self._lease_counter)
+        try:
+            for _attempt in range(8):
+                with self.index.read() as txn:
+                    where = self._locate(txn, manifest, refs)
+                objects = sorted({w[0] for w in where.values()})
+                self.leases.add(key, Lease(os.getpid(), time.time() + self.lease_seconds, manifest.snapshot_id,
+                                           [r.hash for r in refs], objects))
+                with self.index.read() as txn:
+                    again = self._locate(txn, manifest, refs)
+                if again == where:
+                    return (key, where) if with_where else key
+            raise Stale(f"chunks of snapshot {manifest.snapshot_id} kept moving while being leased")
+        except Gone:
+            self.leases.remove(key)
+            raise SnapshotNotFound(f"snapshot {manifest.snapshot_id} of session {manifest.session_id!r} was "
+                                   f"removed before it could be read") from None
+        except BaseException:
+            self.leases.remove(key)
+            raise
+
+    def _release(self, key: bytes, touch: bytes | None, refs: Sequence[BlobRef | str]) -> None:
+        """Drop a lease (no commit). A use (``touch``) is remembered for the next write transaction. Objects of the
+        lease that lost their last reference while it was held are unlinked now (only then is there a commit)."""
+        lease = self.leases.remove(key)
+        hashes = [r if isinstance(r, str) else r.hash for r in refs]
+        if touch is not None:
+            with self._lock:
+                self._touches[touch] = (time.time_ns(), hashes)
+                if self._touch_timer is None and not self._closing:
+                    self._touch_timer = threading.Timer(TOUCH_FLUSH_SECONDS, self._flush_touches)
+                    self._touch_timer.daemon = True
+                    self._touch_timer.start()
+        if lease is not None and refs and lease.objects:
+            with self.index.read() as txn:
+                dead = [n for n in lease.objects if not ledger.object_live(self.index, txn, n)]
+            if dead and any(self.bytes.exists(n) for n in dead):
+                self._reclaim(dead)
+
+    def _touched(self) -> dict[bytes, int]:
+        """Uses not yet written, seen by this handle's lookups and eviction."""
+        with self._lock:
+            return {sid: when for sid, (when, _h) in self._touches.items()}
+
+    def _flush_touches(self) -> None:
+        # Never hold self._lock across a transaction: transaction bodies take it (lock order: index, then store).
+        with self._lock:
+            self._touch_timer = None
+            go = bool(self._touches) and not self._closing
+        if go:
+            try:
+                self._txn(lambda txn: None)
+            except Exception:  # pragma: no cover - retried by the next write of this handle
+                pass
+
+    def _apply_touch(self, txn, sid: bytes, now: int, hashes: list[str]) -> None:
+        db = self.index.db
+        raw = txn.get(sid, db=db["summaries"])
+        if raw is None:
+            return
+        s = mf.decode(raw, Summary, "summary")
+        txn.delete(keys.lru_key(s.id_key, s.last_used_ns, sid), db=db["lru"])
+        txn.put(keys.lru_key(s.id_key, now, sid), b"", db=db["lru"])
+        txn.put(sid, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
+                                       s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, now, s.pack)),
+                db=db["summaries"])
+        for h in hashes:
+            k = bytes.fromhex(h)
+            raw = txn.get(k, db=db["chunks"])
+            if raw is not None:
+                m = mf.decode(raw, ChunkMeta, "chunk record")
+                txn.put(k, mf.encode(ChunkMeta(m.refs, m.nbytes, m.stored_bytes, m.encoding, now, m.pack,
+                                               m.offset)), db=db["chunks"])
+
+
+__all__ = ["Gone", "LeasingMixin", "Stale", "TOUCH_FLUSH_SECONDS"]

@@ -1,0 +1,145 @@
+"""The save path: capture live caches, cut them into chunks, write the new ones as ONE pack, index it in ONE commit.
+
+Why this shape (layout v2): a durable save costs one data pass (``pwritev`` straight from the evaluated MLX arrays'
+head runs — a ``[1, H, t, D]`` window of a ``[1, H, T, D]`` plane is H runs, never joined), one fsync and one
+directory fsync (the byte store's ``put``), and one LMDB commit. The pack's trailer carries the manifest, so there is
+no manifest file to sync. Chunks are content-addressed (xxh3-128 over the logical content, hashed from the same
+buffers that are written) and deduplicated against every indexed chunk, v1 blobs included.
+
+Every chunk is hashed on every save (xxh3 runs near memory speed; skipping "unchanged" chunks would need an exact
+cheap test that a changed prefix cannot pass, which only the cache itself could give): what a grown session's save
+saves is the *write* of the chunks already stored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import InvalidCacheState, KvShelfError, StoreFull
+from . import ledger
+from . import manifest as mf
+from .blobfile import content_hash, raw_buffers
+from .layout import BlobPlan, plan_blobs
+from .manifest import BlobRef, Manifest
+from .pack import PackBuilder, new_pack_name
+from .prefix import tokens_array
+from .results import SnapshotInfo
+
+
+@dataclass
+class Capture:
+    """A snapshot taken from live caches: evaluated arrays plus everything the writer needs."""
+
+    session_id: str
+    namespace: str
+    tokens: np.ndarray
+    entries: list
+    arrays: list[list[mx.array]]
+    nbytes: int
+
+
+def capture(store, session_id: str, tokens, caches, namespace: str) -> Capture:
+    store._session_key(session_id, namespace)
+    toks = tokens_array(tokens)
+    if isinstance(caches, (str, bytes)) or not hasattr(caches, "__len__") or not caches:
+        raise InvalidCacheState("caches must be a non-empty sequence of caches (one per layer)")
+    entries, arrays = [], []
+    for i, cache in enumerate(caches):
+        entry, arrs = store.provider.snapshot(cache, checksums=False, length=len(toks))  # chunks are hashed
+        if entry.offset != len(toks):
+            raise InvalidCacheState(f"cache {i} holds {entry.offset} positions but {len(toks)} tokens were given")
+        entries.append(entry)
+        arrays.append(list(arrs))
+    mx.eval([a for row in arrays for a in row])
+    nbytes = sum(a.nbytes for row in arrays for a in row)
+    return Capture(session_id, namespace, toks, entries, arrays, nbytes)
+
+
+def chunk_metadata(ref: BlobRef) -> dict[str, str]:
+    """The safetensors metadata every chunk frame carries (format tag, content hash, token range)."""
+    return {"format": "kvshelf-chunk-v1", "kvshelf.hash": ref.hash, "kvshelf.tokens": f"{ref.start}:{ref.stop}"}
+
+
+def write(store, cap: Capture) -> SnapshotInfo:
+    t0 = time.perf_counter()
+    plans = plan_blobs(cap.entries, cap.arrays, store.chunk_tokens)
+    hashes = [content_hash(plan.pieces) for plan in plans]
+    by_hash: dict[str, BlobPlan] = {}
+    chunks, own = [], []
+    for plan, h in zip(plans, hashes):
+        by_hash[h] = plan
+        ref = BlobRef(h, plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
+        (own if plan.stop == 0 else chunks).append(ref)
+    sid = uuid.uuid4().hex
+    ident = store.identity
+    manifest = Manifest(
+        snapshot_id=sid, session_id=cap.session_id, namespace=cap.namespace, model_id=ident.model_id,
+        config_fingerprint=ident.config_fingerprint, tokenizer_hash=ident.tokenizer_hash,
+        provider=store.provider.id, tokens=cap.tokens.tolist(), entries=cap.entries, chunk_tokens=store.chunk_tokens,
+        chunks=chunks, own=own, created_at=time.time(),
+        minimum_reusable_offset=max((e.minimum_reusable_offset for e in cap.entries), default=0),
+        trimmable=all(store.provider.for_entry(e).header_trimmable(e) for e in cap.entries))
+    unique = {r.hash: r for r in manifest.blobs}
+    need = sum(r.nbytes for r in unique.values())
+    if store.max_bytes is not None and need > store.max_bytes:
+        raise StoreFull(f"snapshot of session {cap.session_id!r} needs {need} bytes, more than the store budget "
+                        f"max_bytes={store.max_bytes}; nothing was written")
+    written = n_written = 0
+    packs: list[str] = []
+    committed = False
+    with store.save_gate():
+        try:
+            with store.index.read() as txn:
+                todo = [r for r in unique.values()
+                        if txn.get(bytes.fromhex(r.hash), db=store.index.db["chunks"]) is None]
+            placed: ledger.Placed = {}
+            for attempt in range(5):  # the first pack carries the manifest; a retry's only the chunks it re-writes
+                name, size, more = write_pack(store, [(r, by_hash[r.hash].pieces) for r in todo],
+                                              mf.encode(manifest) if attempt == 0 else b"",
+                                              name=new_pack_name(sid if attempt == 0 else ""))
+                packs.append(name)
+                if attempt == 0:
+                    pack, pack_size = name, size
+                placed.update(more)
+                written += sum(unique[h].nbytes for h in more)
+                n_written += len(more)
+                try:
+                    old, freed = store._txn(lambda txn: ledger.commit(store.index, txn, manifest, pack, pack_size,
+                                                                      placed))
+                    committed = True
+                    break
+                except ledger.MissingChunks as missing:  # dropped by a concurrent eviction since we checked
+                    todo = [unique[h] for h in missing.hashes]
+            else:  # pragma: no cover - needs five lost races in a row
+                raise KvShelfError(f"could not commit snapshot of session {cap.session_id!r}: chunks kept vanishing")
+        finally:
+            if not committed:  # a failed save leaves nothing behind (what it wrote is unreferenced)
+                store._reclaim(packs)
+    store._reclaim(packs[1:] + freed)  # a retry's pack is dead if a concurrent save indexed its chunks first
+    reused = need - written
+    store.counters["blobs_written"] += n_written
+    store.counters["bytes_written"] += written
+    store.counters["bytes_reused"] += reused
+    store._evict_to_budget(protect=bytes.fromhex(sid))
+    return SnapshotInfo(sid, cap.session_id, len(cap.tokens), written, reused, manifest.minimum_reusable_offset,
+                        cap.namespace, n_written, len(unique) - n_written, time.perf_counter() - t0)
+
+
+def write_pack(store, items: list, manifest: bytes = b"", name: str | None = None) -> tuple[str, int, ledger.Placed]:
+    """One pack holding the chunks ``[(ref, pieces)]`` back to back and ``manifest`` in its trailer; durable when
+    this returns (one fsync + one directory fsync). Returns (name, size, where each chunk lies)."""
+    builder = PackBuilder()
+    for ref, pieces in items:
+        builder.add(ref.hash, raw_buffers(pieces, chunk_metadata(ref)))
+    name = name or new_pack_name()
+    size = store.bytes.put(name, builder.finish(manifest))
+    placed = {h: (name, off, n, enc, size) for h, (off, n, enc) in builder.where.items()}
+    return name, size, placed
+
+
+__all__ = ["Capture", "capture", "chunk_metadata", "write", "write_pack"]

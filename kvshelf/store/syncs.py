@@ -1,0 +1,62 @@
+"""Every fsync the store makes goes through here, counted per thread: the recording seam behind the tests and
+benchmarks that assert a durable save costs at most three syncs and a restore none (the third is the LMDB commit,
+counted by ``index.Index.write`` with ``note_commit``).
+
+``counting()`` is a context manager yielding a dict that collects this thread's syncs while the block runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_local = threading.local()
+TOTALS = {"fsync": 0, "fsync_dir": 0, "index_commit": 0}
+
+
+def _count(kind: str) -> None:
+    TOTALS[kind] += 1
+    for sink in getattr(_local, "sinks", ()):
+        sink[kind] = sink.get(kind, 0) + 1
+
+
+def fsync(fd: int) -> None:
+    _count("fsync")
+    os.fsync(fd)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename or a new entry in ``directory`` durable."""
+    _count("fsync_dir")
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def note_commit() -> None:
+    """One synced LMDB commit (LMDB fdatasyncs inside ``commit``)."""
+    _count("index_commit")
+
+
+@contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    sink: dict[str, int] = {}
+    sinks = getattr(_local, "sinks", None)
+    if sinks is None:
+        sinks = _local.sinks = []
+    sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        sinks.remove(sink)
+
+
+def total(sink: dict[str, int]) -> int:
+    return sum(sink.values())
+
+
+__all__ = ["counting", "fsync", "fsync_dir", "note_commit", "total", "TOTALS"]

@@ -1,0 +1,109 @@
+"""How many syncs a durable save and a restore cost (issue 11: at most three per save, none per restore).
+
+Two views of the same fact: the store's recording seam (``kvshelf.store.syncs``: every fsync of ours and every LMDB
+write transaction, which fsyncs inside its commit), and the kernel's — ``strace`` of a real process counting the
+fsync-family system calls between markers (``getpriority``, a call nothing else in the process makes). The strace
+test skips with its reason where strace is missing or ptrace is refused (``.ci/run`` installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from codec_cases import CASES_BY_ID
+from kv_cases import fill
+from store_cases import open_test_store, session, token_ids
+
+from kvshelf.latent_legos.kv import KVCache
+from kvshelf.store import syncs
+
+MLA = CASES_BY_ID["mla-f32-nodsa"]
+SYNC_CALLS = ("fsync", "fdatasync", "sync", "syncfs", "msync", "sync_file_range")
+
+
+def kv_caches(n: int, seed: int = 0) -> list:
+    out = []
+    for layer in range(2):
+        cache = KVCache()
+        fill(cache, (n,), seed=seed + layer, heads=2, dk=16, dv=16)
+        out.append(cache)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mla", "kv"])
+def test_a_durable_save_costs_three_syncs_and_a_restore_none(tmp_path, kind):
+    make = (lambda n, s=0: session(MLA, (n,), s)) if kind == "mla" else kv_caches
+    with open_test_store(tmp_path / "s", chunk_tokens=16) as store:
+        store.save("warm", token_ids(40, seed=9), make(40, 9))  # creates the directories once
+        with syncs.counting() as save:
+            store.save("a", token_ids(100), make(100))  # 7 chunks: v1 paid 2 syncs per chunk and manifest
+        assert save == {"fsync": 1, "fsync_dir": 1, "index_commit": 1}
+        with syncs.counting() as grown:
+            store.save("a", token_ids(100) + token_ids(40, seed=1), make(140))  # replaces, reuses chunks
+        assert syncs.total(grown) <= 3
+        with syncs.counting() as restore:
+            r = store.restore("a")
+            p = store.restore_prefix(token_ids(100)[:50] + [1])
+            b = store.restore_batch(["a", "warm"])
+        assert restore == {} and r.length == 140 and p.length == 50 and len(b.lengths) == 2
+        with syncs.counting() as lookups:
+            assert store.lookup(token_ids(100)[:20] + [1]).length == 20
+            store.sessions()
+        assert lookups == {}
+
+
+SCRIPT = """
+import os, sys
+sys.path[:0] = [{tests!r}, {repo!r}]
+from store_cases import open_test_store, session, token_ids
+from codec_cases import CASES_BY_ID
+case = CASES_BY_ID["mla-f32-nodsa"]
+mark = lambda: os.getpriority(os.PRIO_PROCESS, 0)
+with open_test_store({root!r}, chunk_tokens=16) as store:
+    store.save("warm", token_ids(40, seed=9), session(case, (40,), 9))
+    caches = session(case, (100,), 0)
+    mark()
+    store.save("a", token_ids(100), caches)
+    mark()
+    r = store.restore("a")
+    p = store.restore_prefix(token_ids(100)[:50] + [1])
+    mark()
+    assert r.length == 100 and p.length == 50
+"""
+
+
+def _strace() -> str:
+    path = shutil.which("strace")
+    if path is None:
+        pytest.skip("strace is not installed (apt-get install -y strace; .ci/run installs it)")
+    probe = subprocess.run([path, "-f", "-o", os.devnull, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"strace cannot trace here (ptrace refused?): {probe.stderr.strip()[:200]}")
+    return path
+
+
+def test_the_kernel_sees_at_most_three_syncs_per_save_and_none_per_restore(tmp_path):
+    strace = _strace()
+    tests = str(Path(__file__).parent)
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.format(tests=tests, repo=str(Path(tests).parent), root=str(tmp_path / "s")))
+    trace = tmp_path / "trace.txt"
+    done = subprocess.run([strace, "-f", "-qq", "-e", f"trace={','.join(SYNC_CALLS)},getpriority", "-o", str(trace),
+                           sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    phases: list[list[str]] = [[]]
+    for line in trace.read_text().splitlines():
+        call = line.split(None, 1)[1] if " " in line else line
+        if call.startswith("getpriority("):
+            phases.append([])
+        elif call.split("(", 1)[0] in SYNC_CALLS:
+            phases[-1].append(call.split("(", 1)[0])
+    assert len(phases) >= 4, trace.read_text()[-2000:]
+    save, restore = phases[1], phases[2]
+    assert 1 <= len(save) <= 3, save  # the pack, its directory, the LMDB commit
+    assert restore == [], restore
