@@ -92,8 +92,13 @@ def _lego_variant(name: str, factory: Callable[[], Any]) -> Variant:
     return Variant(name, make, _lego_step)
 
 
+SPARE = 4096  # positions of bare-decode planes beyond the prefill: more than any run appends
+
+
 def _bare_decode_variant(name: str, fmt) -> Variant:
-    """``MLACache``'s step plus a bare decode of the planes an encoded cache would hold at this length."""
+    """``MLACache``'s step plus a bare decode of the planes an encoded cache would hold at this length: planes
+    encoded once for the prefill plus ``SPARE`` positions, decoded each step over the MLACache's stored length (a
+    view, as the encoded lego's own read is), so both sides decode the same number of positions every step."""
     from kvshelf.latent_legos.encodings import family_encoding
     from kvshelf.latent_legos.geometry import LatentGeometry
     from kvshelf.latent_legos.mla import MLACache
@@ -103,13 +108,17 @@ def _bare_decode_variant(name: str, fmt) -> Variant:
     def make(prefill):
         cache = MLACache(LatentGeometry(RANK, ROPE))
         cache.append_latent(*prefill)
-        planes = [enc.encode(values) for enc, values in zip(encodings, prefill)]
+        spare = _families(SPARE, seed=7)
+        planes = [enc.encode(mx.concatenate([values, more], axis=1))
+                  for enc, values, more in zip(encodings, prefill, spare)]
         mx.eval(planes)
         return cache, planes
 
     def step(state, x):
         cache, planes = state
-        return _lego_step(cache, x) + [enc.decode(p) for enc, p in zip(encodings, planes)]
+        read = _lego_step(cache, x)
+        width = cache.offset
+        return read + [enc.decode([p[:, :width, :] for p in family]) for enc, family in zip(encodings, planes)]
 
     return Variant(name, make, step)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import glob
 import os
 import re
 import signal
@@ -20,6 +19,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from serve_harness import Server, conversation, kvshelf_cli
+from store_cases import flip_chunk_byte
 from tiny_model_dir import make_model_dir, words
 
 from kvshelf import open_store
@@ -156,10 +156,11 @@ def test_a_corrupted_chunk_is_a_miss_and_the_replies_stay_those_of_a_cold_server
     with Server(model, store, tmp_path / "first.log") as first:
         r1 = first.chat(msgs1)
         first.wait_log(rf"kvshelf write-behind saved tokens={final_tokens(r1)}\b")
-    for path in glob.glob(os.path.join(store, "blobs", "*", "*")):
-        with open(path, "r+b") as f:
-            f.seek(-5, os.SEEK_END)
-            f.write(b"\xde\xad\xbe\xef\x00")
+    with open_store(store, admin=True) as admin:
+        chunks = [h for h, _ in admin.iter_chunks()]
+        assert chunks
+        for h in chunks:  # one flipped bit inside each chunk's tensor data: only the hash can tell
+            flip_chunk_byte(admin, h)
     with Server(model, None, tmp_path / "cold.log") as cold, Server(model, store, tmp_path / "s.log") as server:
         msgs2 = conversation(SYSTEM, TURNS[:2], [r1["text"]])
         assert server.chat(msgs2)["text"] == cold.chat(msgs2)["text"]

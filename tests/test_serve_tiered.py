@@ -6,7 +6,6 @@ store failure reaches the caller."""
 from __future__ import annotations
 
 import errno
-import glob
 import os
 
 import mlx.core as mx
@@ -16,6 +15,7 @@ pytest.importorskip("mlx_lm")
 
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm_models import build, forward, same
+from store_cases import flip_chunk_byte
 
 from kvshelf import Identity, open_store
 from kvshelf.mlx_lm import TieredPromptCache
@@ -122,12 +122,10 @@ def test_a_corrupted_chunk_is_a_miss_not_an_error(llama, store):
     writer = tiered(store)
     writer.insert_cache(KEY, list(T), filled(llama, T))
     writer.flush(timeout=60)
-    for path in glob.glob(os.path.join(store.root, "blobs", "*", "*")):
-        with open(path, "r+b") as f:  # flip a byte near the end: inside the tensor data
-            f.seek(-3, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-3, os.SEEK_END)
-            f.write(bytes([byte[0] ^ 0xFF]))
+    chunks = [h for h, _ in store.iter_chunks()]
+    assert chunks
+    for h in chunks:  # one flipped bit inside each chunk's tensor data: only the hash can tell
+        flip_chunk_byte(store, h)
     front = tiered(store)
     assert front.fetch_nearest_cache(KEY, T + [1]) == (None, T + [1])
     assert front.counters["lookup_errors"] == 1 and front.counters["misses"] == 1

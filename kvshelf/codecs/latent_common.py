@@ -269,6 +269,12 @@ class RowStateCodec:
         self._adopt(cache, list(entries), list(arrays))
         return cache
 
+    def adopt_row(self, entry: CacheEntry, arrays: Sequence[mx.array]) -> Any:
+        """The serial cache around one row's ``batch_plan([entry])`` arrays, without copying: for these kinds a
+        one-row batch is the serial cache. (Codecs whose batched class differs from their serial one, such as
+        mlx-lm's, offer no ``adopt_row``; the store then loads serial rows through ``load``.)"""
+        return self.adopt_batch([entry], arrays)
+
     def _adopt(self, cache: Any, entries: list[CacheEntry], arrays: list[mx.array]) -> None:
         raise NotImplementedError(f"{self.kind}: no batch plan, so nothing to adopt")
 

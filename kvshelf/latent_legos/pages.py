@@ -111,8 +111,12 @@ class LatentPages:
                 self.block_table.append(physical)
             count = min(self.block_size - within, length - written)
             physical = self.block_table[block]
+            whole = count == length  # the common decode step: write the planes as they are, no slice of them
             for pool, plane in zip(self.pools, planes):
-                pool[physical, within : within + count, :] = plane[0, written : written + count, :]
+                if whole:
+                    pool[physical : physical + 1, within : within + count, :] = plane
+                else:
+                    pool[physical, within : within + count, :] = plane[0, written : written + count, :]
             written += count
         self.offset += length
 

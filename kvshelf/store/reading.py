@@ -135,17 +135,19 @@ class ReadingMixin:
 
     def _restore(self, manifest: Manifest, p: int) -> Restored:
         entries, arrays, planned = self._read_arrays(manifest, p, direct=True)
-        caches = [self.provider.for_entry(e).adopt_batch([e], a) if pl else
+        caches = [self.provider.for_entry(e).adopt_row(e, a) if pl else
                   self.provider.for_entry(e).load(e, a, verify=False) for e, a, pl in zip(entries, arrays, planned)]
         return Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
                         manifest.namespace)
 
     def _single_row_plans(self, entries: list) -> list:
         """Per layer the codec's batch plan for this one row (None: no direct path): read into it, the codec adopts
-        the arrays as they are (``adopt_batch``) instead of copying them into its layout (``load``)."""
+        the arrays as they are (``adopt_row``) instead of copying them into its layout (``load``). Only codecs whose
+        one-row batch is their serial cache offer ``adopt_row``."""
         plans = []
         for e in entries:
-            plan_of = getattr(self.provider.for_entry(e), "batch_plan", None)
+            codec = self.provider.for_entry(e)
+            plan_of = getattr(codec, "batch_plan", None) if hasattr(codec, "adopt_row") else None
             plan = plan_of([e]) if plan_of is not None and e.tensors else None
             if plan is not None and (not plan.tensors or any(t.token_axis is None for t in plan.tensors)
                                      or len(plan.targets()) != len(e.tensors)):
