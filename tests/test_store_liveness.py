@@ -69,9 +69,7 @@ def test_a_readers_lease_lives_exactly_as_long_as_its_process(tmp_path, namespac
             assert all((root / name).exists() for name in packs)  # a live reader's chunks stay
             os.killpg(holder.pid, signal.SIGKILL)  # no cleanup runs: only the kernel drops its lock
             holder.wait(30)
-            # With unshare the waited-for process is unshare itself; its child (PID 1 of the other namespace) dies
-            # of the same SIGKILL a moment later, and only then does the kernel drop its lock: wait for that.
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 30  # unshare's forked child (the holder) dies just after unshare itself
             while store.leased_hashes() and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert store.leased_hashes() == set()

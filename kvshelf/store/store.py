@@ -122,7 +122,10 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
             timer.join()
         try:
             if self._touches:
-                self._txn(lambda txn: None)
+                try:
+                    self._txn(lambda txn: None)
+                except KvShelfError:  # e.g. a full disk: remembered uses are LRU order only, never data
+                    pass
         finally:
             self._closed = True
             self.leases.close()
