@@ -18,6 +18,10 @@ class InvalidCacheState(KvShelfError, ValueError):
     """Bad shapes, dtypes, row indices, or batched rows where a serial row is needed."""
 
 
+class WrongArgumentType(InvalidCacheState, TypeError):
+    """An argument of the wrong type (a non-str session id, a float token, an int namespace); also a ``TypeError``."""
+
+
 class CacheRangeError(InvalidCacheState, IndexError):
     """A position or row count outside what the cache holds (trim too far, maxTokens exceeded, row out of range)."""
 
@@ -56,6 +60,7 @@ class StoreBusy(KvShelfError):
 __all__ = [
     "KvShelfError",
     "InvalidCacheState",
+    "WrongArgumentType",
     "CacheRangeError",
     "IncompatibleFormat",
     "CorruptData",

@@ -28,7 +28,8 @@ import numpy as np
 
 from ..codecs import CacheEntry, CodecProvider, default_provider
 from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
-                      StoreFull)
+                      StoreFull, WrongArgumentType)
+from . import inputs
 from . import manifest as mf
 from . import openlock
 from .blobfile import BlobReader, Piece, content_hash
@@ -99,13 +100,13 @@ class Store:
                  map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
                  admin: bool = False):
         if admin and identity is not None:
-            raise ValueError("an admin handle is identity-blind: pass identity=None with admin=True")
+            raise InvalidCacheState("an admin handle is identity-blind: pass identity=None with admin=True")
         if not admin and not isinstance(identity, Identity):
-            raise TypeError(f"identity must be a kvshelf Identity, got {type(identity).__name__}")
+            raise WrongArgumentType(f"identity must be a kvshelf Identity, got {type(identity).__name__}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
+            raise InvalidCacheState(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise InvalidCacheState(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
         self.root = os.path.abspath(os.fspath(path))
         ensure_dir(self.root)
         os.chmod(self.root, 0o700)
@@ -209,12 +210,16 @@ class Store:
     # ------------------------------------------------------------------ saving
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
         """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written)."""
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
         return self._write(self._capture(session_id, tokens, caches, namespace))
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
                    namespace: str = "") -> Future:
         """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures."""
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_async")
         capture = self._capture(session_id, tokens, caches, namespace)
         return self._writer.submit(lambda: self._write(capture), capture.nbytes)
@@ -441,6 +446,7 @@ class Store:
 
         A list prompt is converted (and checked) only as far as the lookup reads it, so a miss costs microseconds
         however long the prompt; arrays are converted whole (that is cheap)."""
+        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
         self._check_scoped("lookup")
         prompt = LazyTokens(prompt_tokens, "prompt_tokens")
         nsk = self._ns_key(namespace)
@@ -456,6 +462,7 @@ class Store:
     # ------------------------------------------------------------------ restoring
     def restore(self, session_id: str, namespace: str = "") -> Restored:
         """The session's latest snapshot, whole."""
+        inputs.check_session(session_id, namespace)
         self._check_scoped("restore")
         for attempt in range(3):
             with self.index.read() as txn:
@@ -469,6 +476,7 @@ class Store:
 
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
+        snapshot_id, length = inputs.check_snapshot_id(snapshot_id), inputs.check_length(length)
         self._check_scoped("restore_snapshot")
         manifest = self.manifest(snapshot_id)
         self._check_identity(manifest)
@@ -478,6 +486,7 @@ class Store:
 
     def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "") -> Restored | None:
         """Caches for the longest usable stored prefix of the prompt (reading only the chunks covering it)."""
+        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
         for _ in range(3):
             hit = self.lookup(prompt_tokens, namespace)
             if hit is None:
@@ -490,6 +499,7 @@ class Store:
 
     def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]], _attempt: int = 0) -> RestoredBatch:
         """Several rows restored straight into one batched cache per layer, rows in request order."""
+        inputs.check_requests(requests)
         self._check_scoped("restore_batch")
         if not requests:
             raise InvalidCacheState("restore_batch needs at least one request")
@@ -764,6 +774,7 @@ class Store:
 
     def delete(self, session_id: str, namespace: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
+        inputs.check_session(session_id, namespace)
         self._check_scoped("delete")
         skey = self._session_key(session_id, namespace)
 
@@ -780,6 +791,7 @@ class Store:
 
     def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
         """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""
+        inputs.check_optional_namespace(namespace)
         self._check_scoped("sessions")
         prefix = self.id_key if namespace is None else self.id_key + self._ns_key(namespace)
         out = []
@@ -845,6 +857,7 @@ class Store:
     # ------------------------------------------------------------------ for offline tools (kvshelf.tools)
     def manifest(self, snapshot_id: str) -> Manifest:
         """A snapshot's manifest by id (any identity)."""
+        snapshot_id = inputs.check_snapshot_id(snapshot_id)
         with self.index.read() as txn:
             return self._manifest(txn, bytes.fromhex(snapshot_id))
 
@@ -1073,7 +1086,7 @@ def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max
 
     ``admin=True`` without an identity opens it identity-blind for offline tools (see ``Store``)."""
     if identity is None and not admin:
-        raise TypeError("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
+        raise WrongArgumentType("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
     return Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, admin=admin, **options)
 
 
