@@ -46,10 +46,15 @@ HEAD_KEYS = ("kv_heads", "k_head_dim", "v_head_dim")
 _LATENT_FIELDS = ("kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "pages")
 
 
-def extra_int(entry: CacheEntry, index: int | None, key: str, minimum: int = 1) -> int:
+def extra_int(entry: CacheEntry, index: int | None, key: str, minimum: int = 1,
+              maximum: int | None = None) -> int:
+    """An integer of ``extra`` within ``[minimum, maximum]`` (default maximum: ``validate.MAX_POSITIONS``, so a
+    crafted ring ``max_size`` of 2**62 is refused before a cache is sized from it)."""
     value = entry.extra.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise validate.incompatible(entry, index, f"extra.{key}", f"expected an integer >= {minimum}, got {value!r}")
+    top = validate.MAX_POSITIONS if maximum is None else maximum
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= top:
+        raise validate.incompatible(entry, index, f"extra.{key}",
+                                    f"expected an integer in [{minimum}, {top}], got {value!r}")
     return value
 
 
@@ -136,8 +141,9 @@ class TokenKvCodec(RowStateCodec):
             if entry.offset:
                 raise validate.incompatible(entry, index, "extra.kv_heads", f"missing for offset {entry.offset}")
             return []
-        heads = extra_int(entry, index, "kv_heads")
-        dk, dv = extra_int(entry, index, "k_head_dim"), extra_int(entry, index, "v_head_dim")
+        heads = extra_int(entry, index, "kv_heads", maximum=validate.MAX_HEADS)
+        dk = extra_int(entry, index, "k_head_dim", maximum=validate.MAX_HEAD_DIM)
+        dv = extra_int(entry, index, "v_head_dim", maximum=validate.MAX_HEAD_DIM)
         dtype = extra_dtype(entry, index) if self.has_dtype else None
         return [
             SlotSpec(name, plane_dtype, (1, heads, entry.offset, width), 2)
@@ -322,8 +328,9 @@ class RotatingKvCodec(RowStateCodec):
                 raise validate.corrupt(entry, index, "extra.buffer", f"missing for offset {entry.offset}")
             validate.check_slots(entry, index, [])
             return
-        buffer, heads = extra_int(entry, index, "buffer"), extra_int(entry, index, "kv_heads")
-        dk, dv = extra_int(entry, index, "k_head_dim"), extra_int(entry, index, "v_head_dim")
+        buffer, heads = extra_int(entry, index, "buffer"), extra_int(entry, index, "kv_heads", maximum=validate.MAX_HEADS)
+        dk = extra_int(entry, index, "k_head_dim", maximum=validate.MAX_HEAD_DIM)
+        dv = extra_int(entry, index, "v_head_dim", maximum=validate.MAX_HEAD_DIM)
         dtype = extra_dtype(entry, index)
         if idx > buffer or buffer > max(entry.offset, max_size):
             raise validate.corrupt(

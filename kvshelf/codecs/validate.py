@@ -18,6 +18,19 @@ from .checksum import checksum
 from .header import CacheEntry
 
 
+# Documented maxima (README "Input limits"): a header asking for more is refused as ``IncompatibleFormat`` by every
+# codec's ``validate`` (through ``check_slots``), before a buffer is sized from it. Generous for every model known,
+# small enough that no product of them overflows or asks a 2-core host for exabytes.
+MAX_POSITIONS = 2**31      # offset, floor, max_tokens, a rotating ring's max_size / keep / idx / buffer
+MAX_HEADS = 2**12          # kv_heads of a key/value cache
+MAX_HEAD_DIM = 2**14       # k/v head dims, kv_lora_rank, rope_head_dim, index_head_dim
+MAX_BITS = 32              # bits, k_bits, v_bits
+MAX_GROUP_SIZE = 2**14     # quantization group size
+MAX_BLOCK_SIZE = 2**16     # a paged cache's block size
+MAX_BLOCKS = 2**31         # a paged pool's num_blocks (and block table length)
+MAX_TENSOR_BYTES = 2**40   # one tensor slot
+
+
 @dataclass(frozen=True, slots=True)
 class SlotSpec:
     """What a kind expects of one tensor slot, derived from the entry's geometry, format and offset."""
@@ -71,8 +84,31 @@ def check_pages(entry: CacheEntry, index: int | None) -> None:
         )
 
 
+def check_geometry(entry: CacheEntry, index: int | None) -> None:
+    """Every size the header states is within the documented maxima (before anything is allocated from it)."""
+    limits = (("offset", entry.offset, MAX_POSITIONS), ("minimum_reusable_offset", entry.minimum_reusable_offset,
+              MAX_POSITIONS), ("max_tokens", entry.max_tokens, MAX_POSITIONS),
+              ("quantized_kv_start", entry.quantized_kv_start, MAX_POSITIONS),
+              ("kv_lora_rank", entry.kv_lora_rank, MAX_HEAD_DIM), ("rope_head_dim", entry.rope_head_dim, MAX_HEAD_DIM),
+              ("index_head_dim", entry.index_head_dim, MAX_HEAD_DIM), ("bits", entry.bits, MAX_BITS),
+              ("k_bits", entry.k_bits, MAX_BITS), ("v_bits", entry.v_bits, MAX_BITS),
+              ("group_size", entry.group_size, MAX_GROUP_SIZE))
+    if entry.pages is not None:
+        limits += (("pages.block_size", entry.pages.block_size, MAX_BLOCK_SIZE),
+                   ("pages.num_blocks", entry.pages.num_blocks, MAX_BLOCKS),
+                   ("pages.block_table", len(entry.pages.block_table), MAX_BLOCKS))
+    for field, value, limit in limits:
+        if value is not None and value > limit:
+            raise incompatible(entry, index, field, f"{value} exceeds the supported maximum {limit}")
+    for i, slot in enumerate(entry.tensors):
+        if slot.nbytes > MAX_TENSOR_BYTES:
+            raise incompatible(entry, index, f"tensors[{i}].nbytes", f"{slot.nbytes} exceeds the supported maximum "
+                               f"{MAX_TENSOR_BYTES}")
+
+
 def check_slots(entry: CacheEntry, index: int | None, specs: Sequence[SlotSpec]) -> None:
     """The entry's tensor slots are exactly ``specs`` (count, names, dtypes, shapes, token axes, byte lengths)."""
+    check_geometry(entry, index)
     if len(entry.tensors) != len(specs):
         raise incompatible(
             entry, index, "tensors",
@@ -119,4 +155,5 @@ def check_arrays(entry: CacheEntry, index: int | None, arrays: Sequence[mx.array
                 raise corrupt(entry, index, f"{field}.checksum", f"{slot.name}: stored {slot.checksum}, computed {got}")
 
 
-__all__ = ["SlotSpec", "where", "incompatible", "corrupt", "check_positions", "check_pages", "check_slots", "check_arrays"]
+__all__ = ["MAX_POSITIONS", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_BITS", "MAX_GROUP_SIZE", "MAX_BLOCK_SIZE", "MAX_BLOCKS",
+           "MAX_TENSOR_BYTES", "check_geometry", "SlotSpec", "where", "incompatible", "corrupt", "check_positions", "check_pages", "check_slots", "check_arrays"]

@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from ..codecs.header import TOKEN_ID_LIMIT
 from ..errors import InvalidCacheState, WrongArgumentType
 from .results import PrefixHit
 
 MAX_SESSION_ID_BYTES = 448
 MAX_NAMESPACE_BYTES = 256
 MAX_IDENTITY_FIELD_BYTES = 1024
-TOKEN_ID_LIMIT = 2**31
+
 SNAPSHOT_ID_HEX = 32
 
 
@@ -96,7 +97,7 @@ def _first_bad(tokens: Sequence[Any], what: str) -> InvalidCacheState:
         if not isinstance(token, (int, np.integer)):
             return WrongArgumentType(f"{what}[{i}] must be an int token id, got {type(token).__name__} {token!r:.40}")
         if not 0 <= int(token) < TOKEN_ID_LIMIT:
-            return InvalidCacheState(f"{what}[{i}] = {int(token)} is not a token id (0 <= id < 2**31)")
+            return InvalidCacheState(f"{what}[{i}] must be a non-negative int token id below 2**31 (got {int(token)})")
     return InvalidCacheState(f"{what} must be a sequence of int token ids")
 
 
@@ -105,7 +106,7 @@ def _bounded(arr: np.ndarray, what: str) -> np.ndarray:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= TOKEN_ID_LIMIT:
             i = int(np.argmax((arr < 0) | (arr >= TOKEN_ID_LIMIT)))
-            raise InvalidCacheState(f"{what}[{i}] = {int(arr[i])} is not a token id (0 <= id < 2**31)")
+            raise InvalidCacheState(f"{what}[{i}] must be a non-negative int token id below 2**31 (got {int(arr[i])})")
     return arr
 
 
@@ -200,7 +201,19 @@ def check_requests(requests: Any) -> None:
 
 
 __all__ = [
-    "MAX_SESSION_ID_BYTES", "MAX_NAMESPACE_BYTES", "MAX_IDENTITY_FIELD_BYTES", "TOKEN_ID_LIMIT",
-    "check_session_id", "check_namespace", "check_optional_namespace", "check_session", "check_identity_field",
-    "check_tokens", "check_prompt", "check_snapshot_id", "check_length", "check_hit", "check_requests",
+    "MAX_IDENTITY_FIELD_BYTES",
+    "MAX_NAMESPACE_BYTES",
+    "MAX_SESSION_ID_BYTES",
+    "TOKEN_ID_LIMIT",
+    "check_hit",
+    "check_identity_field",
+    "check_length",
+    "check_namespace",
+    "check_optional_namespace",
+    "check_prompt",
+    "check_requests",
+    "check_session",
+    "check_session_id",
+    "check_snapshot_id",
+    "check_tokens",
 ]
