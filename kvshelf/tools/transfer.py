@@ -19,7 +19,7 @@ from ..codecs import default_provider
 from ..codecs.checksum import checksum
 from ..codecs.snapshot_file import load_snapshot, save_snapshot
 from ..errors import KvShelfError, SnapshotNotFound
-from .watcher import FILE_FAULTS, InboxWatcher, WatchStats
+from .watcher import FILE_FAULTS, InboxWatcher, WatchStats, env_phase
 
 
 def _identity_of(header) -> Any:
@@ -130,7 +130,7 @@ def watch_inbox(
             log(f"compacted: {report.bytes_before} -> {report.bytes_after} bytes in {time.monotonic() - started:.1f}s")
 
     watcher = InboxWatcher(inbox, ingest, settle=settle, poll=poll, compact=compact, compact_every=compact_every,
-                           log=log)
+                           log=log, phase=env_phase())
     watcher.install_signal_handlers()
     return watcher.run(until_idle=until_idle)
 
