@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("trials", "detected", "exact", "wrong", "crashes", "lost")
+GROUP_LABEL = {"blob": "blob files", "manifest": "manifest files", "lmdb": "LMDB data.mdb"}
 POINTS = ("random", "write", "fsync", "rename", "renamed", "unlink", "commit", "committed")
 
 
@@ -54,6 +55,8 @@ class Tally:
     def __init__(self) -> None:
         self.rows: dict[str, dict[str, int]] = {}
         self.notes: dict[str, list[str]] = {}
+        self.samples: dict[str, list[str]] = {}  # what detections said (printed with --verbose)
+        self.seconds: dict[str, float] = {}
         self.lock = threading.Lock()
 
     def add(self, row: str, status: str, notes: list[str] = (), n: int = 1) -> None:
@@ -65,6 +68,9 @@ class Tally:
             if status in ("wrong", "crash", "lost"):
                 kept = self.notes.setdefault(row, [])
                 kept.extend(notes[: max(0, 3 - len(kept))])
+            elif status == "detected":
+                kept = self.samples.setdefault(row, [])
+                kept.extend(notes[: max(0, 2 - len(kept))])
 
     def merge(self, row: str, counts: dict) -> None:
         with self.lock:
@@ -77,17 +83,20 @@ class Tally:
     def failures(self) -> int:
         return sum(r["wrong"] + r["crashes"] + r["lost"] for r in self.rows.values())
 
-    def table(self) -> str:
-        lines = [f"{'trial':<34}" + "".join(f"{c:>10}" for c in COLUMNS)]
+    def table(self, verbose: bool = False) -> str:
+        lines = [f"{'trial':<44}" + "".join(f"{c:>10}" for c in COLUMNS)]
         total = dict.fromkeys(COLUMNS, 0)
-        for row, counts in self.rows.items():
-            lines.append(f"{row:<34}" + "".join(f"{counts[c]:>10}" for c in COLUMNS))
+        for row, counts in sorted(self.rows.items(), key=lambda item: (not item[0].startswith("kill"), item[0])):
+            lines.append(f"{row:<44}" + "".join(f"{counts[c]:>10}" for c in COLUMNS))
             for c in COLUMNS:
                 total[c] += counts[c]
-        lines.append(f"{'total':<34}" + "".join(f"{total[c]:>10}" for c in COLUMNS))
+        lines.append(f"{'total':<44}" + "".join(f"{total[c]:>10}" for c in COLUMNS))
         for row, notes in self.notes.items():
             for note in notes[:3]:
                 lines.append(f"  {row}: {note}")
+        if verbose:
+            lines += [f"  (detected) {row}: {note}" for row, notes in self.samples.items() for note in notes]
+            lines.append("  seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in self.seconds.items()))
         return "\n".join(lines)
 
 
@@ -141,8 +150,8 @@ def kill_lane(lane: int, kills: int, workdir: Path, tally: Tally, rng: random.Ra
         proc = subprocess.Popen(_worker_cmd(*args), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         if point == "random" or _wait_line(log, "nopoint", proc, quick=True):
-            if _wait_line(log, "ready", proc):
-                time.sleep(rng.uniform(0.0, 1.2))
+            if _wait_lines(log, rng.randrange(1, 40), proc):  # somewhere in the plan, then a random instant
+                time.sleep(rng.uniform(0.0, 0.03))
             if proc.poll() is None:
                 proc.kill()
         _out, err = proc.communicate(timeout=300)
@@ -161,6 +170,15 @@ def kill_lane(lane: int, kills: int, workdir: Path, tally: Tally, rng: random.Ra
             tally.add(f"{row}: finished", verdict["status"], verdict["notes"])
         truth = {k: verdict["present"].get(k) for k in acceptable}
     checker.close()
+
+
+def _wait_lines(log: Path, count: int, proc: subprocess.Popen) -> bool:
+    """Wait until the writer logged ``count`` lines (True) or ended (False)."""
+    while proc.poll() is None:
+        if log.exists() and len(log.read_text().splitlines()) >= count:
+            return True
+        time.sleep(0.002)
+    return False
 
 
 def _wait_line(log: Path, text: str, proc: subprocess.Popen, quick: bool = False) -> bool:
@@ -257,27 +275,25 @@ def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker: Ch
             rebuild = rng.random() < 0.5
             row = "flip: manifest files + rebuild_index" if rebuild else "flip: manifest files"
         else:
-            row = "flip: LMDB data.mdb"
+            row = f"flip: {GROUP_LABEL['lmdb']}"
     else:
-        everything = [p for g in groups.values() for p in g]
-        path = rng.choice(everything)
+        group = rng.choices(["blob", "manifest", "lmdb"], weights=[50, 25, 25])[0]
+        path = rng.choice(groups[group])
         if kind == "truncate":
             size = path.stat().st_size
             os.truncate(path, rng.randrange(size))
         elif kind == "swap":
-            same = [p for p in groups[next(g for g, ps in groups.items() if path in ps)] if p != path]
-            if not same:
-                shutil.rmtree(trial)
-                return
-            other = rng.choice(same)
+            same = [p for p in groups[group] if p != path] or [p for p in groups["blob"] if p != path]
+            other = rng.choice(same)  # data.mdb has no twin: it is swapped with a blob
             a, b = path.read_bytes(), other.read_bytes()
             path.write_bytes(b)
             other.write_bytes(a)
         else:
             path.unlink()
-        row = {"truncate": "truncate a file", "swap": "swap two files", "delete": "delete a file"}[kind]
+        row = f"{kind}: {GROUP_LABEL[group]}"
     verdict = checker.run({"op": "store", "root": str(trial), "sessions": sessions, "damaged": True,
-                           "rebuild": rebuild, "deep": True, "what": f"{row} {path.relative_to(trial)}"})
+                           "rebuild": rebuild, "deep": True, "prefix": t % 3 == 0,
+                           "what": f"{row} {path.relative_to(trial)}"})
     tally.add(row, verdict["status"], [f"{path.relative_to(trial)}: {n}" for n in verdict["notes"]])
     shutil.rmtree(trial, ignore_errors=True)
 
@@ -324,10 +340,10 @@ def enospc(workdir: Path, tally: Tally) -> str | None:
     mnt.mkdir()
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
                            capture_output=True, text=True)
-    runs = [("injected ENOSPC (KVSHELF_FAULT_ENOSPC_AFTER)", workdir / "enospc-injected",
+    runs = [("ENOSPC injected (KVSHELF_FAULT_ENOSPC_AFTER)", workdir / "enospc-injected",
              {"KVSHELF_FAULT_ENOSPC_AFTER": "400000"})]
     if mount.returncode == 0:
-        runs.append(("real ENOSPC, 3 MiB tmpfs", mnt / "store", {}))
+        runs.append(("ENOSPC real (3 MiB tmpfs)", mnt / "store", {}))
     else:
         skipped = f"real ENOSPC skipped: mount -t tmpfs refused ({mount.stderr.strip() or mount.returncode})"
     try:
@@ -354,35 +370,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=12)
     p.add_argument("--parallel", type=int, default=2, help="kill lanes and damage checkers run side by side")
     p.add_argument("--no-enospc", action="store_true")
-    p.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory, removed at the end")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="default: a temporary directory (in /dev/shm when writable), removed at the end")
     p.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
+    p.add_argument("--verbose", action="store_true", help="also print what detections said and time per part")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--store"), p.add_argument("--log"), p.add_argument("--kill-at"), p.add_argument("--out")
     p.add_argument("--wid", type=int, default=0)
     args = p.parse_args(argv)
     if args.worker:
         return _run_worker(args)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvshelf-soak-"))
+    # on tmpfs when there is one: kill -9 keeps the page cache anyway, and a store's fsyncs cost nothing there
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvshelf-soak-", dir=shm))
     workdir.mkdir(parents=True, exist_ok=True)
     tally, started, rng = Tally(), time.monotonic(), random.Random(args.seed)
+    def timed(name: str, t0: float) -> float:
+        tally.seconds[name] = time.monotonic() - t0
+        return time.monotonic()
+
+    t = time.monotonic()
     try:
         if args.kills:
             per = -(-args.kills // args.parallel)
             lanes = [threading.Thread(target=kill_lane, args=(i, per, workdir, tally, random.Random(rng.random())))
                      for i in range(args.parallel)]
-            for t in lanes:
-                t.start()
-            for t in lanes:
-                t.join()
+            for lane in lanes:
+                lane.start()
+            for lane in lanes:
+                lane.join()
+            t = timed("kills", t)
         if args.flips:
             damage(args.flips, workdir, tally, args.seed, args.parallel)
+            t = timed("damage", t)
         if args.seconds:
             mixed(args.seconds, workdir, tally, args.seed)
+            t = timed("mixed", t)
         skipped = None if args.no_enospc else enospc(workdir, tally)
+        timed("enospc", t)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    print(tally.table())
+    print(tally.table(args.verbose))
     if skipped:
         print(skipped)
     print(f"{time.monotonic() - started:.0f} s; exit {1 if tally.failures() else 0} "

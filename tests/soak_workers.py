@@ -63,7 +63,7 @@ def run_checker() -> None:
                 v = check_portable(req["path"], req["truth"])
             else:
                 v = check_store(req["root"], req["sessions"], damaged=req["damaged"], rebuild=req.get("rebuild", False),
-                                deep=req.get("deep", True))
+                                deep=req.get("deep", True), prefix=req.get("prefix", True))
                 if req.get("gc") and v.status != "crash":
                     with open_store(req["root"], admin=True) as admin:
                         admin.gc(dry_run=False)
