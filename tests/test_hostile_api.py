@@ -352,3 +352,24 @@ def test_any_argument_to_snapshot_files_gives_success_or_a_kvshelf_error(tmp_pat
         a = str(target.parent / a)
     for call in (lambda: load_snapshot(a, expect=b), lambda: read_header(a)):
         _only_kvshelf_errors(call)
+
+
+@settings(max_examples=60)
+@given(a=HOSTILE, b=HOSTILE)
+def test_any_argument_to_the_codecs_gives_success_or_a_kvshelf_error(a, b) -> None:
+    from kvshelf.codecs import default_provider
+    from kvshelf.codecs.header import decode_entry, decode_header, decode_header_json
+
+    calls = [lambda: default_provider.for_cache(a), lambda: default_provider.for_entry(a),
+             lambda: default_provider.load(a, b), lambda: default_provider.validate_header(a),
+             lambda: default_provider.snapshot(a), lambda: decode_header(a), lambda: decode_header_json(a),
+             lambda: decode_entry(a), lambda: default_provider.check_provider(a)]
+    for kind in default_provider.kinds:
+        codec = default_provider.for_entry(kind)
+        calls += [lambda c=codec: c.load(a, b), lambda c=codec: c.load_batch(a, b), lambda c=codec: c.validate(a),
+                  lambda c=codec: c.header_trimmable(a), lambda c=codec: c.prefix_entry(a, b),
+                  lambda c=codec: c.snapshot(a), lambda c=codec: c.matches(a)]
+        if hasattr(codec, "batch_plan"):
+            calls += [lambda c=codec: c.batch_plan(a), lambda c=codec: c.adopt_batch(a, b)]
+    for call in calls:
+        _only_kvshelf_errors(call)

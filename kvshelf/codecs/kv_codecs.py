@@ -113,7 +113,7 @@ class TokenKvCodec(RowStateCodec):
 
     # -- the codec -------------------------------------------------------------------------------------------------
     def snapshot(self, cache: Any, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         extra: dict[str, Any] = {}
         arrays: list[mx.array] = []
         offset = floor = 0
@@ -151,6 +151,7 @@ class TokenKvCodec(RowStateCodec):
         ]
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         keys = set(HEAD_KEYS) | ({"dtype"} if self.has_dtype else set())
         check_common(entry, index, self.kind, self.format_fields, keys)
         validate.check_slots(entry, index, self.specs(entry, index))
@@ -293,7 +294,7 @@ class RotatingKvCodec(RowStateCodec):
         return type(cache) is RotatingKVCache
 
     def snapshot(self, cache: RotatingKVCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         extra: dict[str, Any] = {"max_size": cache.max_size, "keep": cache.keep, "idx": 0}
         arrays: list[mx.array] = []
         offset = floor = 0
@@ -321,6 +322,7 @@ class RotatingKvCodec(RowStateCodec):
         return max_size, keep, idx
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         check_common(entry, index, self.kind, (), self._keys)
         max_size, _, idx = self._ring(entry, index)
         if "buffer" not in entry.extra:
@@ -363,6 +365,7 @@ class RotatingKvCodec(RowStateCodec):
         return RotatingKVCache(max_size, keep)
 
     def header_trimmable(self, entry: CacheEntry) -> bool:
+        validate.require_entry(entry)
         return entry.offset < extra_int(entry, None, "max_size")
 
     def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
@@ -389,7 +392,7 @@ class ArraysCodec(RowStateCodec):
         return type(cache) is ArraysCache
 
     def snapshot(self, cache: ArraysCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         slots: list[mx.array | None] = [None] * cache.size_slots
         offset = floor = 0
         if cache.batch_size is not None:
@@ -414,6 +417,7 @@ class ArraysCodec(RowStateCodec):
         return [j for j, c in enumerate(present) if c == "1"]
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         check_common(entry, index, self.kind, (), {"size", "present"})
         present = self._present(entry, index)
         specs = []

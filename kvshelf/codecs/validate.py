@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import CorruptData, IncompatibleFormat
+from ..errors import CorruptData, IncompatibleFormat, WrongArgumentType
 from . import dtypes
 from .checksum import checksum
 from .header import CacheEntry
@@ -51,6 +51,34 @@ def incompatible(entry: CacheEntry, index: int | None, field: str, message: str)
 
 def corrupt(entry: CacheEntry, index: int | None, field: str, message: str) -> CorruptData:
     return CorruptData(f"{where(entry, index)} field {field}: {message}")
+
+
+def require_entry(entry: object, what: str = "entry") -> None:
+    """Codec calls take a ``CacheEntry`` (a header decoded by this package), never a lookalike."""
+    if not isinstance(entry, CacheEntry):
+        raise WrongArgumentType(f"{what} must be a kvshelf CacheEntry, got {type(entry).__name__}")
+
+
+def _require_sequence(value: object, what: str) -> None:
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        raise WrongArgumentType(f"{what} must be a sequence, got {type(value).__name__}")
+
+
+def require_entries(entries: object) -> None:
+    """A sequence of ``CacheEntry`` (what ``batch_plan``/``adopt_batch`` take)."""
+    _require_sequence(entries, "entries")
+    for i, entry in enumerate(entries):
+        require_entry(entry, f"entries[{i}]")
+
+
+def require_rows(entries: object, arrays_per_row: object) -> None:
+    """``load_batch``/``batch_plan`` arguments: a sequence of entries and one sequence of arrays per entry."""
+    _require_sequence(entries, "entries")
+    _require_sequence(arrays_per_row, "arrays_per_row")
+    for i, entry in enumerate(entries):
+        require_entry(entry, f"entries[{i}]")
+    for i, arrays in enumerate(arrays_per_row):
+        _require_sequence(arrays, f"arrays_per_row[{i}]")
 
 
 def check_positions(entry: CacheEntry, index: int | None, max_tokens: int | None) -> None:
@@ -137,6 +165,7 @@ def check_slots(entry: CacheEntry, index: int | None, specs: Sequence[SlotSpec])
 
 def check_arrays(entry: CacheEntry, index: int | None, arrays: Sequence[mx.array], verify: bool) -> None:
     """Every array matches its slot's dtype and shape, and (when verifying) its checksum."""
+    _require_sequence(arrays, "arrays")
     if len(arrays) != len(entry.tensors):
         raise corrupt(entry, index, "tensors", f"{len(entry.tensors)} slots but {len(arrays)} arrays were given")
     for i, (slot, array) in enumerate(zip(entry.tensors, arrays)):
@@ -156,4 +185,4 @@ def check_arrays(entry: CacheEntry, index: int | None, arrays: Sequence[mx.array
 
 
 __all__ = ["MAX_POSITIONS", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_BITS", "MAX_GROUP_SIZE", "MAX_BLOCK_SIZE", "MAX_BLOCKS",
-           "MAX_TENSOR_BYTES", "check_geometry", "SlotSpec", "where", "incompatible", "corrupt", "check_positions", "check_pages", "check_slots", "check_arrays"]
+           "MAX_TENSOR_BYTES", "check_geometry", "require_entry", "require_entries", "require_rows", "SlotSpec", "where", "incompatible", "corrupt", "check_positions", "check_pages", "check_slots", "check_arrays"]
