@@ -339,7 +339,7 @@ def enospc(workdir: Path, tally: Tally) -> str | None:
     mnt = workdir / "tmpfs"
     mnt.mkdir()
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
     runs = [("ENOSPC injected (KVSHELF_FAULT_ENOSPC_AFTER)", workdir / "enospc-injected",
              {"KVSHELF_FAULT_ENOSPC_AFTER": "400000"})]
     if mount.returncode == 0:
@@ -350,14 +350,14 @@ def enospc(workdir: Path, tally: Tally) -> str | None:
         for row, store, env in runs:
             out = workdir / f"{store.name}.json"
             proc = subprocess.run(_worker_cmd("enospc", "--store", str(store), "--out", str(out)), cwd=ROOT,
-                                  env={**_env(), **env}, capture_output=True, text=True, timeout=900)
+                                  env={**_env(), **env}, capture_output=True, text=True, timeout=900, check=False)
             if proc.returncode != 0 or not out.exists():
                 tally.add(row, "crash", [f"exit {proc.returncode}: {proc.stderr[-400:]}"])
                 continue
             tally.merge(row, json.loads(out.read_text()))
     finally:
         if mount.returncode == 0:
-            subprocess.run(["umount", str(mnt)], capture_output=True)
+            subprocess.run(["umount", str(mnt)], capture_output=True, check=False)
     return skipped
 
 
@@ -375,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
     p.add_argument("--verbose", action="store_true", help="also print what detections said and time per part")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--store"), p.add_argument("--log"), p.add_argument("--kill-at"), p.add_argument("--out")
-    p.add_argument("--wid", type=int, default=0)
+    for worker_option in ("--store", "--log", "--kill-at", "--out"):
+        p.add_argument(worker_option, help=argparse.SUPPRESS)
+    p.add_argument("--wid", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return _run_worker(args)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -22,7 +23,12 @@ from kvshelf.codecs import default_provider
 from kvshelf.codecs.header import encode_entry
 from kvshelf.errors import KvShelfError, SnapshotNotFound
 from kvshelf.latent_legos import KvScheme, LatentGeometry, composed_latent_cache
-from kvshelf.latent_legos.kv import KVCache, QuantizedKVCache, RotatingKVCache, TurboQuantKVCache
+from kvshelf.latent_legos.kv import (
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    TurboQuantKVCache,
+)
 
 IDENTITY = Identity("soak-model", config_fingerprint="soak-cfg", tokenizer_hash="soak-tok")
 CHUNK = 16
@@ -51,8 +57,8 @@ def truth_of(tokens: list[int]) -> tuple[str, int] | None:
 def make_caches(kind: str, n: int, seed: int) -> list:
     caches = []
     for layer in range(LAYERS):
-        def draw(j: int, shape: tuple[int, ...]) -> np.ndarray:  # one stream per tensor: rows are prefix-consistent
-            return np.random.default_rng([seed, layer, j]).standard_normal(shape).astype(np.float32)
+        def draw(j: int, shape: tuple[int, ...], layer: int = layer) -> np.ndarray:  # a stream per tensor: rows
+            return np.random.default_rng([seed, layer, j]).standard_normal(shape).astype(np.float32)  # prefix-consistent
 
         if kind in LATENT:
             scheme, block = LATENT[kind]
@@ -120,7 +126,7 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
     present: dict[str, list | None] = field(default_factory=dict)  # "ns/sid" -> [kind, seed, n] found (or None)
 
-    RANK = {"exact": 0, "detected": 1, "lost": 2, "wrong": 3, "crash": 4}
+    RANK: ClassVar[dict[str, int]] = {"exact": 0, "detected": 1, "lost": 2, "wrong": 3, "crash": 4}
 
     def worse(self, status: str, note: str) -> None:
         if self.RANK[status] > self.RANK[self.status]:

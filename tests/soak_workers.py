@@ -30,8 +30,19 @@ from kvshelf import open_store
 from kvshelf.codecs import load_snapshot
 from kvshelf.errors import KvShelfError, SnapshotNotFound, StoreFull
 
-from .soak_cases import CHUNK, IDENTITY, KINDS, Verdict, check_restored, check_store, fingerprint, make_caches
-from .soak_cases import tokens_for, truth_fingerprint, truth_of
+from .soak_cases import (
+    CHUNK,
+    IDENTITY,
+    KINDS,
+    Verdict,
+    check_restored,
+    check_store,
+    fingerprint,
+    make_caches,
+    tokens_for,
+    truth_fingerprint,
+    truth_of,
+)
 
 OS_POINTS = {"write": ("write", "writev", "pwrite", "pwritev"), "fsync": ("fsync", "fdatasync"),
              "rename": ("rename", "replace"), "renamed": ("rename", "replace"), "unlink": ("unlink",)}

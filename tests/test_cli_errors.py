@@ -7,7 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from tools_data import MODEL, make_caches, private_copy, run_cli, template_store, tokens_for
+from tools_data import (
+    MODEL,
+    make_caches,
+    private_copy,
+    run_cli,
+    template_store,
+    tokens_for,
+)
 
 from kvshelf import open_store
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tools_data import MODEL, make_caches, reads, same_reads
+from tools_data import MODEL, make_caches, same_reads
 
 from kvshelf import Identity, open_store
 from kvshelf.codecs import load_snapshot, read_header, save_snapshot
@@ -29,7 +29,11 @@ from kvshelf.errors import (
     WrongArgumentType,
 )
 from kvshelf.store import PrefixHit
-from kvshelf.store.inputs import MAX_NAMESPACE_BYTES, MAX_SESSION_ID_BYTES, TOKEN_ID_LIMIT
+from kvshelf.store.inputs import (
+    MAX_NAMESPACE_BYTES,
+    MAX_SESSION_ID_BYTES,
+    TOKEN_ID_LIMIT,
+)
 
 N = 24
 TOKENS = list(range(500, 500 + N))
@@ -264,10 +268,9 @@ def test_snapshot_files_on_hostile_paths(tmp_path) -> None:
     caches = make_caches("mla", N, 5)
     for path, error in ((3, WrongArgumentType), (None, WrongArgumentType), (b"/tmp/x", WrongArgumentType),
                         ("", InvalidCacheState), ("a\x00b", InvalidCacheState)):
-        for call in (lambda: save_snapshot(path, TOKENS, caches), lambda: load_snapshot(path),
-                     lambda: read_header(path)):
+        for call in (save_snapshot, load_snapshot, read_header):
             with pytest.raises(error):
-                call()
+                call(path, TOKENS, caches) if call is save_snapshot else call(path)
     missing = tmp_path / "nope" / "s.safetensors"
     for call in (lambda: save_snapshot(missing, TOKENS, caches), lambda: load_snapshot(missing),
                  lambda: read_header(missing)):

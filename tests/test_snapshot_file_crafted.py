@@ -12,7 +12,12 @@ from test_snapshot_file import join, rewrite_header, split
 from tools_data import make_caches
 
 from kvshelf.codecs import load_snapshot, read_header, save_snapshot
-from kvshelf.codecs.validate import MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_HEADS, MAX_POSITIONS
+from kvshelf.codecs.validate import (
+    MAX_BLOCK_SIZE,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_POSITIONS,
+)
 from kvshelf.errors import CorruptData, IncompatibleFormat
 from kvshelf.latent_legos.kv import RotatingKVCache
 

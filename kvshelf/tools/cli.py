@@ -327,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args, pr)
     except (KvShelfError, OSError) as exc:
         return _report(pr, args, exc, "")
-    except Exception as exc:  # a bug, still one readable line: the operator's terminal is no place for a traceback
+    except Exception as exc:  # noqa: BLE001 - a bug, still one readable line: the operator's terminal is no place for a traceback
         return _report(pr, args, exc, "internal error (please report it): ")
 
 
