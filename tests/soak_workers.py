@@ -11,8 +11,8 @@
   functions in this process only: no store code knows about them, so they work on any store layout.
 * ``mixed``: one of four processes of mixed traffic (saves, restores of its own and others' sessions, lookups,
   prefix and batch restores, deletes, gc, verify) for some seconds; reports counts as JSON.
-* ``enospc``: saves into a store on a small filesystem until it is full, then checks that everything saved before
-  still restores exactly and that room made by deletes is usable again.
+* ``enospc``: saves into a store on a small filesystem until it is full (``StoreFull``), checks that everything
+  saved before still restores exactly, deletes half and goes again (three rounds).
 """
 
 from __future__ import annotations
