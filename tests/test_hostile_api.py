@@ -376,3 +376,24 @@ def test_any_argument_to_the_codecs_gives_success_or_a_kvshelf_error(a, b) -> No
             calls += [lambda c=codec: c.batch_plan(a), lambda c=codec: c.adopt_batch(a, b)]
     for call in calls:
         _only_kvshelf_errors(call)
+
+
+def test_tools_refuse_hostile_arguments(tmp_path) -> None:
+    from kvshelf.tools import admin, transfer
+
+    root = tmp_path / "s"
+    with open_store(root, identity=MODEL, chunk_tokens=8) as s:
+        s.save("keep", TOKENS, make_caches("mla", N, 1))
+    out = tmp_path / "x.safetensors"
+    calls = [lambda: transfer.import_file(root, 3), lambda: transfer.import_file(3, out),
+             lambda: transfer.import_file(root, tmp_path, session_id=3), lambda: transfer.export_session(root, 3, out),
+             lambda: transfer.export_session(root, "keep", 3), lambda: transfer.export_session(None, "keep", out),
+             lambda: transfer.session_id_for(3), lambda: admin.rebuild_index(3), lambda: transfer.watch_inbox(root, 3),
+             lambda: open_store(3, admin=True), lambda: open_store(b"/tmp/s", admin=True),
+             lambda: admin.open_admin(None).__enter__()]
+    with admin.open_admin(root) as store:
+        calls += [lambda: admin.show(store, 3), lambda: admin.find_session(store, None)]
+        for call in calls:
+            with pytest.raises(KvShelfError):
+                call()
+    assert not out.exists()

@@ -35,10 +35,11 @@ def drop(inbox: Path, name: str, data: bytes) -> None:
     os.rename(tmp, inbox / name)
 
 
-def start(store: Path, inbox: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(store: Path, inbox: Path, *extra: str, env: dict[str, str] | None = None,
+          settle: str = SETTLE) -> subprocess.Popen:
     env = {**os.environ, "KVSHELF_NO_PROGRESS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "kvshelf.tools.cli", "watch", str(inbox), "--store", str(store),
-                             "--settle", SETTLE, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--settle", settle, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
@@ -144,15 +145,17 @@ def test_bad_files_land_in_failed_with_their_reason_and_nothing_in_the_store(tmp
 
 def test_a_file_written_slowly_in_pieces_is_ingested_only_when_complete(tmp_path) -> None:
     """The writer waits on the watcher, not on the clock: each piece is written only after the watcher's trace shows
-    it looked at the previous partial size (twice: the "held still for a poll" look too), and the partial file's
-    mtime is kept ahead of the clock (a writer whose clock runs ahead), so however the two processes are scheduled
-    the watcher sees every partial size, can never take one for settled, and ingests only the complete file."""
+    it looked at that partial size twice (so it had the chance to take it), and right after each write the partial
+    file's mtime is put ahead of the clock (a writer whose clock runs ahead). With a 60 s settle window, a partial
+    file could only look settled if the writer stalled for a minute between its write and its utime — scheduling on
+    a loaded machine cannot make that happen — so the watcher sees every partial size, takes none, and ingests the
+    file once the writer, finished, dates it back."""
     store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
     inbox.mkdir()
     src.mkdir()
     trace = tmp_path / "trace"
     data = portable(src / "slow.safetensors", 110, 5, kind="mla").read_bytes()
-    proc = start(store, inbox, env={"KVSHELF_TEST_WATCH_TRACE": str(trace)})
+    proc = start(store, inbox, env={"KVSHELF_TEST_WATCH_TRACE": str(trace)}, settle="60s")
     target = inbox / "slow.safetensors"
     try:
         step = len(data) // 8 + 1
@@ -165,8 +168,8 @@ def test_a_file_written_slowly_in_pieces_is_ingested_only_when_complete(tmp_path
                 os.utime(target, (ahead, ahead))
                 wait_for(lambda: trace_lines(trace).count(f"seen slow.safetensors {size}") >= 2, proc=proc)
                 assert not any(line.startswith("ingest ") for line in trace_lines(trace))
-        now = time.time() - 10
-        os.utime(target, (now, now))  # complete: its mtime is now old enough to settle at once
+        old = time.time() - 120
+        os.utime(target, (old, old))  # complete: its mtime is now older than the settle window
         wait_for(lambda: done(inbox) or failed(inbox), proc=proc)
     finally:
         proc.send_signal(signal.SIGINT)

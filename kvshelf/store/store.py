@@ -1085,6 +1085,8 @@ def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max
     """Open (creating if needed) the store at ``path`` under ``identity`` (use as a context manager).
 
     ``admin=True`` without an identity opens it identity-blind for offline tools (see ``Store``)."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise WrongArgumentType(f"open_store needs a str or os.PathLike store path, got {type(path).__name__}")
     if identity is None and not admin:
         raise WrongArgumentType("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
     return Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, admin=admin, **options)
