@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import tempfile
 import time
-from itertools import pairwise
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO
 
@@ -25,13 +24,19 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from ..errors import CorruptData, IdentityMismatch, InvalidCacheState, StoreFull, WrongArgumentType, file_error
+from ..errors import CorruptData, InvalidCacheState, StoreFull, file_error
 from . import dtypes
 from .checksum import checksum_bytes
 from .codec import CodecProvider
-from .header import (IDENTITY_FIELDS, MAX_IDENTITY_CHARS, TOKEN_ID_LIMIT, SnapshotHeader, decode_header_json,
-                     encode_header_json)
+from .header import SnapshotHeader, decode_header_json, encode_header_json
 from .provider import default_provider
+from .snapshot_args import (
+    check_identity,
+    identity_fields,
+    normalize_tokens,
+    open_regular,
+    snapshot_path,
+)
 
 HEADER_KEY = "kvshelf.header"
 HEADER_CHECKSUM_KEY = "kvshelf.header_xxh3"
@@ -47,103 +52,6 @@ class Snapshot:
     tokens: list[int]
     caches: list[Any]
     header: SnapshotHeader
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# tokens and identity
-
-
-def normalize_tokens(tokens: Any) -> list[int]:
-    """A token sequence (list, tuple, 1-D numpy or MLX integer array) as a list of ints in ``[0, 2**31)``.
-
-    The bound is the store's (``TOKEN_ID_LIMIT``), so every file written here can be imported. Arrays are checked
-    with one vectorised pass."""
-    if isinstance(tokens, mx.array):
-        if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
-            raise InvalidCacheState(f"tokens must be a 1-D integer array (got {tokens.dtype} {list(tokens.shape)})")
-        tokens = np.array(tokens)
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise InvalidCacheState(f"tokens must be a 1-D integer array (got {tokens.dtype} {list(tokens.shape)})")
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= TOKEN_ID_LIMIT):
-            i = int(np.argmax((tokens < 0) | (tokens >= TOKEN_ID_LIMIT)))
-            raise InvalidCacheState(f"tokens[{i}] must be a non-negative int token id below 2**31 (got {int(tokens[i])})")
-        return tokens.tolist()
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
-        raise WrongArgumentType(f"tokens must be a sequence of ints (got {type(tokens).__name__})")
-    out = []
-    for i, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
-            raise WrongArgumentType(f"tokens[{i}] must be an int token id (got {type(token).__name__} {token!r:.40})")
-        if not 0 <= token < TOKEN_ID_LIMIT:
-            raise InvalidCacheState(f"tokens[{i}] must be a non-negative int token id below 2**31 (got {int(token)})")
-        out.append(int(token))
-    return out
-
-
-def _path(path: Any, what: str = "snapshot path") -> Path:
-    """A filesystem path argument: str or os.PathLike (bytes paths and other types are refused), no NUL."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise WrongArgumentType(f"{what} must be a str or os.PathLike, got {type(path).__name__}")
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise WrongArgumentType(f"{what} must name a text path, got {type(text).__name__}")
-    if not text or "\x00" in text:
-        raise InvalidCacheState(f"{what} must be a non-empty path without NUL characters, got {text!r:.80}")
-    return Path(text)
-
-
-def _open_regular(path: Path) -> BinaryIO:
-    """Open a snapshot for reading; only a regular file (a FIFO or device could block or never end)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise file_error(exc, f"cannot open snapshot {path}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptData(f"{path}: not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def identity_fields(identity: Any, what: str = "identity") -> dict[str, str]:
-    """The identity fields given: from None, a mapping, or an object with those attributes (the store's Identity).
-
-    Only fields that are present and not None are returned; unknown mapping keys are refused.
-    """
-    if identity is None:
-        return {}
-    if isinstance(identity, Mapping):
-        unknown = sorted(set(identity) - set(IDENTITY_FIELDS))
-        if unknown:
-            raise InvalidCacheState(f"{what} has unknown fields {unknown} (known: {', '.join(IDENTITY_FIELDS)})")
-        values = {field: identity.get(field) for field in IDENTITY_FIELDS}
-    else:
-        values = {field: getattr(identity, field, None) for field in IDENTITY_FIELDS}
-    out = {}
-    for field, value in values.items():
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise WrongArgumentType(f"{what} field {field} must be a string (got {type(value).__name__})")
-        if len(value) > MAX_IDENTITY_CHARS:
-            raise InvalidCacheState(f"{what} field {field} is {len(value)} characters (at most {MAX_IDENTITY_CHARS})")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidCacheState(f"{what} field {field} is not valid Unicode (lone surrogate at {exc.start})") from None
-        out[field] = value
-    return out
-
-
-def check_identity(header: SnapshotHeader, expect: Any) -> None:
-    """Every identity field the caller expects must equal the header's (``IdentityMismatch`` names it)."""
-    for field, expected in identity_fields(expect, "expected identity").items():
-        stored = getattr(header, field)
-        if stored != expected:
-            raise IdentityMismatch(field, stored, expected)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -193,7 +101,7 @@ def save_snapshot(
     ``identity``: None, a mapping or an object with ``model_id``, ``config_fingerprint``, ``tokenizer_hash``,
     ``namespace``. Atomic (old file or new file, never a mix); mode 0600. Returns the header written.
     """
-    target = _path(path)
+    target = snapshot_path(path)
     header, tensors = _build(tokens, caches, identity, provider)
     text = encode_header_json(header).decode("utf-8")
     metadata = {FORMAT_KEY: FORMAT_VALUE, HEADER_KEY: text, HEADER_CHECKSUM_KEY: checksum_bytes(text.encode("utf-8"))}
@@ -298,8 +206,8 @@ def _read(handle: BinaryIO, n: int, path: Path) -> bytes:
 
 def read_header(path: str | os.PathLike[str]) -> SnapshotHeader:
     """The snapshot's header alone (no tensor byte is read); a damaged header is ``CorruptData``."""
-    target = _path(path)
-    with _open_regular(target) as handle:
+    target = snapshot_path(path)
+    with open_regular(target) as handle:
         return _read_layout(handle, target).header
 
 
@@ -388,8 +296,8 @@ def load_snapshot(
     or an object; every field given must match), each tensor's place in the file, then per tensor its checksum
     (``verify``) before the codec builds the cache. Any failure raises and returns nothing.
     """
-    target = _path(path)
-    with _open_regular(target) as handle:
+    target = snapshot_path(path)
+    with open_regular(target) as handle:
         layout = _read_layout(handle, target)
         header = layout.header
         provider.validate_header(header)
