@@ -6,9 +6,9 @@ What it does (only the public API plus raw file operations on the store director
   moment or kills itself at an injected point (the k-th write/fsync/rename/unlink, before/after the index commit —
   see ``soak_workers``); then every session must restore as it was committed (a save logged as returned is
   durable; the one in flight may or may not be there). Missing or unreadable committed data is **lost**.
-* **damage** (``soak_damage``): single-byte flips over every file of a small store (chunk bytes, blob headers, manifest files — also
-  followed by ``rebuild_index`` — and LMDB's ``data.mdb``) and over portable snapshot files; truncations, swaps and
-  deletions of files. Every session is then restored (and a prefix of it) and the store verified.
+* **damage** (``soak_damage``): single-byte flips over every file of a small store (chunk bytes, blob headers,
+  manifest files — also followed by ``rebuild_index`` — and LMDB's ``data.mdb``) and over portable snapshot files;
+  truncations, swaps and deletions of files. Every session is then restored (and a prefix of it), the store verified.
 * **mixed**: 4 processes of mixed traffic on one store for ``--seconds``.
 * **ENOSPC**: saves into a store on a 3 MiB tmpfs until it is full (where ``mount -t tmpfs`` is allowed), and with
   the blob layer's injected ENOSPC (``KVSHELF_FAULT_ENOSPC_AFTER``) everywhere.
