@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CorruptData, InvalidCacheState, SnapshotNotFound
-from . import restoring
+from . import inputs, restoring
 from .layout import BatchDestinations, fill_from_blob
 from .leasing import Stale
 from .manifest import Manifest
@@ -21,6 +21,7 @@ class ReadingMixin:
 
     def restore(self, session_id: str, namespace: str = "") -> Restored:
         """The session's latest snapshot, whole."""
+        inputs.check_session(session_id, namespace)
         self._check_scoped("restore")
         for attempt in range(3):
             with self.index.read() as txn:
@@ -34,6 +35,7 @@ class ReadingMixin:
 
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
+        snapshot_id, length = inputs.check_snapshot_id(snapshot_id), inputs.check_length(length)
         self._check_scoped("restore_snapshot")
         manifest = self.manifest(snapshot_id)
         self._check_identity(manifest)
@@ -43,6 +45,7 @@ class ReadingMixin:
 
     def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "") -> Restored | None:
         """Caches for the longest usable stored prefix of the prompt (reading only the chunks covering it)."""
+        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
         for _ in range(3):
             hit = self.lookup(prompt_tokens, namespace)
             if hit is None:
@@ -55,6 +58,7 @@ class ReadingMixin:
 
     def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]], _attempt: int = 0) -> RestoredBatch:
         """Several rows restored straight into one batched cache per layer, rows in request order."""
+        inputs.check_requests(requests)
         self._check_scoped("restore_batch")
         if not requests:
             raise InvalidCacheState("restore_batch needs at least one request")

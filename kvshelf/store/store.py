@@ -24,8 +24,9 @@ from typing import Any
 import msgspec
 
 from ..codecs import CodecProvider, default_provider
-from ..errors import CorruptData, IdentityMismatch, KvShelfError, SnapshotNotFound
-from . import keys, ledger, openlock, saving
+from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
+                      WrongArgumentType)
+from . import inputs, keys, ledger, openlock, saving
 from . import manifest as mf
 from .budget import evict_to_budget
 from .identity import Identity, namespace_key
@@ -56,13 +57,13 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
                  map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
                  admin: bool = False, byte_store=None):
         if admin and identity is not None:
-            raise ValueError("an admin handle is identity-blind: pass identity=None with admin=True")
+            raise InvalidCacheState("an admin handle is identity-blind: pass identity=None with admin=True")
         if not admin and not isinstance(identity, Identity):
-            raise TypeError(f"identity must be a kvshelf Identity, got {type(identity).__name__}")
+            raise WrongArgumentType(f"identity must be a kvshelf Identity, got {type(identity).__name__}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
+            raise InvalidCacheState(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise InvalidCacheState(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
         self.root = os.path.abspath(os.fspath(path))
         ensure_dir(self.root)
         os.chmod(self.root, 0o700)
@@ -169,12 +170,16 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
     # ------------------------------------------------------------------ saving
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
         """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written)."""
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
         return saving.write(self, saving.capture(self, session_id, tokens, caches, namespace))
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
                    namespace: str = "") -> Future:
         """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures."""
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_async")
         cap = saving.capture(self, session_id, tokens, caches, namespace)
         return self._writer.submit(lambda: saving.write(self, cap), cap.nbytes)
@@ -212,6 +217,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
 
         A list prompt is converted (and checked) only as far as the lookup reads it, so a miss costs microseconds
         however long the prompt; arrays are converted whole (that is cheap)."""
+        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
         self._check_scoped("lookup")
         prompt = LazyTokens(prompt_tokens, "prompt_tokens")
         nsk = self._ns_key(namespace)
@@ -290,6 +296,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
 
     def delete(self, session_id: str, namespace: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
+        inputs.check_session(session_id, namespace)
         self._check_scoped("delete")
         skey = self._session_key(session_id, namespace)
 
@@ -304,6 +311,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
 
     def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
         """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""
+        inputs.check_optional_namespace(namespace)
         self._check_scoped("sessions")
         prefix = self.id_key if namespace is None else self.id_key + self._ns_key(namespace)
         touched = self._touched()
@@ -331,8 +339,10 @@ def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max
 
     ``admin=True`` without an identity opens it identity-blind for offline tools (see ``Store``); ``byte_store=``
     puts the packs in any ``ByteStore`` implementation."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise WrongArgumentType(f"open_store needs a str or os.PathLike store path, got {type(path).__name__}")
     if identity is None and not admin:
-        raise TypeError("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
+        raise WrongArgumentType("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
     return Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, admin=admin, **options)
 
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CorruptData, InvalidCacheState, KvShelfError, StoreBusy
-from . import keys, ledger, openlock, restoring
+from . import inputs, keys, ledger, openlock, restoring
 from . import manifest as mf
 from .blobfile import BlobReader, Piece, content_hash, kvz_buffers, raw_buffers
 from .index import Index
@@ -26,6 +26,7 @@ class ToolsSurface:
     # ------------------------------------------------------------------ listings
     def manifest(self, snapshot_id: str) -> Manifest:
         """A snapshot's manifest by id (any identity)."""
+        snapshot_id = inputs.check_snapshot_id(snapshot_id)
         with self.index.read() as txn:
             return self._manifest(txn, _sid(snapshot_id))
 

@@ -23,6 +23,7 @@ from ..errors import IncompatibleFormat, KvShelfError, SnapshotNotFound
 from ..store import Store, StoreBusy, open_store
 from ..store.manifest import Manifest
 from . import lmdb_files
+from .paths import require_path, require_text
 
 _SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}$")
 IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash", "namespace")
@@ -39,6 +40,7 @@ def is_store(path: str | os.PathLike[str]) -> bool:
 @contextmanager
 def open_admin(path: str | os.PathLike[str], *, create: bool = False) -> Iterator[Store]:
     """The store at ``path`` opened for offline tools. Raises ``StoreMissing`` unless it exists or ``create``."""
+    path = require_path(path, "store path")
     if not create and not is_store(path):
         raise StoreMissing(f"no kvshelf store at {path} (expected {Path(path) / 'index' / 'data.mdb'}); "
                            f"pass --store DIR or set KVSHELF_STORE")
@@ -102,6 +104,7 @@ def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
 
 def resolve(store: Store, target: str, **filters: str | None) -> Manifest:
     """A snapshot id, or a session id (its latest snapshot) that the filters make unambiguous."""
+    require_text(target, "session or snapshot id")
     if _SNAPSHOT_ID.match(target):
         try:
             m = store.manifest(target)
@@ -271,6 +274,7 @@ def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
 
 def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Rebuild the index from the blob directory (offline: ``StoreBusy`` while another process has the store open)."""
+    path = require_path(path, "store path")
     if not any((Path(path) / d).is_dir() for d in ("packs", "blobs")):
         raise StoreMissing(f"no kvshelf pack or blob directory at {Path(path)}")
     started = time.perf_counter()

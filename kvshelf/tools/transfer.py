@@ -19,7 +19,8 @@ from ..codecs import default_provider
 from ..codecs.checksum import checksum
 from ..codecs.snapshot_file import load_snapshot, save_snapshot
 from ..errors import KvShelfError, SnapshotNotFound
-from .watcher import FILE_FAULTS, InboxWatcher, WatchStats
+from .paths import require_path, require_text
+from .watcher import FILE_FAULTS, InboxWatcher, WatchStats, env_phase
 
 
 def _identity_of(header) -> Any:
@@ -42,7 +43,7 @@ def _fingerprint(tokens: Iterable[int], caches: list[Any]) -> tuple[tuple[int, .
 
 def session_id_for(path: Path) -> str:
     """A file's session id: its name without the ``.safetensors`` suffix (``chat-42.safetensors`` -> ``chat-42``)."""
-    name = path.name
+    name = require_path(path, "snapshot path").name
     return name[: -len(".safetensors")] if name.endswith(".safetensors") else path.stem
 
 
@@ -53,7 +54,9 @@ def import_file(
     """Verify ``path`` completely, then save it into the store (unless it is already there). Returns a result dict."""
     from ..store import open_store
 
-    path = Path(path)
+    path, store_dir = require_path(path, "snapshot path"), require_path(store_dir, "store path")
+    if session_id is not None:
+        require_text(session_id, "session_id")
     snap = load_snapshot(path, expect=expect or None, verify=True)
     header = snap.header
     session = session_id or session_id_for(path)
@@ -93,6 +96,9 @@ def export_session(
     """Write the session's latest snapshot as one portable file (atomic, 0600). Returns what was written."""
     from . import admin
 
+    require_text(session_id, "session_id")
+    require_path(file, "output file")
+
     with admin.open_admin(store_dir) as store:
         found = admin.find_session(store, session_id, namespace=namespace, **identity)
     from ..store import Identity, open_store
@@ -114,6 +120,8 @@ def watch_inbox(
     poll: float = 0.25, chunk_tokens: int = 256, **expect: str,
 ) -> WatchStats:
     """Run the inbox watcher until SIGINT/SIGTERM (or idle for ``until_idle`` seconds)."""
+    require_path(store_dir, "store path")
+    inbox = require_path(inbox, "inbox")
 
     def ingest(path: Path) -> dict[str, Any]:
         return import_file(store_dir, path, chunk_tokens=chunk_tokens, **expect)
@@ -130,7 +138,7 @@ def watch_inbox(
             log(f"compacted: {report.bytes_before} -> {report.bytes_after} bytes in {time.monotonic() - started:.1f}s")
 
     watcher = InboxWatcher(inbox, ingest, settle=settle, poll=poll, compact=compact, compact_every=compact_every,
-                           log=log)
+                           log=log, phase=env_phase())
     watcher.install_signal_handlers()
     return watcher.run(until_idle=until_idle)
 
