@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 import msgspec
 import numpy as np
 
-from ..errors import CorruptData, IncompatibleFormat
+from ..errors import CorruptData, IncompatibleFormat, StoreBusy
 from . import keys, ledger
 from . import manifest as mf
 from .backend import ObjectMissing
@@ -221,7 +221,7 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
     try:
         gate = store.save_gate(exclusive=True, timeout=10.0)
         gate.__enter__()
-    except TimeoutError:
+    except StoreBusy:
         return GcReport(dry_run, [], [], tmp, expired, 0, "saves kept the store busy; orphan sweep skipped")
     try:
         leased = store._leased_objects()

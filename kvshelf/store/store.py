@@ -119,7 +119,10 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
             timer.join()
         try:
             if self._touches:
-                self._txn(lambda txn: None)
+                try:
+                    self._txn(lambda txn: None)
+                except KvShelfError:  # damaged records or a full disk: uses are hints, closing must not fail
+                    pass
         finally:
             self._closed = True
             self.leases.close()
@@ -140,7 +143,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
     def save_gate(self, exclusive: bool = False, timeout: float = 30.0) -> Iterator[None]:
         """The store-wide save gate (``locks/save.lock``, flock): saves hold it shared from their first write to
         their commit; orphan sweeps and offline jobs hold it exclusively, so an in-flight save's pack is never
-        taken for crash residue. ``TimeoutError`` when it cannot be had within ``timeout`` seconds."""
+        taken for crash residue. ``StoreBusy`` when it cannot be had within ``timeout`` seconds."""
         fd = os.open(self._gate_path, os.O_RDWR | os.O_CLOEXEC)
         try:
             deadline = time.monotonic() + timeout
@@ -150,7 +153,8 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError("save lock busy") from None
+                        raise StoreBusy(f"the save gate of {self.root} stayed busy for {timeout:g}s (a gc, "
+                                        f"compaction or offline job holds it{'' if exclusive else ' exclusively'})")
                     time.sleep(0.005)
             yield
         finally:

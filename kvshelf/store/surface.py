@@ -316,7 +316,7 @@ class ToolsSurface:
         try:
             gate = self.save_gate(exclusive=True, timeout=timeout)
             gate.__enter__()
-        except TimeoutError:
+        except StoreBusy:
             raise StoreBusy(f"saves kept the store at {self.root} busy for {timeout:.0f}s") from None
         try:
             with self.index.writer_lock(), openlock.exclusive(self._lock_key):
