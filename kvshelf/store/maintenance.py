@@ -72,8 +72,14 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
             if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
                 out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
             toks = txn.get(sid, db=db["tokens"])
-            if toks is None or not np.array_equal(np.frombuffer(toks, "<i8"), np.asarray(m.tokens, "<i8")):
-                out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest"))
+            try:
+                same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"),
+                                                           np.asarray(m.tokens, "<i8"))
+            except CorruptData:
+                same = False
+            if not same:
+                out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest (or fail their "
+                                                          "checksum)"))
             if txn.get(skey, db=db["sessions"]) != sid:
                 out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
             if txn.get(keys.lru_key(idk, s.last_used_ns, sid), db=db["lru"]) is None:

@@ -253,12 +253,24 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
         sid = txn.get(skey, db=self.index.db["sessions"])
         if sid is None:
             self._explain_missing(txn, session_id, namespace, skey)
-        return self._manifest(txn, sid)
+        raw = txn.get(sid, db=self.index.db["manifests"])
+        where = f"session {session_id!r} (namespace {namespace!r})"
+        if raw is None:  # one read transaction: a session pointing nowhere is a damaged record, not a race
+            raise CorruptData(f"{where} points to snapshot {bytes(sid).hex()}, which is not indexed "
+                              f"(a damaged index record: run `kvshelf verify`)")
+        m = mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()} of {where}")
+        if (m.session_id, m.namespace) != (session_id, namespace) or keys.identity_key_of(m) != self.id_key:
+            raise CorruptData(f"{where} points to snapshot {m.snapshot_id} of session {m.session_id!r} "
+                              f"(namespace {m.namespace!r}): a damaged index record, refused")
+        return m
 
     def _explain_missing(self, txn, session_id: str, namespace: str, skey: bytes):
         raw = txn.get(skey, db=self.index.db["quarantine"])
         if raw is not None:
-            sid_hex, reason = msgspec.msgpack.decode(raw)
+            try:
+                sid_hex, reason = msgspec.msgpack.decode(raw)
+            except (msgspec.DecodeError, ValueError, TypeError):
+                sid_hex, reason = "?", "its quarantine record is damaged too"
             raise CorruptData(f"session {session_id!r} (namespace {namespace!r}) was quarantined: snapshot "
                               f"{sid_hex}: {reason}")
         tail = session_id.encode("utf-8", "surrogatepass")
