@@ -86,7 +86,13 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
         assert {s.session_id for s in store.sessions()} == {"b"}
         assert store.stats()["quarantined_sessions"] == 1
         assert (tmp_path / "s" / "tomb" / f"{a.snapshot_id}.quarantined").exists()  # the evidence: why, and when
-        assert store.verify(deep=True) == []  # the bad chunk was a's alone: freed with it
+        # issue 12: the quarantined snapshot stays a finding naming its session, and its bytes stay as evidence
+        assert [(f.kind, f.sessions) for f in store.verify(deep=True)] == [("quarantined", ("a",))]
+        assert os.path.exists(chunk_file(store, bad.hash)[0]) if store.chunk_info(bad.hash) else True
+        assert store.gc(dry_run=False).orphan_blobs == []  # gc keeps the evidence while the record exists
+        assert store.drop_quarantined(a.snapshot_id)  # the operator's decision
+        store.gc(dry_run=False)
+        assert store.verify(deep=True) == []  # the bad chunk was a's alone: reclaimed by gc after the drop
         store.save("a", shared, session(MLA, (64,), seed=0))  # a new save of the session clears the quarantine
         assert store.restore("a").length == 64
         assert store.verify(deep=True) == []
@@ -100,7 +106,12 @@ def test_truncated_blob_is_corrupt_data(tmp_path):
             f.truncate(offset + length - 100)  # the last chunk (and the pack's trailer) cut short
         with pytest.raises(CorruptData, match="truncated"):
             store.restore("a")
-        assert store.sessions() == [] and store.verify(deep=True) == []
+        # issue 12: a quarantined snapshot stays a finding (naming its session) until an operator drops it
+        assert store.sessions() == [] and [(f.kind, f.sessions) for f in store.verify(deep=True)] == [
+            ("quarantined", ("a",))]
+        store.delete("a")  # the operator's drop, by session
+        store.gc(dry_run=False)
+        assert store.verify(deep=True) == []
 
 
 def _enospc(path, nbytes):

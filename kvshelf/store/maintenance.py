@@ -17,8 +17,9 @@ from collections import Counter, defaultdict
 import msgspec
 import numpy as np
 
-from ..errors import CorruptData, IncompatibleFormat, StoreBusy
+from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy
 from . import keys, ledger
+from .evidence import quarantined_objects
 from . import manifest as mf
 from .backend import ObjectMissing
 from .localbytes import open_object
@@ -44,8 +45,31 @@ def _manifest_on_disk(store, sid_hex: str, summary: Summary) -> bytes | None:
 
 
 def verify_store(store, deep: bool = False) -> list[Finding]:
-    db = store.index.db
+    """Every inconsistency as a ``Finding``; never raises on damaged data (a record, pack or index that cannot be
+    read at all is a finding too), and every quarantined snapshot stays a finding until an operator drops it."""
     out: list[Finding] = []
+    try:
+        _verify(store, deep, out)
+    except (KvShelfError, ObjectMissing, OSError) as exc:
+        out.append(Finding("unreadable-index", "index", f"verify stopped: {type(exc).__name__}: {exc}"))
+    return out
+
+
+def _quarantine_findings(store, txn, out: list[Finding]) -> None:
+    for key, raw in txn.cursor(db=store.index.db["quarantine"]):
+        session = keys.session_of_key(key)
+        try:
+            sid_hex, reason, *_objects = msgspec.msgpack.decode(raw)
+        except (msgspec.DecodeError, ValueError, TypeError):
+            sid_hex, reason = "?", "(the quarantine record itself is damaged)"
+        out.append(Finding("quarantined", f"snapshot {sid_hex} (session {session!r})",
+                           f"quarantined: {reason}; its bytes are kept as evidence until an operator drops it "
+                           f"(Store.drop_quarantined / delete)", (session,)))
+
+
+def _verify(store, deep: bool, out: list[Finding]) -> None:
+    db = store.index.db
+    users: defaultdict[str, set[str]] = defaultdict(set)
     refs: Counter[str] = Counter()
     manifests_in: Counter[str] = Counter()
     prefix_records = 0
@@ -55,10 +79,17 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
             try:
                 manifests[bytes(sid)] = mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()}")
             except (CorruptData, IncompatibleFormat) as exc:
-                out.append(Finding("bad-manifest", bytes(sid).hex(), str(exc)))
+                try:
+                    who = (mf.decode(txn.get(bytes(sid), db=db["summaries"]) or b"", Summary, "summary").session_id,)
+                except CorruptData:
+                    who = ()
+                out.append(Finding("bad-manifest", f"snapshot {bytes(sid).hex()}"
+                                   + (f" (session {who[0]!r})" if who else ""), str(exc), who))
         prefix_cur = txn.cursor(db=db["prefix"])
+        _quarantine_findings(store, txn, out)
         for sid, m in manifests.items():
             where = f"snapshot {sid.hex()} (session {m.session_id!r})"
+            mine = len(out)
             idk, nsk, skey = keys.manifest_keys(m)
             raw = txn.get(sid, db=db["summaries"])
             if raw is None:
@@ -103,6 +134,8 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
                     out.append(Finding("manifest-file-drift", where, "the manifest on disk differs from the index"))
             for h in {r.hash for r in m.blobs}:
                 refs[h] += 1
+                users[h].add(m.session_id)
+            out[mine:] = [Finding(f.kind, f.where, f.detail, (m.session_id,)) for f in out[mine:]]
         n_prefix = txn.stat(db["prefix"])["entries"]
         if n_prefix != prefix_records:
             out.append(Finding("prefix-drift", "prefix index", f"{n_prefix} records, manifests imply {prefix_records}"))
@@ -120,13 +153,18 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
                 out.append(Finding("bad-chunk-record", f"blob {bytes(key).hex()}", str(exc)))
         packs: dict[str, PackMeta] = {}
         for key, raw in txn.cursor(db=db["packs"]):
-            packs[bytes(key).decode()] = mf.decode(raw, PackMeta, "pack record")
+            name = bytes(key).decode("utf-8", "replace")
+            try:
+                packs[name] = mf.decode(raw, PackMeta, f"pack record {name}")
+            except CorruptData as exc:
+                out.append(Finding("bad-pack-record", f"pack {name}", str(exc)))
         total = store.index.meta_int(txn, b"total_bytes")
     leased_objects = store._leased_objects()
     for h, n in refs.items():
         meta = chunks.get(h)
         if meta is None:
-            out.append(Finding("refcount-drift", f"blob {h}", f"referenced by {n} snapshots but has no record"))
+            out.append(Finding("refcount-drift", f"blob {h}", f"referenced by {n} snapshots but has no record",
+                               tuple(sorted(users.get(h, ())))))
         elif meta.refs != n:
             out.append(Finding("refcount-drift", f"blob {h}", f"refcount {meta.refs}, referenced by {n}"))
     live = defaultdict(lambda: [0, 0])
@@ -136,7 +174,8 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
         name, offset, length = keys.location(h, meta)
         size = store.bytes.size(name)
         if size is None:
-            out.append(Finding("missing-blob", f"blob {h}", f"its object {name} is missing"))
+            out.append(Finding("missing-blob", f"blob {h}", f"its object {name} is missing",
+                               tuple(sorted(users.get(h, ())))))
             continue
         if meta.pack:
             live[meta.pack][0] += 1
@@ -150,8 +189,8 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
             try:
                 with store.open_blob(h, verify=True) as reader:
                     reader.read_into([None] * len(reader.tensors))
-            except CorruptData as exc:
-                out.append(Finding("corrupt-blob", f"blob {h}", str(exc)))
+            except (KvShelfError, ObjectMissing, OSError) as exc:
+                out.append(Finding("corrupt-blob", f"blob {h}", str(exc), tuple(sorted(users.get(h, ())))))
     for name, pm in packs.items():
         if (pm.live_chunks, pm.live_bytes, pm.manifests) == (0, 0, 0) and name not in live and \
                 name not in manifests_in:
@@ -171,13 +210,13 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
     for name, kind in _orphans(store, leased_objects):
         out.append(Finding(kind, f"{'manifest' if kind == 'orphan-manifest' else 'blob'} {name}",
                            "not indexed (crash residue: run gc)"))
-    return out
 
 
 def _orphans(store, leased: set[str]) -> list[tuple[str, str]]:
     """(object, kind) of every object the ledger does not need and no live lease holds."""
     found = []
     with store.index.read() as txn:
+        leased = leased | quarantined_objects(store.index, txn)  # evidence: kept until an operator drops the record
         for prefix in ("packs/", "blobs/"):
             for name in sorted(store.bytes.names(prefix)):
                 if name in leased or ledger.object_live(store.index, txn, name):
