@@ -1,7 +1,8 @@
 """The soak's damage trials: single-byte flips, truncations, swaps and deletions over a copy of a small store (and
 flips over portable files), each checked by a ``Checker`` subprocess against the truth (see ``soak.py``).
 
-Files are grouped by name only (``*.mdb``: the LMDB index; a path containing ``manifest``: manifest files; the rest:
+Files are grouped by name only (``*.mdb``: the LMDB index; a path containing ``manifest``: manifest files — on layout
+v2, where manifests live in pack trailers, a "manifest" flip lands in a pack's trailer; the rest:
 blobs, chunk packs), so the trials run on any store layout.
 """
 
@@ -69,6 +70,14 @@ def _header_end(data: bytes) -> int:
     return 8 + n if 0 < n < len(data) and data[8:9] == b"{" else min(64, len(data))
 
 
+def _trailer_range(data: bytes) -> tuple[int, int] | None:
+    """Where a v2 pack keeps its manifest: the trailer (msgpack body + ``u64 len | u64 xxh3 | magic``) at the end."""
+    if len(data) < 24 or data[-8:] != b"KVSHPKT\n":
+        return None
+    n = int.from_bytes(data[-24:-16], "little")
+    return (len(data) - 24 - n, len(data)) if n < len(data) - 24 else None
+
+
 def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, tally, t: int) -> None:
     root, sessions, files = base
     if kind == "portable":
@@ -87,9 +96,16 @@ def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, ta
     rebuild, row = False, ""
     if kind == "flip":
         group = rng.choices(["blob", "manifest", "lmdb"], weights=[45, 20, 35])[0]
-        path = rng.choice(groups[group])
+        in_trailer = group == "manifest" and not groups["manifest"]  # layout v2: manifests live in pack trailers
+        path = rng.choice(groups["blob"] if in_trailer else groups[group])
         data = bytearray(path.read_bytes())
         at = _pick_byte(bytes(data), rng)
+        span = _trailer_range(bytes(data)) if in_trailer else None
+        if in_trailer:
+            if span is None:
+                group = "blob"
+            else:
+                at = rng.randrange(*span)
         data[at] ^= 1 << rng.randrange(8)
         path.write_bytes(bytes(data))
         if group == "blob":
@@ -101,6 +117,8 @@ def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, ta
             row = f"flip: {GROUP_LABEL['lmdb']}"
     else:
         group = rng.choices(["blob", "manifest", "lmdb"], weights=[50, 25, 25])[0]
+        if not groups[group]:
+            group = "blob"  # layout v2 has no manifest files
         path = rng.choice(groups[group])
         if kind == "truncate":
             size = path.stat().st_size

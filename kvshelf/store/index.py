@@ -35,6 +35,7 @@ from .localbytes import ensure_dir
 INDEX_FORMAT = 2  # 2: layout v2 (packs, sealed records); a format-1 index is read as it is and marked 2 on open
 READS_FORMATS = (1, 2)
 _T = TypeVar("_T")
+SCAN_BATCH = 512  # records per read transaction of a streaming listing (Index.scan)
 DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine")
 
 
@@ -168,6 +169,26 @@ class Index:
                         raise StoreFull(f"the index at {self.path} could not commit: the disk is full ({exc}); "
                                         f"the transaction was rolled back and nothing was committed") from exc
                     raise self._error(exc) from exc
+
+    def scan(self, name: str, batch: int = SCAN_BATCH):
+        """Every (key, value) of sub-database ``name`` (not dupsort), read in short transactions of ``batch``
+        records each: memory and reader-slot time stay bounded however large the index (a listing sees each key
+        once, in key order; records committed meanwhile may or may not be seen)."""
+        after: bytes | None = None
+        while True:
+            with self.read() as txn:
+                cur = txn.cursor(db=self.db[name])
+                ok = cur.set_range(after) if after is not None else cur.first()
+                rows = []
+                while ok and len(rows) < batch:
+                    key = bytes(cur.key())
+                    if key != after:
+                        rows.append((key, bytes(cur.value())))
+                    ok = cur.next()
+            yield from rows
+            if not ok or not rows:
+                return
+            after = rows[-1][0]
 
     @property
     def users(self) -> int:

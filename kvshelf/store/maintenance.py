@@ -294,12 +294,15 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
     return GcReport(dry_run, blobs, manifests, tmp, expired, nbytes)
 
 
-def rebuild_store_index(store) -> int:
+def rebuild_store_index(store, skipped: list[Finding] | None = None) -> int:
     """Replace the index by one built from the packs' trailers and v1 manifest files (offline: the store held
-    ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise)."""
+    ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise). Nothing that fails its
+    checksum or does not decode is indexed; each such object, and each manifest left out (a chunk missing, its
+    session tombstoned), is appended to ``skipped`` as a ``Finding`` saying why."""
+    skipped = [] if skipped is None else skipped
     with store.exclusive():
         store.replace_index(lambda path: shutil.rmtree(path, ignore_errors=True))
-        return _reindex(store)
+        return _reindex(store, skipped)
 
 
 def _tombs(store) -> tuple[set[str], dict[bytes, float]]:
@@ -317,7 +320,7 @@ def _tombs(store) -> tuple[set[str], dict[bytes, float]]:
     return sids, dead_until
 
 
-def _reindex(store) -> int:
+def _reindex(store, skipped: list[Finding]) -> int:
     tombs, dead_until = _tombs(store)
     located: ledger.Placed = {}
     sizes: dict[str, int] = {}
@@ -329,26 +332,35 @@ def _reindex(store) -> int:
             with open_object(store.bytes, name) as r:
                 contents = read_trailer(r, name)
                 sizes[name] = r.size()
-        except (CorruptData, ObjectMissing):
+        except (CorruptData, ObjectMissing) as exc:
+            skipped.append(Finding("rebuild-skipped-pack", f"pack {name}", f"not indexed: {exc}"))
             continue
         for h, off, n, enc in contents.chunks:
             located.setdefault(h, (name, off, n, enc, sizes[name]))
         if contents.manifest:
-            _consider(found, contents.manifest, contents.written_ns, name, tombs)
+            _consider(found, contents.manifest, contents.written_ns, name, tombs, skipped)
     for name in sorted(store.bytes.names("blobs/")):
         legacy = keys.parse_legacy_blob(name)
         if legacy is not None:
             located.setdefault(legacy[0], (name, 0, store.bytes.size(name) or 0, legacy[1], 0))
         elif name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
             buf = bytearray(store.bytes.size(name) or 0)
-            store.bytes.read_into(name, 0, [memoryview(buf)])
-            _consider(found, bytes(buf), 0, "", tombs)
+            try:
+                store.bytes.read_into(name, 0, [memoryview(buf)])
+            except (KvShelfError, OSError) as exc:
+                skipped.append(Finding("rebuild-skipped-manifest", name, f"unreadable: {exc}"))
+                continue
+            _consider(found, bytes(buf), 0, "", tombs, skipped, what=name)
     ordered = sorted(found.values(), key=lambda item: item[1].created_at)
     for _written, m, pack in ordered:  # oldest first: a session's newest snapshot replaces older ones
-        if any(r.hash not in located for r in m.blobs):
+        where = f"snapshot {m.snapshot_id} (session {m.session_id!r})"
+        missing = [r.hash for r in m.blobs if r.hash not in located]
+        if missing:
+            skipped.append(Finding("rebuild-skipped-snapshot", where, f"{len(missing)} of its chunks are in no "
+                                   f"readable pack or blob (first: {missing[0]})", (m.session_id,)))
             continue
         if m.created_at <= dead_until.get(keys.manifest_keys(m)[2], float("-inf")):
-            continue  # its session was deleted, evicted or quarantined at or after this snapshot
+            continue  # its session was deleted, evicted or quarantined at or after this snapshot (not a loss)
         placed = {r.hash: located[r.hash] for r in m.blobs}
         store.index.write(lambda txn, m=m, pack=pack, placed=placed: ledger.commit(
             store.index, txn, m, pack, sizes.get(pack, 0), placed))
@@ -356,10 +368,13 @@ def _reindex(store) -> int:
         return txn.stat(store.index.db["manifests"])["entries"]
 
 
-def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[str]) -> None:
+def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[str], skipped: list[Finding],
+              what: str = "") -> None:
+    what = what or pack
     try:
-        m = mf.decode(raw, Manifest, "manifest on disk")
-    except (CorruptData, IncompatibleFormat):
+        m = mf.decode(raw, Manifest, f"manifest in {what}")
+    except (CorruptData, IncompatibleFormat) as exc:
+        skipped.append(Finding("rebuild-skipped-manifest", what, f"not indexed: {exc}"))
         return
     if m.snapshot_id in tombs:
         return

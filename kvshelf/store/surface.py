@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import CorruptData, InvalidCacheState, KvShelfError, StoreBusy
+from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError, StoreBusy
 from . import inputs, keys, ledger, openlock, restoring
 from . import manifest as mf
 from .blobfile import BlobReader, Piece, content_hash, kvz_buffers, raw_buffers
@@ -30,12 +30,16 @@ class ToolsSurface:
         with self.index.read() as txn:
             return self._manifest(txn, _sid(snapshot_id))
 
-    def iter_manifests(self) -> Iterator[Manifest]:
-        """Every indexed manifest, all identities (a snapshot of the index taken at the first call)."""
-        with self.index.read() as txn:
-            raws = [bytes(v) for _k, v in txn.cursor(db=self.index.db["manifests"])]
-        for raw in raws:
-            yield mf.decode(raw, Manifest, "manifest")
+    def iter_manifests(self, skip_damaged: bool = False) -> Iterator[Manifest]:
+        """Every indexed manifest, all identities, streamed in batched read transactions (``Index.scan``). A record
+        failing its checksum raises ``CorruptData`` naming it, or is left out with ``skip_damaged`` (``verify``
+        reports it)."""
+        for sid, raw in self.index.scan("manifests"):
+            try:
+                yield mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+            except (CorruptData, IncompatibleFormat):
+                if not skip_damaged:
+                    raise
 
     def chunk_info(self, hash_: str) -> ChunkMeta | None:
         """Refcount, payload bytes, stored bytes, encoding, last use and location of an indexed chunk."""
@@ -43,11 +47,14 @@ class ToolsSurface:
             raw = txn.get(bytes.fromhex(hash_), db=self.index.db["chunks"])
         return None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
 
-    def iter_chunks(self) -> Iterator[tuple[str, ChunkMeta]]:
-        with self.index.read() as txn:
-            rows = [(bytes(k).hex(), bytes(v)) for k, v in txn.cursor(db=self.index.db["chunks"])]
-        for h, raw in rows:
-            yield h, mf.decode(raw, ChunkMeta, f"chunk record {h}")
+    def iter_chunks(self, skip_damaged: bool = False) -> Iterator[tuple[str, ChunkMeta]]:
+        """Every chunk record, streamed in batched read transactions (``skip_damaged``: as ``iter_manifests``)."""
+        for key, raw in self.index.scan("chunks"):
+            try:
+                yield key.hex(), mf.decode(raw, ChunkMeta, f"chunk record {key.hex()}")
+            except CorruptData:
+                if not skip_damaged:
+                    raise
 
     def iter_packs(self) -> Iterator[tuple[str, PackMeta]]:
         """Every indexed pack: live chunks and bytes, size, manifests held (compaction reads live ratios here)."""
@@ -100,9 +107,7 @@ class ToolsSurface:
     def summaries(self) -> dict[str, Summary]:
         """Every indexed snapshot's summary record, all identities: snapshot id -> ``Summary``."""
         self._check_open()
-        with self.index.read() as txn:
-            rows = [(bytes(k).hex(), bytes(v)) for k, v in txn.cursor(db=self.index.db["summaries"])]
-        return {sid: mf.decode(raw, Summary, f"summary {sid}") for sid, raw in rows}
+        return {k.hex(): mf.decode(raw, Summary, f"summary {k.hex()}") for k, raw in self.index.scan("summaries")}
 
     def stats(self) -> dict[str, Any]:
         """Counts and bytes: this identity's snapshots, the whole store's chunks, and this handle's counters."""
@@ -143,11 +148,18 @@ class ToolsSurface:
         return gc_store(self, dry_run)
 
     def rebuild_index(self) -> int:
-        """Rebuild the LMDB index from the packs' trailers (and v1 manifest files); returns snapshots indexed."""
+        """Rebuild the LMDB index from the packs' trailers (and v1 manifest files); returns snapshots indexed.
+        What it left out and why (a damaged pack trailer, an undecodable manifest, a snapshot whose chunks are
+        gone) is ``rebuild_report()``."""
         from .maintenance import rebuild_store_index
 
         self._check_open()
-        return rebuild_store_index(self)
+        self._rebuild_skipped = []
+        return rebuild_store_index(self, self._rebuild_skipped)
+
+    def rebuild_report(self) -> list:
+        """The ``Finding`` list of the last ``rebuild_index`` of this handle: every object or snapshot it skipped."""
+        return list(getattr(self, "_rebuild_skipped", []))
 
     # ------------------------------------------------------------------ leases and chunk writes
     @contextmanager
