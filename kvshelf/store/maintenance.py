@@ -17,8 +17,8 @@ from collections import Counter, defaultdict
 import msgspec
 import numpy as np
 
-from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy
-from . import keys, ledger
+from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
+from . import keys, ledger, reserve
 from .evidence import quarantined_objects
 from . import manifest as mf
 from .backend import ObjectMissing
@@ -288,9 +288,16 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
             with store.index.read() as txn:
                 blobs, manifests, nbytes = sweep(txn)
         else:
-            blobs, manifests, nbytes = store._txn(sweep)
+            try:
+                blobs, manifests, nbytes = store._txn(sweep)
+            except StoreFull:
+                if not reserve.release(store.root):
+                    raise
+                blobs, manifests, nbytes = store._txn(sweep)
     finally:
         gate.__exit__(None, None, None)
+    if not dry_run:
+        reserve.ensure(store.root)  # space was freed: hold some back again
     return GcReport(dry_run, blobs, manifests, tmp, expired, nbytes)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import CorruptData, InvalidCacheState, SnapshotNotFound
 from . import inputs, restoring
 from .layout import BatchDestinations, fill_from_blob
-from .leasing import Stale
+from .leasing import Gone, Stale
 from .manifest import Manifest
 from .results import PrefixHit, Restored, RestoredBatch
 
@@ -156,23 +156,36 @@ class ReadingMixin:
     def _read_arrays(self, manifest: Manifest, p: int, direct: bool = False):
         """Lease the snapshot, read the chunks covering [0, p) into fresh arrays, verify, release: (entries, arrays)
         — or, with ``direct``, (entries, arrays, planned per layer) where planned layers hold batch-plan tensors."""
-        read = self._open_read(manifest, p)
-        objects = restoring.Objects(self.bytes)
-        try:
-            plans = self._single_row_plans(read.entries) if direct else None
+        for attempt in range(3):
+            read = self._open_read(manifest, p)
+            objects = restoring.Objects(self.bytes)
             try:
-                arrays, n_chunks, n_bytes = restoring.read_direct(objects, read, self.verify_reads, plans)
-            except CorruptData as exc:
-                self._corrupt(read, exc)
-            read.ok = True
-        finally:
-            objects.close()
-            self._close_read(read)
+                plans = self._single_row_plans(read.entries) if direct else None
+                try:
+                    arrays, n_chunks, n_bytes = restoring.read_direct(objects, read, self.verify_reads, plans)
+                except CorruptData as exc:
+                    if attempt < 2 and self._moved(read):
+                        continue  # re-encoded or rewritten under us: lease and read the new form
+                    self._corrupt(read, exc)
+                read.ok = True
+            finally:
+                objects.close()
+                self._close_read(read)
+            break
         self.counters["blobs_read"] += n_chunks
         self.counters["bytes_read"] += n_bytes
         if direct:
             return read.entries, arrays, [pl is not None for pl in plans]
         return read.entries, arrays
+
+    def _moved(self, read: restoring.Read) -> bool:
+        """Whether the chunks of ``read`` lie elsewhere now (or the snapshot was rewritten or removed): a failed
+        read is then retried on the new form, never taken for corruption."""
+        try:
+            with self.index.read() as txn:
+                return self._locate(txn, read.manifest, read.needed) != read.where
+        except (Stale, Gone):
+            return True
 
     def _open_read(self, manifest: Manifest, p: int) -> restoring.Read:
         """The entries cut to ``p`` and the chunks covering [0, p), leased (re-reading a manifest compacted since)."""

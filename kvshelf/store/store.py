@@ -25,8 +25,8 @@ import msgspec
 
 from ..codecs import CodecProvider, default_provider
 from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
-                      WrongArgumentType)
-from . import inputs, keys, ledger, openlock, saving
+                      StoreFull, WrongArgumentType)
+from . import inputs, keys, ledger, openlock, reserve, saving
 from . import manifest as mf
 from .budget import evict_to_budget
 from .identity import Identity, namespace_key
@@ -80,6 +80,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
         self._gate_path = os.path.join(lock_dir, "save.lock")
         os.close(os.open(self._gate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._lock_key = os.path.realpath(self.root)
+        reserve.ensure(self.root)
         openlock.acquire(self._lock_key)  # before LMDB maps the index: "open" is exact (openlock.py)
         try:
             reap = getattr(self.bytes, "reap_tmp", None)
@@ -318,7 +319,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
                         db=self.index.db["quarantine"])
             return s, removed
 
-        result = self._txn(drop)
+        result = self._freeing_txn(drop)
         if result is None:
             return
         s, removed = result
@@ -329,6 +330,16 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
             rename_legacy_manifest(self, snapshot_id)
         dropped, _freed, tomb = removed  # freed objects stay: evidence, reclaimed by gc after drop_quarantined
         self._after_drop(dropped, [], tomb, quarantined=True)
+
+    def _freeing_txn(self, fn):
+        """A transaction that frees space (delete, quarantine): on a full disk the reserve is given back
+        (``reserve.py``) and it is tried once more."""
+        try:
+            return self._txn(fn)
+        except StoreFull:
+            if not reserve.release(self.root):
+                raise
+            return self._txn(fn)
 
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (its record goes; ``gc`` may then reclaim the
@@ -366,7 +377,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
                 return "quarantine" if had_quarantine else None
             return self._remove(txn, bytes(sid))
 
-        result = self._txn(drop)
+        result = self._freeing_txn(drop)
         if result == "quarantine":
             return
         if result is None:

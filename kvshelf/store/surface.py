@@ -15,7 +15,9 @@ from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelf
 from . import inputs, keys, ledger, openlock, restoring
 from . import manifest as mf
 from .blobfile import BlobReader, Piece, content_hash, kvz_buffers, raw_buffers
+from .backend import ObjectMissing
 from .index import Index
+from .localbytes import open_object
 from .manifest import BlobRef, ChunkMeta, Manifest, PackMeta, Summary
 from .pack import PackBuilder, new_pack_name
 
@@ -94,15 +96,28 @@ class ToolsSurface:
         return self._live_leases()[1]
 
     def open_blob(self, hash_: str, verify: bool = True) -> BlobReader:
-        """A reader over one indexed chunk in whatever encoding it is stored (raw or zstd), wherever it lies."""
-        info = self.chunk_info(hash_)
-        if info is None:
-            raise CorruptData(f"chunk {hash_} is not indexed")
-        name, offset, length = keys.location(hash_, info)
-        objects = restoring.Objects(self.bytes)
-        reader = BlobReader(None, hash_ if verify else None, source=objects.get(name), base=offset, length=length,
-                            where=hash_, owns_source=True)
-        return reader
+        """A reader over one indexed chunk in whatever encoding it is stored (raw or zstd), wherever it lies.
+
+        Unleased, so a re-encoding (``rewrite_blob``, repack) may move the chunk between reading its location and
+        opening the object: a missing object is only called corrupt once the index, read again, still places the
+        chunk there; otherwise the new location is opened (issue 12: re-encoding is invisible to readers)."""
+        where = None
+        for _attempt in range(4):
+            info = self.chunk_info(hash_)
+            if info is None:
+                raise CorruptData(f"chunk {hash_} is not indexed")
+            now = keys.location(hash_, info)
+            if now == where:
+                break  # it did not move: the object really is gone
+            where = now
+            restoring.before_open(where[0])
+            try:
+                source = open_object(self.bytes, where[0])
+            except ObjectMissing:
+                continue
+            return BlobReader(None, hash_ if verify else None, source=source, base=where[1], length=where[2],
+                              where=hash_, owns_source=True)
+        raise CorruptData(f"chunk {hash_}: its object {where[0] if where else '?'} is missing")
 
     def summaries(self) -> dict[str, Summary]:
         """Every indexed snapshot's summary record, all identities: snapshot id -> ``Summary``."""
