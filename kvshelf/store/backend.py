@@ -76,6 +76,14 @@ class ByteStore(Protocol):
         ...
 
 
+def put_unsynced(store: ByteStore, name: str, buffers: Sequence[Buffer]) -> int:
+    """``put(..., durable=False)`` — on an implementation written before that keyword existed, a durable put."""
+    try:
+        return store.put(name, buffers, durable=False)
+    except TypeError:
+        return store.put(name, buffers)
+
+
 class MemoryByteStore:
     """A ByteStore in process memory: the second implementation of the seam (tests, the conformance suite, and a
     scratch store that never touches disk). Thread-safe; objects are copied in on ``put`` so callers may reuse
@@ -127,4 +135,4 @@ class MemoryByteStore:
         return iter(found)
 
 
-__all__ = ["BackendUnavailable", "Buffer", "ByteStore", "MemoryByteStore", "ObjectMissing", "check_name"]
+__all__ = ["BackendUnavailable", "Buffer", "ByteStore", "MemoryByteStore", "ObjectMissing", "check_name", "put_unsynced"]

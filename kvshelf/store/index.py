@@ -199,6 +199,12 @@ class Index:
         """The process-wide lock every write transaction of this environment runs under (a context manager)."""
         return self._lock
 
+    def table(self, name: str):
+        """The handle of a plain (not dupsort) named table, for ``indexstore.LmdbIndexStore``."""
+        if name not in DB_NAMES:
+            raise KvShelfError(f"index table {name!r} does not exist (tables: {', '.join(DB_NAMES)})")
+        return self.db[name]
+
     def meta_int(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
         raw = txn.get(name, db=self.db["meta"])
         return default if raw is None else struct.unpack("<q", raw)[0]

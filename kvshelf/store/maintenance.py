@@ -21,7 +21,7 @@ from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, S
 from . import keys, ledger, reserve
 from .evidence import quarantined_objects
 from . import manifest as mf
-from .backend import ObjectMissing
+from .backend import ObjectMissing, put_unsynced
 from .localbytes import open_object
 from .manifest import ChunkMeta, Manifest, PackMeta, Summary
 from .pack import TOMB_DIR, is_pack, read_trailer
@@ -255,7 +255,7 @@ def rename_legacy_manifest(store, sid_hex: str) -> None:
         return
     buf = bytearray(size)
     store.bytes.read_into(src, 0, [memoryview(buf)])
-    store.bytes.put(keys.legacy_manifest(sid_hex, quarantined=True), [buf], durable=False)
+    put_unsynced(store.bytes, keys.legacy_manifest(sid_hex, quarantined=True), [buf])
     store.bytes.delete(src)
 
 

@@ -28,6 +28,7 @@ from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfE
                       StoreFull, WrongArgumentType)
 from . import inputs, keys, ledger, openlock, reserve, saving
 from . import manifest as mf
+from .backend import put_unsynced
 from .budget import evict_to_budget
 from .identity import Identity, namespace_key
 from .index import Index
@@ -212,7 +213,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
         it; not synced: it only matters if the index is lost) and unlink what is dead."""
         self._reclaim(freed)
         try:
-            self.bytes.put(keys.tomb(dropped.hex(), quarantined=quarantined), [tomb], durable=False)
+            put_unsynced(self.bytes, keys.tomb(dropped.hex(), quarantined=quarantined), [tomb])
         except (KvShelfError, OSError):  # e.g. a full disk: the removal itself is committed; only a rebuild of a
             pass                         # lost index could bring the snapshot back
 
