@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import CorruptData, InvalidCacheState, SnapshotNotFound
+from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, SnapshotNotFound
 from . import inputs, restoring
 from .layout import BatchDestinations, fill_from_blob
 from .leasing import Gone, Stale
@@ -191,6 +191,13 @@ class ReadingMixin:
         """The entries cut to ``p`` and the chunks covering [0, p), leased (re-reading a manifest compacted since)."""
         for attempt in range(4):
             self.provider.check_provider(manifest.provider)
+            for i, e in enumerate(manifest.entries):  # header checks before any lease, read or allocation
+                codec = self.provider.for_entry(e)  # an unknown kind stays IncompatibleFormat (a newer kvshelf)
+                try:
+                    codec.validate(e, i)
+                except (InvalidCacheState, IncompatibleFormat) as exc:  # a record contradicting its own geometry
+                    raise CorruptData(f"session {manifest.session_id!r} (snapshot {manifest.snapshot_id}): its "
+                                      f"manifest entry {i} is invalid ({exc}); refused before reading") from None
             entries = list(manifest.entries)
             if p < manifest.length:
                 entries = [self.provider.for_entry(e).prefix_entry(e, p) for e in entries]

@@ -245,6 +245,7 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
                 except IndexError:
                     raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} names no slot of this snapshot") from None
                 dest.pieces.append((c, ref, k))
+        check_coverage(read, slots, readers)  # before mx.load allocates a single destination
         decompressed: dict[int, memoryview] = {}
 
         def fill(slot: _Slot, dest: memoryview) -> None:
@@ -275,6 +276,24 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
     finally:
         for r in readers:
             r.close()
+
+
+def check_coverage(read: Read, slots: list[list[_Slot]], readers: list[BlobReader]) -> None:
+    """Σ bytes the chunks bring to each destination = the bytes its slot declares (≥ for a cut restore, whose
+    last chunk reaches past the cut) — checked from the chunk headers alone, before anything is allocated, so a
+    record whose shapes do not match its chunks is ``CorruptData`` and never a huge or half-filled allocation."""
+    cut = any(e.offset != read.manifest.length for e in read.entries) if read.entries else False
+    for row in slots:
+        for s in row:
+            if s.slot is None:
+                continue
+            want = math.prod(int(d) for d in s.slot.shape) * s.itemsize
+            got = sum(math.prod(readers[c].tensors[k].shape) * storage_dtype(readers[c].tensors[k].dtype).itemsize
+                      for c, _ref, k in s.pieces)
+            if got != want and not (cut and got > want and s.axis is not None):
+                raise CorruptData(f"snapshot {read.manifest.snapshot_id} (session {read.manifest.session_id!r}): "
+                                  f"tensor {s.key} declares {want} bytes {list(s.slot.shape)} but its chunks hold "
+                                  f"{got}: the record does not match its chunks")
 
 
 def _empty(s: _Slot) -> mx.array:
