@@ -78,6 +78,26 @@ def _trailer_range(data: bytes) -> tuple[int, int] | None:
     return (len(data) - 24 - n, len(data)) if n < len(data) - 24 else None
 
 
+def _pack_row(data: bytes, at: int) -> str | None:
+    """The row of a flip at ``at`` in a v2 pack (None: not a pack): its trailer, its magic, a chunk frame's header
+    (``u64 len | safetensors JSON``) or a chunk's tensor bytes."""
+    span = _trailer_range(data)
+    if span is None:
+        return None
+    if at >= span[0]:
+        return "flip: pack trailers (manifest)"
+    import msgspec
+
+    try:
+        _manifest, _written, table = msgspec.msgpack.decode(data[span[0]:span[1] - 24])
+    except (msgspec.DecodeError, ValueError):
+        return None
+    for _h, off, n, _enc in table:
+        if off <= at < off + n:
+            return "flip: blob headers" if at < off + _header_end(data[off:off + n]) else "flip: chunk bytes"
+    return "flip: pack magic"
+
+
 def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, tally, t: int) -> None:
     root, sessions, files = base
     if kind == "portable":
@@ -99,6 +119,7 @@ def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, ta
         in_trailer = group == "manifest" and not groups["manifest"]  # layout v2: manifests live in pack trailers
         path = rng.choice(groups["blob"] if in_trailer else groups[group])
         data = bytearray(path.read_bytes())
+        orig = bytes(data)  # rows are judged on the bytes before the flip
         at = _pick_byte(bytes(data), rng)
         span = _trailer_range(bytes(data)) if in_trailer else None
         if in_trailer:
@@ -109,7 +130,9 @@ def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, ta
         data[at] ^= 1 << rng.randrange(8)
         path.write_bytes(bytes(data))
         if group == "blob":
-            row = "flip: blob headers" if at < _header_end(bytes(data)) else "flip: chunk bytes"
+            row = _pack_row(orig, at) or (
+                "flip: tombstones" if "tomb" in str(path.relative_to(trial)) else
+                "flip: blob headers" if at < _header_end(orig) else "flip: chunk bytes")
         elif group == "manifest":
             rebuild = rng.random() < 0.5
             row = "flip: manifest files + rebuild_index" if rebuild else "flip: manifest files"

@@ -2,9 +2,8 @@
 ENOSPC. ``python -m tests.soak`` runs it in a subprocess (any store layout: public API and raw file operations only).
 
 Two verdicts on one run. Outside the index layer (kills, chunk and blob-header bytes, portable files, concurrency,
-a full disk) nothing may be wrong, crashed or lost today. The whole table must be clean once the store's index
-records and manifest files carry checksums and a damaged ``data.mdb`` is refused at open (store v2): until then the
-second test is an expected failure, strictly (it fails the suite the day it passes, so the marker comes off).
+a full disk) nothing may be wrong, crashed or lost; and the whole table is clean — with the index records and
+tokens sealed, pack trailers checksummed, a damaged ``data.mdb`` refused at open (store v2 + issue 12).
 """
 
 from __future__ import annotations
@@ -52,8 +51,5 @@ def test_short_soak_is_clean_outside_the_index_layer(soak) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="store v1's index records and manifest files carry no checksum (flipped "
-                   "data.mdb bytes change tokens, rebuild_index indexes altered manifests) and a truncated data.mdb "
-                   "raises SIGBUS/raw lmdb errors: store v2 (i11) fixes these; remove this marker after its merge")
 def test_short_soak_is_clean(soak) -> None:
     assert soak["rc"] == 0 and failures(soak["rows"]) == {}, (failures(soak["rows"]), soak["notes"])
