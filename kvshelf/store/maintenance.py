@@ -260,9 +260,20 @@ def rename_legacy_manifest(store, sid_hex: str) -> None:
 
 
 def gc_store(store, dry_run: bool = True) -> GcReport:
+    """Reap dead tmp files and leases, then sweep orphans in two phases: the listing and ``stat`` of every object
+    run with no gate held (saves go on meanwhile); only the re-check of the few candidates and their unlinks run
+    under the exclusive save gate — where no save sits between writing its pack and committing it — with the
+    leases read again there, so a candidate a commit or a reader took up meanwhile is kept."""
     reap = getattr(store.bytes, "reap_tmp", None)
     tmp = reap(dry_run=dry_run) if reap is not None else []
     expired = store.leases.reap(dry_run=dry_run)
+    candidates = []
+    for name, kind in _orphans(store, store._leased_objects()):  # no gate: O(objects) work while saves run
+        obj = _object_of(store, name, kind)
+        if obj is not None:
+            candidates.append((name, kind, obj, (store.bytes.size(obj) or 0) if kind != "orphan-manifest" else 0))
+    if not candidates:
+        return GcReport(dry_run, [], [], tmp, expired, 0)
     try:
         gate = store.save_gate(exclusive=True, timeout=10.0)
         gate.__enter__()
@@ -273,12 +284,12 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
 
         def sweep(txn):
             blobs, manifests, nbytes = [], [], 0
-            for name, kind in _orphans(store, leased):
-                obj = _object_of(store, name, kind)
-                if obj is None or ledger.object_live(store.index, txn, obj):
-                    continue
+            kept = leased | quarantined_objects(store.index, txn)
+            for name, kind, obj, size in candidates:
+                if obj in kept or ledger.object_live(store.index, txn, obj):
+                    continue  # committed, leased or quarantined since the listing
                 (manifests if kind == "orphan-manifest" else blobs).append(name)
-                nbytes += (store.bytes.size(obj) or 0) if kind != "orphan-manifest" else 0
+                nbytes += size
                 if not dry_run:
                     store.bytes.delete(obj)
                     ledger.forget_pack(store.index, txn, obj)
