@@ -53,17 +53,22 @@ class PackBuilder:
         self.size = len(PACK_MAGIC)
         self.where: dict[str, tuple[int, int, str]] = {}
 
-    def add(self, hash_: str, frame: list, encoding: str = "raw") -> None:
+    def add(self, hash_: str, frame: list, encoding: str = "raw", keep: bool = True) -> None:
         n = sum(memoryview(b).nbytes for b in frame)
         self.where[hash_] = (self.size, n, encoding)
-        self.buffers.extend(frame)
+        if keep:
+            self.buffers.extend(frame)
         self.size += n
 
     def finish(self, manifest: bytes) -> list:
         """Every buffer of the pack, trailer included."""
+        return [*self.buffers, *self.trailer(manifest)]
+
+    def trailer(self, manifest: bytes) -> list:
+        """The trailer's buffers (for a pack streamed frame by frame: ``add(..., keep=False)``)."""
         table = [[h, off, n, enc] for h, (off, n, enc) in self.where.items()]
         body = msgspec.msgpack.encode([manifest, time.time_ns(), table])
-        return [*self.buffers, body, TRAILER.pack(len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC)]
+        return [body, TRAILER.pack(len(body), xxhash.xxh3_64_intdigest(body), TRAILER_MAGIC)]
 
 
 class PackContents(msgspec.Struct, array_like=True):

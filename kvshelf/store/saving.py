@@ -26,7 +26,7 @@ from . import manifest as mf
 from .blobfile import content_hash, raw_buffers
 from .layout import BlobPlan, plan_blobs
 from .manifest import BlobRef, Manifest
-from .pack import PackBuilder, new_pack_name
+from .pack import PACK_MAGIC, PackBuilder, new_pack_name
 from .prefix import tokens_array
 from .results import SnapshotInfo
 
@@ -65,49 +65,93 @@ def chunk_metadata(ref: BlobRef) -> dict[str, str]:
     return {"format": "kvshelf-chunk-v1", "kvshelf.hash": ref.hash, "kvshelf.tokens": f"{ref.start}:{ref.stop}"}
 
 
-def write(store, cap: Capture) -> SnapshotInfo:
-    t0 = time.perf_counter()
-    plans = plan_blobs(cap.entries, cap.arrays, store.chunk_tokens)
-    hashes = [content_hash(plan.pieces) for plan in plans]
-    by_hash: dict[str, BlobPlan] = {}
+def _manifest(store, cap: Capture, sid: str, plans: list[BlobPlan], hashes: list[str]) -> Manifest:
     chunks, own = [], []
     for plan, h in zip(plans, hashes):
-        by_hash[h] = plan
         ref = BlobRef(h, plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
         (own if plan.stop == 0 else chunks).append(ref)
-    sid = uuid.uuid4().hex
     ident = store.identity
-    manifest = Manifest(
+    return Manifest(
         snapshot_id=sid, session_id=cap.session_id, namespace=cap.namespace, model_id=ident.model_id,
         config_fingerprint=ident.config_fingerprint, tokenizer_hash=ident.tokenizer_hash,
         provider=store.provider.id, tokens=cap.tokens.tolist(), entries=cap.entries, chunk_tokens=store.chunk_tokens,
         chunks=chunks, own=own, created_at=time.time(),
         minimum_reusable_offset=max((e.minimum_reusable_offset for e in cap.entries), default=0),
         trimmable=all(store.provider.for_entry(e).header_trimmable(e) for e in cap.entries))
-    unique = {r.hash: r for r in manifest.blobs}
-    need = sum(r.nbytes for r in unique.values())
-    if store.max_bytes is not None and need > store.max_bytes:
-        raise StoreFull(f"snapshot of session {cap.session_id!r} needs {need} bytes, more than the store budget "
-                        f"max_bytes={store.max_bytes}; nothing was written")
+
+
+def _stream_pack(store, cap: Capture, plans: list[BlobPlan], sid: str, hashes: list[str]):
+    """The save's pack written while its chunks are hashed: chunk k+1 is hashed (and checked against the index)
+    while chunk k is being written (``put_stream``). Returns (manifest, pack, size, placed)."""
+    builder = PackBuilder()
+    done: dict[str, Manifest] = {}
+
+    def parts():
+        yield [PACK_MAGIC]
+        seen: set[str] = set()
+        with store.index.read() as txn:
+            for plan in plans:
+                h = content_hash(plan.pieces)
+                hashes.append(h)
+                if h in seen or txn.get(bytes.fromhex(h), db=store.index.db["chunks"]) is not None:
+                    seen.add(h)
+                    continue
+                seen.add(h)
+                ref = BlobRef(h, plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
+                frame = raw_buffers(plan.pieces, chunk_metadata(ref))
+                builder.add(h, frame, keep=False)
+                yield frame
+        done["m"] = _manifest(store, cap, sid, plans, hashes)
+        yield builder.trailer(mf.encode(done["m"]))
+
+    name = new_pack_name(sid)
+    size = store.bytes.put_stream(name, parts())
+    return done["m"], name, size, {h: (name, off, n, enc, size) for h, (off, n, enc) in builder.where.items()}
+
+
+def write(store, cap: Capture) -> SnapshotInfo:
+    t0 = time.perf_counter()
+    plans = plan_blobs(cap.entries, cap.arrays, store.chunk_tokens)
+    sid = uuid.uuid4().hex
+    stream = store.max_bytes is None and getattr(store.bytes, "put_stream", None) is not None
+    hashes: list[str] = []
+    if not stream:  # hash first: a budget must refuse a snapshot before anything is written
+        hashes = [content_hash(plan.pieces) for plan in plans]
+        manifest = _manifest(store, cap, sid, plans, hashes)
+        need = sum(r.nbytes for r in {r.hash: r for r in manifest.blobs}.values())
+        if store.max_bytes is not None and need > store.max_bytes:
+            raise StoreFull(f"snapshot of session {cap.session_id!r} needs {need} bytes, more than the store "
+                            f"budget max_bytes={store.max_bytes}; nothing was written")
     written = n_written = 0
     packs: list[str] = []
     committed = False
     with store.save_gate():
         try:
-            with store.index.read() as txn:
-                todo = [r for r in unique.values()
-                        if txn.get(bytes.fromhex(r.hash), db=store.index.db["chunks"]) is None]
             placed: ledger.Placed = {}
-            for attempt in range(5):  # the first pack carries the manifest; a retry's only the chunks it re-writes
-                name, size, more = write_pack(store, [(r, by_hash[r.hash].pieces) for r in todo],
-                                              mf.encode(manifest) if attempt == 0 else b"",
-                                              name=new_pack_name(sid if attempt == 0 else ""))
-                packs.append(name)
-                if attempt == 0:
-                    pack, pack_size = name, size
-                placed.update(more)
-                written += sum(unique[h].nbytes for h in more)
-                n_written += len(more)
+            pack = None
+            if stream:
+                manifest, pack, pack_size, placed = _stream_pack(store, cap, plans, sid, hashes)
+                packs.append(pack)
+                todo = []
+            else:
+                with store.index.read() as txn:
+                    todo = [r for r in {r.hash: r for r in manifest.blobs}.values()
+                            if txn.get(bytes.fromhex(r.hash), db=store.index.db["chunks"]) is None]
+            by_hash = dict(zip(hashes, plans))
+            unique = {r.hash: r for r in manifest.blobs}
+            written = sum(unique[h].nbytes for h in placed)
+            n_written = len(placed)
+            for _attempt in range(5):  # the first pack carries the manifest; a retry's only the chunks it re-writes
+                if pack is None or todo:
+                    name, size, more = write_pack(store, [(r, by_hash[r.hash].pieces) for r in todo],
+                                                  mf.encode(manifest) if pack is None else b"",
+                                                  name=new_pack_name(sid if pack is None else ""))
+                    packs.append(name)
+                    if pack is None:
+                        pack, pack_size = name, size
+                    placed.update(more)
+                    written += sum(unique[h].nbytes for h in more)
+                    n_written += len(more)
                 try:
                     old, freed = store._txn(lambda txn: ledger.commit(store.index, txn, manifest, pack, pack_size,
                                                                       placed))
@@ -121,6 +165,7 @@ def write(store, cap: Capture) -> SnapshotInfo:
             if not committed:  # a failed save leaves nothing behind (what it wrote is unreferenced)
                 store._reclaim(packs)
     store._reclaim(packs[1:] + freed)  # a retry's pack is dead if a concurrent save indexed its chunks first
+    need = sum(r.nbytes for r in unique.values())
     reused = need - written
     store.counters["blobs_written"] += n_written
     store.counters["bytes_written"] += written

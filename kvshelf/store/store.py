@@ -123,7 +123,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
             if self._touches:
                 try:
                     self._txn(lambda txn: None)
-                except KvShelfError:  # damaged records or a full disk: uses are hints, closing must not fail
+                except KvShelfError:  # damaged records or a full disk: uses are LRU order only, never data
                     pass
         finally:
             self._closed = True
