@@ -29,8 +29,8 @@ from codec_cases import CASES_BY_ID
 from store_cases import open_test_store, session, token_ids
 from kvshelf.store import localbytes
 write = localbytes.pwrite_all
-def park(fd, views):
-    write(fd, views)  # the pack's bytes are in its tmp file, not yet fsynced or renamed
+def park(*args, **kwargs):
+    write(*args, **kwargs)  # the pack's first bytes are in its tmp file, not yet fsynced or renamed
     pathlib.Path({ready!r}).write_text(str(os.getpid()))
     while True:  # parked mid-write until killed
         time.sleep(1)
