@@ -173,3 +173,18 @@ def test_a_held_save_gate_is_store_busy(tmp_path: Path) -> None:
     with open_store(tmp_path / "store", identity=MODEL) as s, s.save_gate(exclusive=True):
         with pytest.raises(StoreBusy), s.save_gate(timeout=0.01):
             pass
+
+
+def test_rebuild_index_repairs_a_truncated_index(tmp_path: Path) -> None:
+    """The repair the CorruptData message names works: ``kvshelf rebuild-index`` sets the damaged index aside (kept
+    as evidence) and rebuilds from the packs; every session restores again."""
+    from tools_data import run_json
+
+    data = _saved_store(tmp_path / "store")
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    doc = run_json("rebuild-index", "--store", str(tmp_path / "store"))
+    assert doc["snapshots"] == 6 and doc["damaged_index_kept_at"] and Path(doc["damaged_index_kept_at"]).is_dir()
+    with open_store(tmp_path / "store", identity=MODEL, chunk_tokens=8) as s:
+        assert same_reads(s.restore("s3").caches, make_caches("mla", N, 3, layers=1))
+        assert s.verify(deep=True) == []

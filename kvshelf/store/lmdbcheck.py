@@ -84,4 +84,31 @@ def translate(exc: lmdb.Error, where: str) -> CorruptData:
     return err
 
 
-__all__ = ["check_data_file", "is_damage", "translate"]
+def set_aside(root: str) -> str | None:
+    """Move a damaged index directory aside (``index.damaged-<ns>``) so ``rebuild_index`` can build a fresh one from
+    the packs — only while no process has the store open (its ``locks/open.lock`` taken exclusively, without
+    waiting: ``StoreBusy`` otherwise). Returns the new name, or None when there was no index. Nothing is deleted:
+    the damaged file stays as evidence next to the rebuilt index."""
+    import fcntl
+    import time
+
+    from ..errors import StoreBusy
+    from .openlock import lock_path
+
+    index = os.path.join(root, "index")
+    if not os.path.isdir(index):
+        return None
+    fd = os.open(lock_path(root), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreBusy(f"another process has the store at {root} open; stop it before rebuilding") from None
+        target = f"{index}.damaged-{time.time_ns()}"
+        os.rename(index, target)
+        return target
+    finally:
+        os.close(fd)
+
+
+__all__ = ["check_data_file", "is_damage", "set_aside", "translate"]

@@ -283,6 +283,14 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not any((Path(path) / d).is_dir() for d in ("packs", "blobs")):
         raise StoreMissing(f"no kvshelf pack or blob directory at {Path(path)}")
     started = time.perf_counter()
+    set_aside = None
+    try:
+        with open_admin(path, create=True):
+            pass
+    except CorruptData:  # the index itself is damaged (truncated, overwritten): rebuild next to it
+        from ..store.lmdbcheck import set_aside as move_aside
+
+        set_aside = move_aside(str(path))
     with open_admin(path, create=True) as store:
         try:
             count = store.rebuild_index()
@@ -291,7 +299,8 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
         totals = blob_totals(store)
         skipped = [{"kind": f.kind, "where": f.where, "detail": f.detail, "sessions": list(f.sessions)}
                    for f in store.rebuild_report()]
-    return {"snapshots": count, **totals, "skipped": skipped, "seconds": round(time.perf_counter() - started, 3)}
+    return {"snapshots": count, **totals, "skipped": skipped, "damaged_index_kept_at": set_aside,
+            "seconds": round(time.perf_counter() - started, 3)}
 
 
 __all__ = ["open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
