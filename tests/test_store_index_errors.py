@@ -188,3 +188,40 @@ def test_rebuild_index_repairs_a_truncated_index(tmp_path: Path) -> None:
     with open_store(tmp_path / "store", identity=MODEL, chunk_tokens=8) as s:
         assert same_reads(s.restore("s3").caches, make_caches("mla", N, 3, layers=1))
         assert s.verify(deep=True) == []
+
+
+@pytest.mark.parametrize("table", ["manifests", "summaries", "tokens", "chunks", "packs"])
+def test_verify_reports_a_record_failing_its_checksum_and_never_raises(tmp_path: Path, table: str) -> None:
+    """One byte of one sealed record flipped in place (its checksum now fails): verify returns findings (naming the
+    session where the index still can), ``kvshelf verify --deep`` exits 1 with a report, and restoring the session
+    is ``CorruptData`` or exact — never another token or a raw error."""
+    from tools_data import run_json
+
+    root = tmp_path / "store"
+    caches = make_caches("mla", N, 3, layers=1)
+    with open_store(root, identity=MODEL, chunk_tokens=8) as s:
+        info = s.save("a", list(range(N)), caches)
+        s.save("b", list(range(500, 500 + N)), make_caches("mla", N, 4, layers=1))
+        db = s.index.db[table]
+        with s.index.read() as txn:
+            key = bytes.fromhex(info.snapshot_id) if table in ("manifests", "summaries", "tokens") else \
+                next(bytes(k) for k, _v in txn.cursor(db=db))
+            raw = bytearray(txn.get(key, db=db))
+        raw[len(raw) // 2] ^= 0x04
+        s.index.write(lambda txn: txn.put(key, bytes(raw), db=db))
+        found = s.verify(deep=True)
+        assert found, "a damaged record must be a finding"
+        if table in ("manifests", "summaries", "tokens"):
+            assert any("a" in f.sessions for f in found), found
+        try:
+            r = s.restore("a")
+            assert r.tokens == list(range(N)) and same_reads(r.caches, caches)
+        except CorruptData:
+            pass
+        try:
+            hit = s.lookup(list(range(N)))
+            assert hit is None or hit.session_id == "a"
+        except CorruptData:
+            pass
+    doc = run_json("verify", "--deep", "--store", str(root), expect_rc=1)
+    assert doc["problems"]

@@ -74,31 +74,33 @@ def _verify(store, deep: bool, out: list[Finding]) -> None:
     manifests_in: Counter[str] = Counter()
     prefix_records = 0
     with store.index.read() as txn:
-        manifests = {}
-        for sid, raw in txn.cursor(db=db["manifests"]):
-            try:
-                manifests[bytes(sid)] = mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()}")
-            except (CorruptData, IncompatibleFormat) as exc:
-                try:
-                    who = (mf.decode(txn.get(bytes(sid), db=db["summaries"]) or b"", Summary, "summary").session_id,)
-                except CorruptData:
-                    who = ()
-                out.append(Finding("bad-manifest", f"snapshot {bytes(sid).hex()}"
-                                   + (f" (session {who[0]!r})" if who else ""), str(exc), who))
+        manifests: set[bytes] = set()  # ids only: each manifest is checked as the cursor reaches it, then dropped
         prefix_cur = txn.cursor(db=db["prefix"])
         _quarantine_findings(store, txn, out)
-        for sid, m in manifests.items():
+        for sid, raw in txn.cursor(db=db["manifests"]):
+            sid = bytes(sid)
+            manifests.add(sid)
+            try:
+                m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+            except (CorruptData, IncompatibleFormat) as exc:
+                try:
+                    who = (mf.decode(txn.get(sid, db=db["summaries"]) or b"", Summary, "summary").session_id,)
+                except CorruptData:
+                    who = ()
+                out.append(Finding("bad-manifest", f"snapshot {sid.hex()}"
+                                   + (f" (session {who[0]!r})" if who else ""), str(exc), who))
+                continue
             where = f"snapshot {sid.hex()} (session {m.session_id!r})"
             mine = len(out)
             idk, nsk, skey = keys.manifest_keys(m)
             raw = txn.get(sid, db=db["summaries"])
             if raw is None:
-                out.append(Finding("missing-summary", where, "no summary record"))
+                out.append(Finding("missing-summary", where, "no summary record", (m.session_id,)))
                 continue
             try:
                 s = mf.decode(raw, Summary, "summary")
             except CorruptData as exc:
-                out.append(Finding("bad-summary", where, str(exc)))
+                out.append(Finding("bad-summary", where, str(exc), (m.session_id,)))
                 continue
             if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
                 out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
