@@ -145,3 +145,23 @@ def test_open_object_reads_ranges_without_reopening(store):
             reader.read_into(195, [memoryview(bytearray(10))])
     with pytest.raises(ObjectMissing):
         open_object(store, "o/none")
+
+
+def test_local_put_stream_is_all_or_nothing(tmp_path):
+    """``put_stream`` is LocalByteStore's own (the save path falls back to ``put`` on other implementations)."""
+    store = LocalByteStore(str(tmp_path / "objects"))
+    stream = store.put_stream
+    assert stream("s/1", iter([[b"ab"], [bytearray(b"cd"), memoryview(b"e")]])) == 5
+    out = bytearray(5)
+    store.read_into("s/1", 0, [memoryview(out)])
+    assert bytes(out) == b"abcde"
+
+    def broken():
+        yield [b"xx"]
+        raise RuntimeError("the producer failed mid-stream")
+
+    with pytest.raises(RuntimeError):
+        stream("s/2", broken())
+    assert not store.exists("s/2")
+    assert list(store.names()) == ["s/1"]  # no residue under any name
+    assert not list((tmp_path / "objects" / ".tmp").iterdir())
