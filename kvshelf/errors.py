@@ -18,6 +18,10 @@ class InvalidCacheState(KvShelfError, ValueError):
     """Bad shapes, dtypes, row indices, or batched rows where a serial row is needed."""
 
 
+class WrongArgumentType(InvalidCacheState, TypeError):
+    """An argument of the wrong type (a non-str session id, a float token, an int namespace); also a ``TypeError``."""
+
+
 class CacheRangeError(InvalidCacheState, IndexError):
     """A position or row count outside what the cache holds (trim too far, maxTokens exceeded, row out of range)."""
 
@@ -49,6 +53,15 @@ class StoreFull(KvShelfError, OSError):
     """The disk (ENOSPC) or the byte budget cannot take a write; nothing was committed."""
 
 
+class FileAccessError(KvShelfError, OSError):
+    """A file could not be opened, read or written (a directory, no permission, an I/O error, not a regular file);
+    also an ``OSError`` carrying the original ``errno`` and filename."""
+
+
+class FileMissing(FileAccessError, FileNotFoundError):
+    """The file (or its directory) does not exist; also a ``FileNotFoundError``."""
+
+
 class StoreBusy(KvShelfError):
     """The store is in use by someone else (another process, another handle, a save) and the call needs it alone."""
 
@@ -56,11 +69,24 @@ class StoreBusy(KvShelfError):
 __all__ = [
     "KvShelfError",
     "InvalidCacheState",
+    "WrongArgumentType",
     "CacheRangeError",
     "IncompatibleFormat",
     "CorruptData",
     "IdentityMismatch",
     "SnapshotNotFound",
     "StoreFull",
+    "FileAccessError",
+    "FileMissing",
     "StoreBusy",
 ]
+
+
+def file_error(exc: OSError, what: str) -> FileAccessError:
+    """The kvshelf form of an ``OSError`` met while opening, reading or writing ``what`` (errno and filename kept)."""
+    import errno as _errno
+
+    cls = FileMissing if isinstance(exc, FileNotFoundError) or exc.errno == _errno.ENOENT else FileAccessError
+    err = cls(exc.errno or _errno.EIO, f"{what}: {exc.strerror or exc}", exc.filename)
+    err.__cause__ = exc
+    return err

@@ -2,7 +2,8 @@
 checks each read bit for bit against what it read before compaction started.
 
 ``python compaction_reader.py STORE READY_FILE STOP_FILE RESULT_FILE``: writes READY_FILE once its baseline is taken,
-loops until STOP_FILE exists, then writes ``{"loops": n, "errors": [...]}`` to RESULT_FILE.
+loops until STOP_FILE exists (after each loop RESULT_FILE with suffix ``.loops`` holds the count so far), then writes
+``{"loops": n, "errors": [...]}`` to RESULT_FILE.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def main() -> None:
             except Exception:  # noqa: BLE001 - every failure is what the test looks for
                 errors.append(traceback.format_exc())
             loops += 1
+            progress = result.with_suffix(".loops.tmp")
+            progress.write_text(str(loops))
+            progress.replace(result.with_suffix(".loops"))  # the test waits on this count, not on the clock
     result.write_text(json.dumps({"loops": loops, "errors": errors[:5], "n_errors": len(errors)}))
 
 

@@ -162,22 +162,14 @@ def test_watch_compact_every_compacts_between_ingests(tmp_path) -> None:
         assert s.verify(deep=True) == []
 
 
-def _holds_open(pid: int, target: str) -> bool:
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    return True
-            except OSError:
-                continue
-    except OSError:
-        return False
-    return False
+def _trace(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
 
 
 def test_sigterm_while_a_file_is_in_hand_finishes_it(tmp_path) -> None:
-    """SIGTERM is sent at the moment the watcher holds the inbox file open (seen in /proc): it must finish that file
-    (committed, moved to done/, exact), log the signal before the ingest, exit 0, and leave no residue."""
+    """SIGTERM is sent while the watcher holds the inbox file in hand (its ingest waits on the test's release file,
+    ``KVSHELF_TEST_WATCH_HOLD``, so the moment is certain, not raced): it must finish that file (committed, moved to
+    done/, exact), log the signal before the ingest, exit 0, and leave no residue."""
     store, inbox = tmp_path / "store", tmp_path / "inbox"
     inbox.mkdir()
     ident = {"model_id": MODEL.model_id, "config_fingerprint": MODEL.config_fingerprint,
@@ -187,14 +179,24 @@ def test_sigterm_while_a_file_is_in_hand_finishes_it(tmp_path) -> None:
     save_snapshot(src, tokens_for(n, seed), make_caches("mla", n, seed, layers=24), identity=ident)
     os.rename(src, inbox / "big.safetensors")
     target = str(inbox / "big.safetensors")
+    trace, release = tmp_path / "trace", tmp_path / "release"
     proc = subprocess.Popen([sys.executable, "-m", "kvshelf.tools.cli", "watch", str(inbox), "--store", str(store),
                              "--settle", "0.2s"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "KVSHELF_NO_PROGRESS": "1"})
+                            env={**os.environ, "KVSHELF_NO_PROGRESS": "1", "KVSHELF_TEST_WATCH_TRACE": str(trace),
+                                 "KVSHELF_TEST_WATCH_HOLD": str(release)})
     deadline = time.monotonic() + 60
-    while not _holds_open(proc.pid, target):
+    while "ingest big.safetensors" not in _trace(trace):
         assert proc.poll() is None, proc.stderr.read()
-        assert not (inbox / "done" / "big.safetensors").exists(), "ingested before the test saw it in hand"
-        assert time.monotonic() < deadline, "the watcher never opened the file"
+        assert time.monotonic() < deadline, "the watcher never took the file in hand"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    while not any(line.startswith("signal ") for line in _trace(trace)):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline + 60, "the signal was never handled"
+        time.sleep(0.02)
+    assert "signal SIGTERM in-hand=big.safetensors" in _trace(trace)
+    assert not (inbox / "done" / "big.safetensors").exists()
+    release.write_text("")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err

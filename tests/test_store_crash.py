@@ -44,6 +44,22 @@ def _wait_ready(log: Path, proc: subprocess.Popen, timeout: float = 30.0) -> Non
         time.sleep(0.005)
 
 
+def _kill_mid_save(log: Path, proc: subprocess.Popen) -> None:
+    """SIGKILL the worker while its log says a save is in flight: when the last line reads ``saving ...`` the worker
+    is frozen (SIGSTOP), the log read again, and killed only if it still says so (else resumed) — so the kill is
+    inside a save by construction, however the machine is loaded. Returns when the worker was killed or ended."""
+    while proc.poll() is None:
+        lines = _read_log(log)
+        if lines and lines[-1].startswith("saving "):
+            os.kill(proc.pid, signal.SIGSTOP)
+            lines = _read_log(log)
+            if lines[-1].startswith("saving "):
+                os.kill(proc.pid, signal.SIGKILL)
+                return
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.001)
+
+
 def blob_files(store_dir: Path) -> set[str]:
     """Every object holding chunks on disk (layout v2: ``packs/<uuid>.pack``), by object name."""
     return {f"packs/{p.name}" for p in (store_dir / "packs").glob("*.pack") if p.is_file()}
@@ -134,9 +150,14 @@ def test_sigkill_at_random_moments_leaves_a_consistent_store(tmp_path: Path) -> 
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
         early = rng.random() < 0.15
+        targeted = not early and kills % 4 == 0  # a quarter of the kills land inside a save by construction
         try:
             if early:
                 time.sleep(rng.uniform(0.0, 0.6))  # anywhere from start-up through open into the first saves
+            elif targeted:
+                _wait_ready(log, proc)
+                time.sleep(rng.uniform(0.0, 0.3))  # which save: any of the plan's
+                _kill_mid_save(log, proc)
             else:
                 _wait_ready(log, proc)
                 time.sleep(rng.uniform(0.0, 0.8))

@@ -86,7 +86,13 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
         assert {s.session_id for s in store.sessions()} == {"b"}
         assert store.stats()["quarantined_sessions"] == 1
         assert (tmp_path / "s" / "tomb" / f"{a.snapshot_id}.quarantined").exists()  # the evidence: why, and when
-        assert store.verify(deep=True) == []  # the bad chunk was a's alone: freed with it
+        # issue 12: the quarantined snapshot stays a finding naming its session, and its bytes stay as evidence
+        assert [(f.kind, f.sessions) for f in store.verify(deep=True)] == [("quarantined", ("a",))]
+        assert os.path.exists(chunk_file(store, bad.hash)[0]) if store.chunk_info(bad.hash) else True
+        assert store.gc(dry_run=False).orphan_blobs == []  # gc keeps the evidence while the record exists
+        assert store.drop_quarantined(a.snapshot_id)  # the operator's decision
+        store.gc(dry_run=False)
+        assert store.verify(deep=True) == []  # the bad chunk was a's alone: reclaimed by gc after the drop
         store.save("a", shared, session(MLA, (64,), seed=0))  # a new save of the session clears the quarantine
         assert store.restore("a").length == 64
         assert store.verify(deep=True) == []
@@ -100,7 +106,12 @@ def test_truncated_blob_is_corrupt_data(tmp_path):
             f.truncate(offset + length - 100)  # the last chunk (and the pack's trailer) cut short
         with pytest.raises(CorruptData, match="truncated"):
             store.restore("a")
-        assert store.sessions() == [] and store.verify(deep=True) == []
+        # issue 12: a quarantined snapshot stays a finding (naming its session) until an operator drops it
+        assert store.sessions() == [] and [(f.kind, f.sessions) for f in store.verify(deep=True)] == [
+            ("quarantined", ("a",))]
+        store.delete("a")  # the operator's drop, by session
+        store.gc(dry_run=False)
+        assert store.verify(deep=True) == []
 
 
 def _enospc(path, nbytes):
@@ -126,6 +137,24 @@ def test_save_async_failure_surfaces_in_flush_and_leaves_the_store_consistent(tm
         assert store.verify(deep=True) == []
 
 
+def _wait_blocked_in_submit(t: threading.Thread, timeout: float = 60.0) -> None:
+    """Until ``t`` is parked in ``BackgroundWriter.submit``'s condition wait (its stack says so): an event the test
+    observes, so the assertion after it holds however slow the machine is."""
+    import sys
+
+    deadline = time.monotonic() + timeout
+    while True:
+        frame = sys._current_frames().get(t.ident)
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if "submit" in names and "wait" in names:
+            return
+        assert t.is_alive() and time.monotonic() < deadline, f"the second save_async never blocked: {names}"
+        time.sleep(0.001)
+
+
 def test_save_async_blocks_when_queued_bytes_exceed_the_bound(tmp_path):
     gate = threading.Event()
     blobs_module.FAULT_HOOK = lambda path, nbytes: gate.wait(10)
@@ -139,7 +168,7 @@ def test_save_async_blocks_when_queued_bytes_exceed_the_bound(tmp_path):
 
         t = threading.Thread(target=second)
         t.start()
-        time.sleep(0.3)
+        _wait_blocked_in_submit(t)  # observed, not slept: the thread is parked in the writer's bound
         assert returned == [] and store.stats()["pending_bytes"] == 40 * PER_TOKEN
         gate.set()
         t.join(10)
@@ -184,26 +213,29 @@ def test_restores_racing_evictions_never_lose_a_chunk(tmp_path):
     with open_test_store(tmp_path / "s", chunk_tokens=16) as reader, \
             open_test_store(tmp_path / "s", chunk_tokens=16, max_bytes=3 * 64 * PER_TOKEN) as writer:
         writer.save("keep", token_ids(64), mla(64))
-        stop = time.monotonic() + 2.0
+        stop, first = threading.Event(), threading.Event()
+        restores = []
 
         def restore_loop():
-            while time.monotonic() < stop:
+            while not stop.is_set():
                 try:
                     r = reader.restore("keep")
                     assert r.length == 64
+                    restores.append(1)
                 except SnapshotNotFound:
                     pass
                 except Exception as exc:  # a CorruptData here would mean a chunk vanished mid-read
                     errors.append(exc)
+                first.set()
 
         t = threading.Thread(target=restore_loop)
         t.start()
-        k = 0
-        while time.monotonic() < stop:
+        assert first.wait(60)  # the reader is running before the evicting saves start (counted work, no clock)
+        for k in range(8):  # each save over budget evicts: 8 evictions racing the reader's loop
             writer.save(f"n{k}", token_ids(64, seed=k + 10), mla(64, seed=k + 10))
-            k += 1
+        stop.set()
         t.join()
-        assert errors == [] and k > 3
+        assert errors == [] and writer.counters["evicted"] >= 5
         assert writer.verify(deep=True) == []
 
 

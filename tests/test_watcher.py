@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,10 +35,11 @@ def drop(inbox: Path, name: str, data: bytes) -> None:
     os.rename(tmp, inbox / name)
 
 
-def start(store: Path, inbox: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "KVSHELF_NO_PROGRESS": "1"}
+def start(store: Path, inbox: Path, *extra: str, env: dict[str, str] | None = None,
+          settle: str = SETTLE) -> subprocess.Popen:
+    env = {**os.environ, "KVSHELF_NO_PROGRESS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "kvshelf.tools.cli", "watch", str(inbox), "--store", str(store),
-                             "--settle", SETTLE, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--settle", settle, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
@@ -50,6 +50,11 @@ def wait_for(predicate, timeout: float = 60.0, proc: subprocess.Popen | None = N
             raise AssertionError(f"watcher exited early: {proc.returncode}\n{proc.stderr.read()}")
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def trace_lines(trace: Path) -> list[str]:
+    """The watcher's phase trace (``KVSHELF_TEST_WATCH_TRACE``): one ``<phase> <detail>`` line per step."""
+    return trace.read_text().splitlines() if trace.exists() else []
 
 
 def done(inbox: Path) -> list[str]:
@@ -139,25 +144,32 @@ def test_bad_files_land_in_failed_with_their_reason_and_nothing_in_the_store(tmp
 
 
 def test_a_file_written_slowly_in_pieces_is_ingested_only_when_complete(tmp_path) -> None:
+    """The writer waits on the watcher, not on the clock: each piece is written only after the watcher's trace shows
+    it looked at that partial size twice (so it had the chance to take it), and right after each write the partial
+    file's mtime is put ahead of the clock (a writer whose clock runs ahead). With a 60 s settle window, a partial
+    file could only look settled if the writer stalled for a minute between its write and its utime — scheduling on
+    a loaded machine cannot make that happen — so the watcher sees every partial size, takes none, and ingests the
+    file once the writer, finished, dates it back."""
     store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
     inbox.mkdir()
     src.mkdir()
+    trace = tmp_path / "trace"
     data = portable(src / "slow.safetensors", 110, 5, kind="mla").read_bytes()
-    proc = start(store, inbox)
+    proc = start(store, inbox, env={"KVSHELF_TEST_WATCH_TRACE": str(trace)}, settle="60s")
+    target = inbox / "slow.safetensors"
     try:
-        time.sleep(1.0)  # the watcher is up and polling
-
-        def writer() -> None:
-            step = len(data) // 8 + 1
-            with open(inbox / "slow.safetensors", "wb") as fh:  # in place, under its final name
-                for i in range(0, len(data), step):
-                    fh.write(data[i:i + step])
-                    fh.flush()
-                    time.sleep(0.15)  # shorter than the settle time
-
-        thread = threading.Thread(target=writer)
-        thread.start()
-        thread.join()
+        step = len(data) // 8 + 1
+        with open(target, "wb") as fh:  # in place, under its final name
+            for i in range(0, len(data), step):
+                fh.write(data[i:i + step])
+                fh.flush()
+                size = min(i + step, len(data))
+                ahead = time.time() + 3600
+                os.utime(target, (ahead, ahead))
+                wait_for(lambda: trace_lines(trace).count(f"seen slow.safetensors {size}") >= 2, proc=proc)
+                assert not any(line.startswith("ingest ") for line in trace_lines(trace))
+        old = time.time() - 120
+        os.utime(target, (old, old))  # complete: its mtime is now older than the settle window
         wait_for(lambda: done(inbox) or failed(inbox), proc=proc)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -182,11 +194,31 @@ def mid_ingest(tmp_path: Path, prefix: str, count: int, seed: int, kind: str):
 
 
 def test_sigterm_mid_ingest_leaves_the_store_consistent(tmp_path) -> None:
-    store, inbox, names, proc = mid_ingest(tmp_path, "s", 6, 10, "affine8-start")
-    proc.send_signal(signal.SIGTERM)  # most likely while the next file is being ingested
+    """SIGTERM lands while the second file is in hand, deterministically: the watcher holds each ingest until the
+    test's release file exists (``KVSHELF_TEST_WATCH_HOLD``), the test signals once the trace shows file two in
+    hand, and asserts from the trace that the signal landed mid-ingest; that file is finished, nothing new starts."""
+    store, inbox, src = tmp_path / "store", tmp_path / "inbox", tmp_path / "src"
+    inbox.mkdir()
+    src.mkdir()
+    trace, release = tmp_path / "trace", tmp_path / "release"
+    names = [f"s{i}.safetensors" for i in range(6)]
+    for i, name in enumerate(names):
+        drop(inbox, name, portable(src / name, 200 + 10 * i, 10 + i, kind="affine8-start").read_bytes())
+    proc = start(store, inbox, env={"KVSHELF_TEST_WATCH_TRACE": str(trace), "KVSHELF_TEST_WATCH_HOLD": str(release)})
+    wait_for(lambda: any(line.startswith("ingest ") for line in trace_lines(trace)), proc=proc)
+    release.write_text("")  # one release: the first file goes through, the second waits in hand for another
+    wait_for(lambda: sum(line.startswith("ingest ") for line in trace_lines(trace)) >= 2, proc=proc)
+    in_hand = [line.split()[1] for line in trace_lines(trace) if line.startswith("ingest ")][-1]
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: any(line.startswith("signal ") for line in trace_lines(trace)), proc=proc)
+    release.write_text("")
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    signals = [line for line in trace_lines(trace) if line.startswith("signal ")]
+    assert signals == [f"signal SIGTERM in-hand={in_hand}"], (signals, trace_lines(trace))  # it landed mid-ingest
+    assert f"filed done {in_hand}" in trace_lines(trace)  # the file in hand was finished
     filed = done(inbox)
+    assert in_hand in filed and len(filed) == 2  # ... and nothing new was started
     waiting = sorted(p.name for p in inbox.glob("*.safetensors"))
     assert sorted(filed + waiting) == names and failed(inbox) == []
     stored = sessions(store)

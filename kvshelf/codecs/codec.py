@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from ..errors import IncompatibleFormat
+from ..errors import IncompatibleFormat, WrongArgumentType
 from .header import CacheEntry, SnapshotHeader
 
 
@@ -100,6 +100,8 @@ class CodecProvider:
 
     def for_entry(self, entry: CacheEntry | str) -> Codec:
         """The codec of an entry's kind; an unknown kind is an ``IncompatibleFormat``."""
+        if not isinstance(entry, (str, CacheEntry)):
+            raise WrongArgumentType(f"for_entry takes a CacheEntry or a kind name, got {type(entry).__name__}")
         kind = entry if isinstance(entry, str) else entry.kind
         try:
             return self._by_kind[kind]
@@ -115,6 +117,8 @@ class CodecProvider:
 
     def validate_header(self, header: SnapshotHeader) -> None:
         """Provider id, then every entry's kind and layout: everything checkable without tensor bytes."""
+        if not isinstance(header, SnapshotHeader):
+            raise WrongArgumentType(f"validate_header takes a SnapshotHeader, got {type(header).__name__}")
         self.check_provider(header.provider)
         for index, entry in enumerate(header.caches):
             self.for_entry(entry).validate(entry, index)

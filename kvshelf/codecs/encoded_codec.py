@@ -46,7 +46,7 @@ class EncodedCodec(RowStateCodec):
         return isinstance(cache, EncodedLatentCache)
 
     def snapshot(self, cache: EncodedLatentCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         geometry, fmt = cache.geometry, cache.format
         layouts = [plane_layout(fmt, w) for w in geometry.widths]
         empty_planes = [[mx.zeros((1, 0, w), dtype=mlx_dtype(d)) for d, w in layout] for layout in layouts]
@@ -91,6 +91,7 @@ class EncodedCodec(RowStateCodec):
         return specs
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         if entry.kind != KIND:
             raise validate.incompatible(entry, index, "kind", f"expected {KIND!r}")
         if entry.pages is not None:

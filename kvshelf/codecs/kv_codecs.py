@@ -46,10 +46,15 @@ HEAD_KEYS = ("kv_heads", "k_head_dim", "v_head_dim")
 _LATENT_FIELDS = ("kv_lora_rank", "rope_head_dim", "index_head_dim", "max_tokens", "pages")
 
 
-def extra_int(entry: CacheEntry, index: int | None, key: str, minimum: int = 1) -> int:
+def extra_int(entry: CacheEntry, index: int | None, key: str, minimum: int = 1,
+              maximum: int | None = None) -> int:
+    """An integer of ``extra`` within ``[minimum, maximum]`` (default maximum: ``validate.MAX_POSITIONS``, so a
+    crafted ring ``max_size`` of 2**62 is refused before a cache is sized from it)."""
     value = entry.extra.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise validate.incompatible(entry, index, f"extra.{key}", f"expected an integer >= {minimum}, got {value!r}")
+    top = validate.MAX_POSITIONS if maximum is None else maximum
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= top:
+        raise validate.incompatible(entry, index, f"extra.{key}",
+                                    f"expected an integer in [{minimum}, {top}], got {value!r}")
     return value
 
 
@@ -108,7 +113,7 @@ class TokenKvCodec(RowStateCodec):
 
     # -- the codec -------------------------------------------------------------------------------------------------
     def snapshot(self, cache: Any, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         extra: dict[str, Any] = {}
         arrays: list[mx.array] = []
         offset = floor = 0
@@ -136,8 +141,9 @@ class TokenKvCodec(RowStateCodec):
             if entry.offset:
                 raise validate.incompatible(entry, index, "extra.kv_heads", f"missing for offset {entry.offset}")
             return []
-        heads = extra_int(entry, index, "kv_heads")
-        dk, dv = extra_int(entry, index, "k_head_dim"), extra_int(entry, index, "v_head_dim")
+        heads = extra_int(entry, index, "kv_heads", maximum=validate.MAX_HEADS)
+        dk = extra_int(entry, index, "k_head_dim", maximum=validate.MAX_HEAD_DIM)
+        dv = extra_int(entry, index, "v_head_dim", maximum=validate.MAX_HEAD_DIM)
         dtype = extra_dtype(entry, index) if self.has_dtype else None
         return [
             SlotSpec(name, plane_dtype, (1, heads, entry.offset, width), 2)
@@ -145,6 +151,7 @@ class TokenKvCodec(RowStateCodec):
         ]
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         keys = set(HEAD_KEYS) | ({"dtype"} if self.has_dtype else set())
         check_common(entry, index, self.kind, self.format_fields, keys)
         validate.check_slots(entry, index, self.specs(entry, index))
@@ -287,7 +294,7 @@ class RotatingKvCodec(RowStateCodec):
         return type(cache) is RotatingKVCache
 
     def snapshot(self, cache: RotatingKVCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         extra: dict[str, Any] = {"max_size": cache.max_size, "keep": cache.keep, "idx": 0}
         arrays: list[mx.array] = []
         offset = floor = 0
@@ -315,6 +322,7 @@ class RotatingKvCodec(RowStateCodec):
         return max_size, keep, idx
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         check_common(entry, index, self.kind, (), self._keys)
         max_size, _, idx = self._ring(entry, index)
         if "buffer" not in entry.extra:
@@ -322,8 +330,9 @@ class RotatingKvCodec(RowStateCodec):
                 raise validate.corrupt(entry, index, "extra.buffer", f"missing for offset {entry.offset}")
             validate.check_slots(entry, index, [])
             return
-        buffer, heads = extra_int(entry, index, "buffer"), extra_int(entry, index, "kv_heads")
-        dk, dv = extra_int(entry, index, "k_head_dim"), extra_int(entry, index, "v_head_dim")
+        buffer, heads = extra_int(entry, index, "buffer"), extra_int(entry, index, "kv_heads", maximum=validate.MAX_HEADS)
+        dk = extra_int(entry, index, "k_head_dim", maximum=validate.MAX_HEAD_DIM)
+        dv = extra_int(entry, index, "v_head_dim", maximum=validate.MAX_HEAD_DIM)
         dtype = extra_dtype(entry, index)
         if idx > buffer or buffer > max(entry.offset, max_size):
             raise validate.corrupt(
@@ -356,6 +365,7 @@ class RotatingKvCodec(RowStateCodec):
         return RotatingKVCache(max_size, keep)
 
     def header_trimmable(self, entry: CacheEntry) -> bool:
+        validate.require_entry(entry)
         return entry.offset < extra_int(entry, None, "max_size")
 
     def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
@@ -382,7 +392,7 @@ class ArraysCodec(RowStateCodec):
         return type(cache) is ArraysCache
 
     def snapshot(self, cache: ArraysCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         slots: list[mx.array | None] = [None] * cache.size_slots
         offset = floor = 0
         if cache.batch_size is not None:
@@ -407,6 +417,7 @@ class ArraysCodec(RowStateCodec):
         return [j for j, c in enumerate(present) if c == "1"]
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         check_common(entry, index, self.kind, (), {"size", "present"})
         present = self._present(entry, index)
         specs = []

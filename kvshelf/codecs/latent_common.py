@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import msgspec
 
-from ..errors import InvalidCacheState, KvShelfError
+from ..errors import IncompatibleFormat, InvalidCacheState, KvShelfError
 from ..latent_legos.encodings import family_encoding
 from ..latent_legos.formats import AffineFormat, TurboFormat
 from ..latent_legos.geometry import LatentGeometry
@@ -97,8 +97,11 @@ def family_layouts(entry: CacheEntry, index: int | None, geometry: LatentGeometr
         raise validate.incompatible(entry, index, "format", str(exc)) from None
 
 
-def require_serial(cache: Any) -> None:
-    """Persistence takes one row; a batch must be split first (each row is its own snapshot)."""
+def require_serial(cache: Any, codec: Any = None) -> None:
+    """Persistence takes one row; a batch must be split first (each row is its own snapshot). With ``codec``: the
+    cache must also be one that codec persists (a codec called directly with another object refuses it)."""
+    if codec is not None and not codec.matches(cache):
+        raise IncompatibleFormat(f"codec {codec.kind!r} does not persist a {type(cache).__name__}")
     rows = cache.batch_size
     if rows is not None and rows != 1:
         raise InvalidCacheState(
@@ -156,6 +159,8 @@ def check_prefix(entry: CacheEntry, p: int) -> None:
     """A prefix must lie within the entry and at or above its floor (below it the state is not reusable)."""
     from ..errors import CacheRangeError
 
+    validate.require_entry(entry)
+
     if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= entry.offset:
         raise CacheRangeError(f"prefix {p!r} is outside [0, {entry.offset}] of this {entry.kind} entry")
     if p < entry.minimum_reusable_offset:
@@ -175,6 +180,7 @@ def replace_entry(entry: CacheEntry, **changes: Any) -> CacheEntry:
 def check_rows(entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], what: str,
                fields: Sequence[str]) -> None:
     """Rows batched together: at least one, one array list each, and the same kind and ``fields``."""
+    validate.require_rows(entries, arrays_per_row)
     if not entries:
         raise InvalidCacheState(f"{what}: load_batch needs at least one row")
     if len(entries) != len(arrays_per_row):
@@ -230,6 +236,7 @@ class RowStateCodec:
         return self._empty(entries[0], 0)
 
     def _row_state(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> Any:
+        validate.require_entry(entry)
         self.validate(entry, index)
         validate.check_arrays(entry, index, arrays, verify)
         return self._state_of(entry, arrays, index)
@@ -254,6 +261,7 @@ class RowStateCodec:
     def batch_plan(self, entries: Sequence[CacheEntry]) -> BatchPlan | None:
         """Where each row's tensors land in the batched cache (entries checked as ``load_batch`` checks them), or
         None when this kind has no direct path (the reader then uses ``load_batch``)."""
+        validate.require_entries(entries)
         entries = list(entries)
         self._check_batch(entries, [()] * len(entries))
         for i, entry in enumerate(entries):
@@ -265,6 +273,9 @@ class RowStateCodec:
 
     def adopt_batch(self, entries: Sequence[CacheEntry], arrays: Sequence[mx.array]) -> Any:
         """The batched cache around ``arrays`` (one per tensor of ``batch_plan(entries)``, filled), without copying."""
+        validate.require_entries(entries)
+        if isinstance(arrays, (str, bytes)) or not isinstance(arrays, Sequence) or not entries:
+            raise InvalidCacheState("adopt_batch takes the entries of a batch_plan and one array per planned tensor")
         cache = self._batch_cache(list(entries))
         self._adopt(cache, list(entries), list(arrays))
         return cache
@@ -279,6 +290,7 @@ class RowStateCodec:
         raise NotImplementedError(f"{self.kind}: no batch plan, so nothing to adopt")
 
     def header_trimmable(self, entry: CacheEntry) -> bool:
+        validate.require_entry(entry)
         return True
 
     def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:

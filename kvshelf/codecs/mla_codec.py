@@ -41,7 +41,7 @@ class MLACodec(RowStateCodec):
         return isinstance(cache, MLACache) and cache.geometry.has_index == self.dsa
 
     def snapshot(self, cache: MLACache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         geometry = cache.geometry
         if cache.batch_size is None:  # never appended to: zero positions of every family
             arrays = [mx.zeros((1, 0, w), dtype=mx.float32) for w in geometry.widths]
@@ -70,6 +70,7 @@ class MLACodec(RowStateCodec):
         ]
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         if entry.kind != self.kind:
             raise validate.incompatible(entry, index, "kind", f"expected {self.kind!r}")
         for field in ("bits", "group_size", "k_bits", "v_bits", "pages"):

@@ -57,7 +57,7 @@ class PagedCodec:
         return [f"{name}.{i}.pool" for name, layout in zip(names, layouts) for i in range(len(layout))]
 
     def snapshot(self, cache: PagedLatentCache, *, checksums: bool = True) -> tuple[CacheEntry, list[mx.array]]:
-        require_serial(cache)
+        require_serial(cache, self)
         geometry, fmt, block_size = cache.geometry, cache.format, cache.block_size
         flat_layout = [spec for w in geometry.widths for spec in plane_layout(fmt, w)]
         pages = cache.pages[0] if cache.batch_size is not None else None
@@ -96,6 +96,7 @@ class PagedCodec:
         ]
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
+        validate.require_entry(entry)
         if entry.kind != KIND:
             raise validate.incompatible(entry, index, "kind", f"expected {KIND!r}")
         if entry.shadow or entry.quantized_kv_start:
@@ -106,6 +107,7 @@ class PagedCodec:
         validate.check_slots(entry, index, specs)
 
     def _pages(self, entry: CacheEntry, arrays: Sequence[mx.array], verify: bool, index: int | None) -> LatentPages:
+        validate.require_entry(entry)
         self.validate(entry, index)
         validate.check_arrays(entry, index, arrays, verify)
         layout = entry.pages
@@ -134,6 +136,7 @@ class PagedCodec:
         return cache
 
     def header_trimmable(self, entry: CacheEntry) -> bool:
+        validate.require_entry(entry)
         return True
 
     def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:

@@ -14,8 +14,9 @@ import errno
 import os
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any, BinaryIO
 
@@ -23,12 +24,19 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from ..errors import CorruptData, IdentityMismatch, InvalidCacheState, StoreFull
+from ..errors import CorruptData, InvalidCacheState, StoreFull, file_error
 from . import dtypes
 from .checksum import checksum_bytes
 from .codec import CodecProvider
-from .header import IDENTITY_FIELDS, SnapshotHeader, decode_header_json, encode_header_json
+from .header import SnapshotHeader, decode_header_json, encode_header_json
 from .provider import default_provider
+from .snapshot_args import (
+    check_identity,
+    identity_fields,
+    normalize_tokens,
+    open_regular,
+    snapshot_path,
+)
 
 HEADER_KEY = "kvshelf.header"
 HEADER_CHECKSUM_KEY = "kvshelf.header_xxh3"
@@ -44,60 +52,6 @@ class Snapshot:
     tokens: list[int]
     caches: list[Any]
     header: SnapshotHeader
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# tokens and identity
-
-
-def normalize_tokens(tokens: Any) -> list[int]:
-    """A token sequence (list, tuple, 1-D numpy or MLX integer array) as a list of non-negative ints."""
-    if isinstance(tokens, mx.array):
-        tokens = np.array(tokens)
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise InvalidCacheState(f"tokens must be a 1-D integer array (got {tokens.dtype} {list(tokens.shape)})")
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise InvalidCacheState(f"tokens must be a sequence of ints (got {type(tokens).__name__})")
-    out = []
-    for i, token in enumerate(tokens):
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0 or token > 2**62:
-            raise InvalidCacheState(f"tokens[{i}] must be a non-negative int (got {token!r})")
-        out.append(int(token))
-    return out
-
-
-def identity_fields(identity: Any, what: str = "identity") -> dict[str, str]:
-    """The identity fields given: from None, a mapping, or an object with those attributes (the store's Identity).
-
-    Only fields that are present and not None are returned; unknown mapping keys are refused.
-    """
-    if identity is None:
-        return {}
-    if isinstance(identity, Mapping):
-        unknown = sorted(set(identity) - set(IDENTITY_FIELDS))
-        if unknown:
-            raise InvalidCacheState(f"{what} has unknown fields {unknown} (known: {', '.join(IDENTITY_FIELDS)})")
-        values = {field: identity.get(field) for field in IDENTITY_FIELDS}
-    else:
-        values = {field: getattr(identity, field, None) for field in IDENTITY_FIELDS}
-    out = {}
-    for field, value in values.items():
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise InvalidCacheState(f"{what} field {field} must be a string (got {type(value).__name__})")
-        out[field] = value
-    return out
-
-
-def check_identity(header: SnapshotHeader, expect: Any) -> None:
-    """Every identity field the caller expects must equal the header's (``IdentityMismatch`` names it)."""
-    for field, expected in identity_fields(expect, "expected identity").items():
-        stored = getattr(header, field)
-        if stored != expected:
-            raise IdentityMismatch(field, stored, expected)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,12 +101,17 @@ def save_snapshot(
     ``identity``: None, a mapping or an object with ``model_id``, ``config_fingerprint``, ``tokenizer_hash``,
     ``namespace``. Atomic (old file or new file, never a mix); mode 0600. Returns the header written.
     """
+    target = snapshot_path(path)
     header, tensors = _build(tokens, caches, identity, provider)
     text = encode_header_json(header).decode("utf-8")
     metadata = {FORMAT_KEY: FORMAT_VALUE, HEADER_KEY: text, HEADER_CHECKSUM_KEY: checksum_bytes(text.encode("utf-8"))}
-    target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp.safetensors", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp.safetensors", dir=directory)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFull(f"no space to write snapshot {target}: {exc}") from exc
+        raise file_error(exc, f"cannot write snapshot {target}") from None
     os.close(fd)  # mkstemp made it 0600; MLX truncates and writes it in place
     try:
         mx.save_safetensors(tmp, tensors, metadata=metadata)
@@ -168,8 +127,22 @@ def save_snapshot(
             pass
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StoreFull(f"no space to write snapshot {target}: {exc}") from exc
+        if isinstance(exc, OSError):
+            raise file_error(exc, f"cannot write snapshot {target}") from None
+        if isinstance(exc, RuntimeError):  # MLX's writer reports I/O failures as RuntimeError
+            if _nearly_full(directory):
+                raise StoreFull(f"no space to write snapshot {target}: {exc}") from exc
+            raise file_error(OSError(errno.EIO, str(exc), str(target)), f"cannot write snapshot {target}") from None
         raise
     return header
+
+
+def _nearly_full(directory: Path, reserve: int = 1 << 20) -> bool:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < reserve
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -197,13 +170,13 @@ _METADATA = msgspec.json.Decoder(dict[str, str] | None)
 
 def _read_layout(handle: BinaryIO, path: Path) -> _Layout:
     size = os.fstat(handle.fileno()).st_size
-    prefix = handle.read(8)
+    prefix = _read(handle, 8, path)
     if len(prefix) != 8:
         raise CorruptData(f"{path}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)")
     length = int.from_bytes(prefix, "little")
     if length > MAX_HEADER_BYTES or length > size - 8:
         raise CorruptData(f"{path}: header length {length} does not fit (file has {size} bytes; limit {MAX_HEADER_BYTES})")
-    raw = handle.read(length)
+    raw = _read(handle, length, path)
     if len(raw) != length:
         raise CorruptData(f"{path}: truncated inside the safetensors header")
     try:
@@ -224,11 +197,37 @@ def _read_layout(handle: BinaryIO, path: Path) -> _Layout:
     return _Layout(header, table, 8 + length, size - 8 - length)
 
 
+def _read(handle: BinaryIO, n: int, path: Path) -> bytes:
+    try:
+        return handle.read(n)
+    except OSError as exc:
+        raise file_error(exc, f"cannot read snapshot {path}") from None
+
+
 def read_header(path: str | os.PathLike[str]) -> SnapshotHeader:
     """The snapshot's header alone (no tensor byte is read); a damaged header is ``CorruptData``."""
-    target = Path(path)
-    with open(target, "rb") as handle:
+    target = snapshot_path(path)
+    with open_regular(target) as handle:
         return _read_layout(handle, target).header
+
+
+def _check_places(layout: _Layout, path: Path) -> None:
+    """Every tensor of the file's table lies inside the data section and no two overlap (checked against the file
+    size before any tensor byte is read: a crafted table cannot alias one tensor's bytes as another's)."""
+    spans = []
+    for name, found in layout.table.items():
+        begin, end = found.data_offsets
+        if begin > end:
+            raise CorruptData(f"{path}: tensor {name} has data_offsets [{begin}, {end}) (begin after end)")
+        if end > layout.data_size:
+            raise CorruptData(f"{path}: tensor {name} ends at {end}, outside the {layout.data_size} data bytes "
+                              f"(truncated or crafted file)")
+        if end > begin:
+            spans.append((begin, end, name))
+    spans.sort()
+    for (_b0, e0, n0), (b1, _e1, n1) in pairwise(spans):
+        if b1 < e0:
+            raise CorruptData(f"{path}: tensors {n0} and {n1} overlap in the file (bytes [{b1}, {e0}))")
 
 
 def _check_table(layout: _Layout, path: Path) -> list[list[tuple[str, int, int]]]:
@@ -259,14 +258,18 @@ def _check_table(layout: _Layout, path: Path) -> list[list[tuple[str, int, int]]
     extra = sorted(set(table) - expected_names)
     if extra:
         raise CorruptData(f"{path}: tensors {extra[:5]} are not named by the header")
+    _check_places(layout, path)
     return places
 
 
 def _read_tensor(handle: BinaryIO, layout: _Layout, begin: int, end: int) -> np.ndarray:
     """The tensor's raw bytes, read straight into a fresh host buffer."""
     host = np.empty(end - begin, dtype=np.uint8)
-    handle.seek(layout.data_start + begin)
-    got = handle.readinto(memoryview(host)) if end > begin else 0
+    try:
+        handle.seek(layout.data_start + begin)
+        got = handle.readinto(memoryview(host)) if end > begin else 0
+    except OSError as exc:
+        raise file_error(exc, "cannot read snapshot tensor bytes") from None
     if got != end - begin:
         raise CorruptData(f"truncated file: expected {end - begin} tensor bytes, read {got}")
     return host
@@ -293,8 +296,8 @@ def load_snapshot(
     or an object; every field given must match), each tensor's place in the file, then per tensor its checksum
     (``verify``) before the codec builds the cache. Any failure raises and returns nothing.
     """
-    target = Path(path)
-    with open(target, "rb") as handle:
+    target = snapshot_path(path)
+    with open_regular(target) as handle:
         layout = _read_layout(handle, target)
         header = layout.header
         provider.validate_header(header)
@@ -310,8 +313,11 @@ def load_snapshot(
         for index, (entry, row) in enumerate(zip(header.caches, places)):
             arrays = []
             for i, (slot, (dtype, begin, end)) in enumerate(zip(entry.tensors, row)):
+                if verify and not slot.checksum:
+                    raise CorruptData(f"{target}: entry {index} ({entry.kind}) field tensors[{i}].checksum: "
+                                      f"{slot.name} has no checksum (pass verify=False to load unverified data)")
                 host = _read_tensor(handle, layout, begin, end)
-                if verify and slot.checksum:
+                if verify:
                     computed = checksum_bytes(memoryview(host))
                     if computed != slot.checksum:
                         raise CorruptData(

@@ -12,10 +12,23 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import CorruptData, IncompatibleFormat
+from ..errors import CorruptData, IncompatibleFormat, WrongArgumentType
 from . import dtypes
 from .checksum import checksum
 from .header import CacheEntry
+
+
+# Documented maxima (README "Input limits"): a header asking for more is refused as ``IncompatibleFormat`` by every
+# codec's ``validate`` (through ``check_slots``), before a buffer is sized from it. Generous for every model known,
+# small enough that no product of them overflows or asks a 2-core host for exabytes.
+MAX_POSITIONS = 2**31      # offset, floor, max_tokens, a rotating ring's max_size / keep / idx / buffer
+MAX_HEADS = 2**12          # kv_heads of a key/value cache
+MAX_HEAD_DIM = 2**14       # k/v head dims, kv_lora_rank, rope_head_dim, index_head_dim
+MAX_BITS = 32              # bits, k_bits, v_bits
+MAX_GROUP_SIZE = 2**14     # quantization group size
+MAX_BLOCK_SIZE = 2**16     # a paged cache's block size
+MAX_BLOCKS = 2**31         # a paged pool's num_blocks (and block table length)
+MAX_TENSOR_BYTES = 2**40   # one tensor slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +51,34 @@ def incompatible(entry: CacheEntry, index: int | None, field: str, message: str)
 
 def corrupt(entry: CacheEntry, index: int | None, field: str, message: str) -> CorruptData:
     return CorruptData(f"{where(entry, index)} field {field}: {message}")
+
+
+def require_entry(entry: object, what: str = "entry") -> None:
+    """Codec calls take a ``CacheEntry`` (a header decoded by this package), never a lookalike."""
+    if not isinstance(entry, CacheEntry):
+        raise WrongArgumentType(f"{what} must be a kvshelf CacheEntry, got {type(entry).__name__}")
+
+
+def _require_sequence(value: object, what: str) -> None:
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        raise WrongArgumentType(f"{what} must be a sequence, got {type(value).__name__}")
+
+
+def require_entries(entries: object) -> None:
+    """A sequence of ``CacheEntry`` (what ``batch_plan``/``adopt_batch`` take)."""
+    _require_sequence(entries, "entries")
+    for i, entry in enumerate(entries):
+        require_entry(entry, f"entries[{i}]")
+
+
+def require_rows(entries: object, arrays_per_row: object) -> None:
+    """``load_batch``/``batch_plan`` arguments: a sequence of entries and one sequence of arrays per entry."""
+    _require_sequence(entries, "entries")
+    _require_sequence(arrays_per_row, "arrays_per_row")
+    for i, entry in enumerate(entries):
+        require_entry(entry, f"entries[{i}]")
+    for i, arrays in enumerate(arrays_per_row):
+        _require_sequence(arrays, f"arrays_per_row[{i}]")
 
 
 def check_positions(entry: CacheEntry, index: int | None, max_tokens: int | None) -> None:
@@ -71,8 +112,31 @@ def check_pages(entry: CacheEntry, index: int | None) -> None:
         )
 
 
+def check_geometry(entry: CacheEntry, index: int | None) -> None:
+    """Every size the header states is within the documented maxima (before anything is allocated from it)."""
+    limits = (("offset", entry.offset, MAX_POSITIONS), ("minimum_reusable_offset", entry.minimum_reusable_offset,
+              MAX_POSITIONS), ("max_tokens", entry.max_tokens, MAX_POSITIONS),
+              ("quantized_kv_start", entry.quantized_kv_start, MAX_POSITIONS),
+              ("kv_lora_rank", entry.kv_lora_rank, MAX_HEAD_DIM), ("rope_head_dim", entry.rope_head_dim, MAX_HEAD_DIM),
+              ("index_head_dim", entry.index_head_dim, MAX_HEAD_DIM), ("bits", entry.bits, MAX_BITS),
+              ("k_bits", entry.k_bits, MAX_BITS), ("v_bits", entry.v_bits, MAX_BITS),
+              ("group_size", entry.group_size, MAX_GROUP_SIZE))
+    if entry.pages is not None:
+        limits += (("pages.block_size", entry.pages.block_size, MAX_BLOCK_SIZE),
+                   ("pages.num_blocks", entry.pages.num_blocks, MAX_BLOCKS),
+                   ("pages.block_table", len(entry.pages.block_table), MAX_BLOCKS))
+    for field, value, limit in limits:
+        if value is not None and value > limit:
+            raise incompatible(entry, index, field, f"{value} exceeds the supported maximum {limit}")
+    for i, slot in enumerate(entry.tensors):
+        if slot.nbytes > MAX_TENSOR_BYTES:
+            raise incompatible(entry, index, f"tensors[{i}].nbytes", f"{slot.nbytes} exceeds the supported maximum "
+                               f"{MAX_TENSOR_BYTES}")
+
+
 def check_slots(entry: CacheEntry, index: int | None, specs: Sequence[SlotSpec]) -> None:
     """The entry's tensor slots are exactly ``specs`` (count, names, dtypes, shapes, token axes, byte lengths)."""
+    check_geometry(entry, index)
     if len(entry.tensors) != len(specs):
         raise incompatible(
             entry, index, "tensors",
@@ -101,6 +165,7 @@ def check_slots(entry: CacheEntry, index: int | None, specs: Sequence[SlotSpec])
 
 def check_arrays(entry: CacheEntry, index: int | None, arrays: Sequence[mx.array], verify: bool) -> None:
     """Every array matches its slot's dtype and shape, and (when verifying) its checksum."""
+    _require_sequence(arrays, "arrays")
     if len(arrays) != len(entry.tensors):
         raise corrupt(entry, index, "tensors", f"{len(entry.tensors)} slots but {len(arrays)} arrays were given")
     for i, (slot, array) in enumerate(zip(entry.tensors, arrays)):
@@ -119,4 +184,5 @@ def check_arrays(entry: CacheEntry, index: int | None, arrays: Sequence[mx.array
                 raise corrupt(entry, index, f"{field}.checksum", f"{slot.name}: stored {slot.checksum}, computed {got}")
 
 
-__all__ = ["SlotSpec", "where", "incompatible", "corrupt", "check_positions", "check_pages", "check_slots", "check_arrays"]
+__all__ = ["MAX_POSITIONS", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_BITS", "MAX_GROUP_SIZE", "MAX_BLOCK_SIZE", "MAX_BLOCKS",
+           "MAX_TENSOR_BYTES", "check_geometry", "require_entry", "require_entries", "require_rows", "SlotSpec", "where", "incompatible", "corrupt", "check_positions", "check_pages", "check_slots", "check_arrays"]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
+from .inputs import check_identity_field
+
 
 @dataclass(frozen=True)
 class Identity:
@@ -22,11 +24,7 @@ class Identity:
 
     def __post_init__(self) -> None:
         for name in ("model_id", "config_fingerprint", "tokenizer_hash"):
-            value = getattr(self, name)
-            if not isinstance(value, str):
-                raise TypeError(f"Identity.{name} must be a str, got {type(value).__name__}")
-            if len(value) > 1024:
-                raise ValueError(f"Identity.{name} is {len(value)} characters long (at most 1024)")
+            check_identity_field(name, getattr(self, name))  # str, <= 1024 UTF-8 bytes, no NUL/lone surrogate
 
     @property
     def key(self) -> bytes:

@@ -29,12 +29,13 @@ from typing import TypeVar
 import lmdb
 
 from ..errors import IncompatibleFormat, KvShelfError, StoreFull
-from . import syncs
+from . import lmdbcheck, syncs
 from .localbytes import ensure_dir
 
 INDEX_FORMAT = 2  # 2: layout v2 (packs, sealed records); a format-1 index is read as it is and marked 2 on open
 READS_FORMATS = (1, 2)
 _T = TypeVar("_T")
+SCAN_BATCH = 512  # records per read transaction of a streaming listing (Index.scan)
 DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine")
 
 
@@ -51,14 +52,25 @@ class _Shared:
     """One LMDB environment per directory and process (LMDB forbids opening it twice), shared by Store handles."""
 
     def __init__(self, path: str, map_size: int):
-        self.env = lmdb.open(path, map_size=map_size, max_dbs=16, subdir=True, lock=True, sync=True,
-                             metasync=True, readahead=False, mode=0o600, max_readers=256, max_spare_txns=4)
+        lmdbcheck.check_data_file(path)  # a truncated data.mdb would SIGBUS once mapped
+        try:
+            self.env = lmdb.open(path, map_size=map_size, max_dbs=16, subdir=True, lock=True, sync=True,
+                                 metasync=True, readahead=False, mode=0o600, max_readers=256, max_spare_txns=4)
+        except lmdb.Error as exc:
+            if lmdbcheck.is_damage(exc):
+                raise lmdbcheck.translate(exc, path) from exc
+            raise KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}") from exc
         for name in ("data.mdb", "lock.mdb"):
             p = os.path.join(path, name)
             if os.path.exists(p):
                 os.chmod(p, 0o600)
-        self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
-        self.db["prefix"] = self.env.open_db(b"prefix", dupsort=True)
+        try:
+            self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
+            self.db["prefix"] = self.env.open_db(b"prefix", dupsort=True)
+        except lmdb.Error as exc:
+            self.env.close()
+            raise (lmdbcheck.translate(exc, path) if lmdbcheck.is_damage(exc) else
+                   KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}")) from exc
         self.lock = threading.RLock()
         self.users = 0
 
@@ -84,14 +96,18 @@ class Index:
         self._shared = shared
         self.env, self.db, self._lock = shared.env, shared.db, shared.lock
         self._closed = False
-        self._check_format()
+        try:
+            self._check_format()
+        except BaseException:
+            self.close()
+            raise
 
     def _check_format(self) -> None:
-        with self.env.begin() as txn:
+        with self.read() as txn:
             raw = txn.get(b"format", db=self.db["meta"])
         if raw is not None and struct.unpack("<Q", raw)[0] == INDEX_FORMAT:
             return  # the common case: no write transaction (no fsync) at open
-        with self._lock, self.env.begin(write=True) as txn:
+        def mark(txn):
             raw = txn.get(b"format", db=self.db["meta"])
             if raw is None or struct.unpack("<Q", raw)[0] in READS_FORMATS:
                 if raw is None or struct.unpack("<Q", raw)[0] != INDEX_FORMAT:
@@ -101,13 +117,38 @@ class Index:
                 raise IncompatibleFormat(f"index at {self.path} has format {struct.unpack('<Q', raw)[0]}, "
                                          f"this kvshelf reads format {INDEX_FORMAT}")
 
+        self.write(mark)
+
     def _check_pid(self) -> None:
         if os.getpid() != self.pid:
             raise KvShelfError("a Store cannot be used across fork(); open it again in the child process")
 
-    def read(self) -> lmdb.Transaction:
+    def read(self) -> "_Read":
+        """A read transaction as a context manager (``with index.read() as txn``): a map another process grew is
+        adopted first, and LMDB's damaged-record errors leave the block as ``CorruptData``."""
         self._check_pid()
-        return self.env.begin(buffers=False)
+        try:
+            try:
+                txn = self.env.begin(buffers=False)
+            except lmdb.MapResizedError:  # another process grew the map past ours: adopt its size, begin again
+                self._adopt_map_size()
+                txn = self.env.begin(buffers=False)
+        except lmdb.Error as exc:
+            raise self._error(exc) from exc
+        return _Read(txn, self)
+
+    def _adopt_map_size(self) -> None:
+        with self._lock:
+            self.env.set_mapsize(0)
+
+    def _error(self, exc: lmdb.Error) -> KvShelfError:
+        if lmdbcheck.is_damage(exc):
+            return lmdbcheck.translate(exc, self.path)
+        if isinstance(exc, lmdb.ReadersFullError):
+            from ..errors import StoreBusy
+
+            return StoreBusy(f"the index at {self.path} has no free reader slot ({exc})")
+        return KvShelfError(f"the index at {self.path} failed: {type(exc).__name__}: {exc}")
 
     def write(self, fn: Callable[[lmdb.Transaction], _T]) -> _T:
         """Run ``fn`` in one write transaction; a full map is grown (doubled) and ``fn`` re-run from scratch."""
@@ -121,11 +162,33 @@ class Index:
                     return result
                 except lmdb.MapFullError:
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size and run fn again
+                    self.env.set_mapsize(0)
                 except lmdb.Error as exc:
                     if _disk_nearly_full(self.path) or "No space" in str(exc):
                         raise StoreFull(f"the index at {self.path} could not commit: the disk is full ({exc}); "
                                         f"the transaction was rolled back and nothing was committed") from exc
-                    raise
+                    raise self._error(exc) from exc
+
+    def scan(self, name: str, batch: int = SCAN_BATCH):
+        """Every (key, value) of sub-database ``name`` (not dupsort), read in short transactions of ``batch``
+        records each: memory and reader-slot time stay bounded however large the index (a listing sees each key
+        once, in key order; records committed meanwhile may or may not be seen)."""
+        after: bytes | None = None
+        while True:
+            with self.read() as txn:
+                cur = txn.cursor(db=self.db[name])
+                ok = cur.set_range(after) if after is not None else cur.first()
+                rows = []
+                while ok and len(rows) < batch:
+                    key = bytes(cur.key())
+                    if key != after:
+                        rows.append((key, bytes(cur.value())))
+                    ok = cur.next()
+            yield from rows
+            if not ok or not rows:
+                return
+            after = rows[-1][0]
 
     @property
     def users(self) -> int:
@@ -159,6 +222,27 @@ class Index:
                 if _OPEN.get(self.path) is self._shared:
                     del _OPEN[self.path]
                 self.env.close()
+
+
+class _Read:
+    """``with index.read() as txn``: the transaction is aborted on leaving; a damaged-record LMDB error raised in
+    the block becomes ``CorruptData`` (a MapResized met mid-block is a ``KvShelfError``: the caller's read retries)."""
+
+    __slots__ = ("txn", "index")
+
+    def __init__(self, txn: lmdb.Transaction, index: Index):
+        self.txn, self.index = txn, index
+
+    def __enter__(self) -> lmdb.Transaction:
+        return self.txn
+
+    def __exit__(self, typ, exc, tb) -> None:
+        self.txn.abort()
+        if exc is not None and isinstance(exc, lmdb.Error):
+            raise self.index._error(exc) from exc
+
+    def __getattr__(self, name):  # a caller that keeps the object instead of entering it
+        return getattr(self.txn, name)
 
 
 __all__ = ["Index", "INDEX_FORMAT", "DB_NAMES"]

@@ -21,7 +21,7 @@ from msgspec.structs import replace
 
 from ..codecs.batch_plan import BatchPlan
 from ..codecs.header import CacheEntry, TensorSlot
-from ..errors import CorruptData
+from ..errors import CorruptData, KvShelfError
 from .blobfile import Piece
 from .manifest import BlobRef
 
@@ -127,7 +127,7 @@ def owned_zeros(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[mx.
         host = np.array(a, copy=False)
         if host.size and not (host.flags["C_CONTIGUOUS"] and host.flags["WRITEABLE"]
                               and host.nbytes == a.nbytes):  # pragma: no cover - MLX invariant
-            raise RuntimeError("MLX returned a destination array that does not own its buffer")
+            raise KvShelfError("MLX returned a destination array that does not own its buffer")
         hosts.append(host)
     return arrays, hosts
 

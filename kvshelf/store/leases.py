@@ -18,6 +18,7 @@ reads again; one it cannot parse after retries is treated as holding everything 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import struct
@@ -32,6 +33,7 @@ from .localbytes import ensure_dir
 from .manifest import Lease
 
 _HEAD = struct.Struct("<QQ")
+LEASE_ROOM = 64 << 10  # bytes allocated for each handle's lease file when it is made
 _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(list[Lease])
 
@@ -58,27 +60,46 @@ class LeaseBook:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)  # held for the handle's life; the kernel drops it when the process dies
         self._name = f"{stem}.lease"
+        try:  # room allocated up front: publishing a few leases never needs a block on a full disk
+            os.posix_fallocate(fd, 0, LEASE_ROOM)
+        except OSError:
+            pass
         os.rename(tmp, os.path.join(self.dir, self._name))  # visible to checkers only once locked
         self._fd = fd
 
     def _publish(self) -> None:
+        """Header + body at offset 0 (readers check the header's length and checksum, so bytes past the body are
+        ignored): the file keeps its allocated room instead of shrinking to each body."""
         body = _ENC.encode(list(self._held.values()))
         data = _HEAD.pack(len(body), xxhash.xxh3_64_intdigest(body)) + body
         if self._fd < 0:
             self._open_own()
         os.pwrite(self._fd, data, 0)
-        os.ftruncate(self._fd, len(data))
+        size = os.fstat(self._fd).st_size
+        if size > max(LEASE_ROOM, 2 * len(data)):
+            os.ftruncate(self._fd, max(LEASE_ROOM, len(data)))
 
     def add(self, key: bytes, lease: Lease) -> None:
         with self._lock:
             self._held[key] = lease
-            self._publish()
+            try:
+                self._publish()
+            except OSError as exc:  # e.g. a full disk: the lease is not held, so the read must not go on
+                self._held.pop(key, None)
+                from ..errors import StoreFull, file_error
+
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreFull(f"no room to publish a reader's lease in {self.dir}: {exc}") from exc
+                raise file_error(exc, f"publishing a lease in {self.dir}") from exc
 
     def remove(self, key: bytes) -> Lease | None:
         with self._lock:
             lease = self._held.pop(key, None)
             if lease is not None and self._fd >= 0:
-                self._publish()
+                try:
+                    self._publish()
+                except OSError:  # the file still lists it: over-protective (its chunks kept longer), never unsafe
+                    pass
             return lease
 
     def live(self, now: float | None = None) -> list[Lease]:
@@ -115,6 +136,8 @@ class LeaseBook:
                 pass
             for _attempt in range(50):
                 raw = os.pread(fd, 1 << 24, 0)
+                if len(raw) >= _HEAD.size and not any(raw[:_HEAD.size]):
+                    return []  # locked, its room allocated, nothing published yet
                 if len(raw) >= _HEAD.size:
                     n, digest = _HEAD.unpack_from(raw)
                     body = raw[_HEAD.size:_HEAD.size + n]

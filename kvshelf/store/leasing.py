@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from ..errors import SnapshotNotFound
 from . import keys, ledger
 from . import manifest as mf
+from .evidence import quarantined_objects
 from .leases import Unknown
 from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
 
@@ -62,8 +63,9 @@ class LeasingMixin:
             for name in forget:  # packs unlinked by _reclaim: drop their (emptied) records
                 if not ledger.object_live(self.index, txn, name):
                     ledger.forget_pack(self.index, txn, name)
+            kept = quarantined_objects(self.index, txn) if unlink else set()
             for name in unlink:
-                if name not in leased and not ledger.object_live(self.index, txn, name):
+                if name not in leased and name not in kept and not ledger.object_live(self.index, txn, name):
                     self.bytes.delete(name)
                     ledger.forget_pack(self.index, txn, name)
             return fn(txn)
@@ -90,6 +92,7 @@ class LeasingMixin:
         except Unknown:
             return  # a live handle's lease file is unreadable right now: unlink nothing this time (gc will)
         with self.index.read() as txn:
+            leased = leased | quarantined_objects(self.index, txn)  # a quarantined snapshot's evidence stays
             dead = [n for n in names if n not in leased and not ledger.object_live(self.index, txn, n)]
         for name in dead:
             self.bytes.delete(name)

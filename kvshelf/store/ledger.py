@@ -91,7 +91,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     txn.put(sid, mf.encode(manifest), db=db["manifests"])
     txn.put(sid, mf.encode(summary), db=db["summaries"])
     tokens = np.asarray(manifest.tokens, dtype="<i8")
-    txn.put(sid, tokens.tobytes(), db=db["tokens"])
+    txn.put(sid, mf.seal_tokens(tokens), db=db["tokens"])
     for key, cont in all_boundaries(nsk, tokens, BLOCK_TOKENS):
         txn.put(key, cont + sid, db=db["prefix"], dupdata=True)
     txn.put(skey, sid, db=db["sessions"])

@@ -231,7 +231,7 @@ class _Lookup:
         toks = self.txn.get(sid, db=self.db["tokens"])
         if toks is None:
             return
-        stored = np.frombuffer(toks, dtype="<i8")
+        stored = mf.tokens_of(toks, f"tokens record of snapshot {sid.hex()} (session {s.session_id!r})")
         # tokens, not hashes: the whole shared prefix is compared (a match never reaches past the next boundary)
         p = min(common_prefix(stored, self.prompt.head(min(self.n, reach))[:reach]), self.n - 1)
         if not _usable(p, s):

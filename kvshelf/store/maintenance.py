@@ -17,8 +17,9 @@ from collections import Counter, defaultdict
 import msgspec
 import numpy as np
 
-from ..errors import CorruptData, IncompatibleFormat
-from . import keys, ledger
+from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
+from . import keys, ledger, reserve
+from .evidence import quarantined_objects
 from . import manifest as mf
 from .backend import ObjectMissing, put_unsynced
 from .localbytes import open_object
@@ -44,36 +45,74 @@ def _manifest_on_disk(store, sid_hex: str, summary: Summary) -> bytes | None:
 
 
 def verify_store(store, deep: bool = False) -> list[Finding]:
-    db = store.index.db
+    """Every inconsistency as a ``Finding``; never raises on damaged data (a record, pack or index that cannot be
+    read at all is a finding too), and every quarantined snapshot stays a finding until an operator drops it."""
     out: list[Finding] = []
+    try:
+        _verify(store, deep, out)
+    except (KvShelfError, ObjectMissing, OSError) as exc:
+        out.append(Finding("unreadable-index", "index", f"verify stopped: {type(exc).__name__}: {exc}"))
+    return out
+
+
+def _quarantine_findings(store, txn, out: list[Finding]) -> None:
+    for key, raw in txn.cursor(db=store.index.db["quarantine"]):
+        session = keys.session_of_key(key)
+        try:
+            sid_hex, reason, *_objects = msgspec.msgpack.decode(raw)
+        except (msgspec.DecodeError, ValueError, TypeError):
+            sid_hex, reason = "?", "(the quarantine record itself is damaged)"
+        out.append(Finding("quarantined", f"snapshot {sid_hex} (session {session!r})",
+                           f"quarantined: {reason}; its bytes are kept as evidence until an operator drops it "
+                           f"(Store.drop_quarantined / delete)", (session,)))
+
+
+def _verify(store, deep: bool, out: list[Finding]) -> None:
+    db = store.index.db
+    users: defaultdict[str, set[str]] = defaultdict(set)
     refs: Counter[str] = Counter()
     manifests_in: Counter[str] = Counter()
     prefix_records = 0
     with store.index.read() as txn:
-        manifests = {}
-        for sid, raw in txn.cursor(db=db["manifests"]):
-            try:
-                manifests[bytes(sid)] = mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()}")
-            except (CorruptData, IncompatibleFormat) as exc:
-                out.append(Finding("bad-manifest", bytes(sid).hex(), str(exc)))
+        manifests: set[bytes] = set()  # ids only: each manifest is checked as the cursor reaches it, then dropped
         prefix_cur = txn.cursor(db=db["prefix"])
-        for sid, m in manifests.items():
+        _quarantine_findings(store, txn, out)
+        for sid, raw in txn.cursor(db=db["manifests"]):
+            sid = bytes(sid)
+            manifests.add(sid)
+            try:
+                m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+            except (CorruptData, IncompatibleFormat) as exc:
+                try:
+                    who = (mf.decode(txn.get(sid, db=db["summaries"]) or b"", Summary, "summary").session_id,)
+                except CorruptData:
+                    who = ()
+                out.append(Finding("bad-manifest", f"snapshot {sid.hex()}"
+                                   + (f" (session {who[0]!r})" if who else ""), str(exc), who))
+                continue
             where = f"snapshot {sid.hex()} (session {m.session_id!r})"
+            mine = len(out)
             idk, nsk, skey = keys.manifest_keys(m)
             raw = txn.get(sid, db=db["summaries"])
             if raw is None:
-                out.append(Finding("missing-summary", where, "no summary record"))
+                out.append(Finding("missing-summary", where, "no summary record", (m.session_id,)))
                 continue
             try:
                 s = mf.decode(raw, Summary, "summary")
             except CorruptData as exc:
-                out.append(Finding("bad-summary", where, str(exc)))
+                out.append(Finding("bad-summary", where, str(exc), (m.session_id,)))
                 continue
             if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
                 out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
             toks = txn.get(sid, db=db["tokens"])
-            if toks is None or not np.array_equal(np.frombuffer(toks, "<i8"), np.asarray(m.tokens, "<i8")):
-                out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest"))
+            try:
+                same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"),
+                                                           np.asarray(m.tokens, "<i8"))
+            except CorruptData:
+                same = False
+            if not same:
+                out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest (or fail their "
+                                                          "checksum)"))
             if txn.get(skey, db=db["sessions"]) != sid:
                 out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
             if txn.get(keys.lru_key(idk, s.last_used_ns, sid), db=db["lru"]) is None:
@@ -97,6 +136,8 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
                     out.append(Finding("manifest-file-drift", where, "the manifest on disk differs from the index"))
             for h in {r.hash for r in m.blobs}:
                 refs[h] += 1
+                users[h].add(m.session_id)
+            out[mine:] = [Finding(f.kind, f.where, f.detail, (m.session_id,)) for f in out[mine:]]
         n_prefix = txn.stat(db["prefix"])["entries"]
         if n_prefix != prefix_records:
             out.append(Finding("prefix-drift", "prefix index", f"{n_prefix} records, manifests imply {prefix_records}"))
@@ -114,13 +155,18 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
                 out.append(Finding("bad-chunk-record", f"blob {bytes(key).hex()}", str(exc)))
         packs: dict[str, PackMeta] = {}
         for key, raw in txn.cursor(db=db["packs"]):
-            packs[bytes(key).decode()] = mf.decode(raw, PackMeta, "pack record")
+            name = bytes(key).decode("utf-8", "replace")
+            try:
+                packs[name] = mf.decode(raw, PackMeta, f"pack record {name}")
+            except CorruptData as exc:
+                out.append(Finding("bad-pack-record", f"pack {name}", str(exc)))
         total = store.index.meta_int(txn, b"total_bytes")
     leased_objects = store._leased_objects()
     for h, n in refs.items():
         meta = chunks.get(h)
         if meta is None:
-            out.append(Finding("refcount-drift", f"blob {h}", f"referenced by {n} snapshots but has no record"))
+            out.append(Finding("refcount-drift", f"blob {h}", f"referenced by {n} snapshots but has no record",
+                               tuple(sorted(users.get(h, ())))))
         elif meta.refs != n:
             out.append(Finding("refcount-drift", f"blob {h}", f"refcount {meta.refs}, referenced by {n}"))
     live = defaultdict(lambda: [0, 0])
@@ -130,7 +176,8 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
         name, offset, length = keys.location(h, meta)
         size = store.bytes.size(name)
         if size is None:
-            out.append(Finding("missing-blob", f"blob {h}", f"its object {name} is missing"))
+            out.append(Finding("missing-blob", f"blob {h}", f"its object {name} is missing",
+                               tuple(sorted(users.get(h, ())))))
             continue
         if meta.pack:
             live[meta.pack][0] += 1
@@ -144,8 +191,8 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
             try:
                 with store.open_blob(h, verify=True) as reader:
                     reader.read_into([None] * len(reader.tensors))
-            except CorruptData as exc:
-                out.append(Finding("corrupt-blob", f"blob {h}", str(exc)))
+            except (KvShelfError, ObjectMissing, OSError) as exc:
+                out.append(Finding("corrupt-blob", f"blob {h}", str(exc), tuple(sorted(users.get(h, ())))))
     for name, pm in packs.items():
         if (pm.live_chunks, pm.live_bytes, pm.manifests) == (0, 0, 0) and name not in live and \
                 name not in manifests_in:
@@ -165,13 +212,13 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
     for name, kind in _orphans(store, leased_objects):
         out.append(Finding(kind, f"{'manifest' if kind == 'orphan-manifest' else 'blob'} {name}",
                            "not indexed (crash residue: run gc)"))
-    return out
 
 
 def _orphans(store, leased: set[str]) -> list[tuple[str, str]]:
     """(object, kind) of every object the ledger does not need and no live lease holds."""
     found = []
     with store.index.read() as txn:
+        leased = leased | quarantined_objects(store.index, txn)  # evidence: kept until an operator drops the record
         for prefix in ("packs/", "blobs/"):
             for name in sorted(store.bytes.names(prefix)):
                 if name in leased or ledger.object_live(store.index, txn, name):
@@ -215,25 +262,36 @@ def rename_legacy_manifest(store, sid_hex: str) -> None:
 
 
 def gc_store(store, dry_run: bool = True) -> GcReport:
+    """Reap dead tmp files and leases, then sweep orphans in two phases: the listing and ``stat`` of every object
+    run with no gate held (saves go on meanwhile); only the re-check of the few candidates and their unlinks run
+    under the exclusive save gate — where no save sits between writing its pack and committing it — with the
+    leases read again there, so a candidate a commit or a reader took up meanwhile is kept."""
     reap = getattr(store.bytes, "reap_tmp", None)
     tmp = reap(dry_run=dry_run) if reap is not None else []
     expired = store.leases.reap(dry_run=dry_run)
+    candidates = []
+    for name, kind in _orphans(store, store._leased_objects()):  # no gate: O(objects) work while saves run
+        obj = _object_of(store, name, kind)
+        if obj is not None:
+            candidates.append((name, kind, obj, (store.bytes.size(obj) or 0) if kind != "orphan-manifest" else 0))
+    if not candidates:
+        return GcReport(dry_run, [], [], tmp, expired, 0)
     try:
         gate = store.save_gate(exclusive=True, timeout=10.0)
         gate.__enter__()
-    except TimeoutError:
+    except StoreBusy:
         return GcReport(dry_run, [], [], tmp, expired, 0, "saves kept the store busy; orphan sweep skipped")
     try:
         leased = store._leased_objects()
 
         def sweep(txn):
             blobs, manifests, nbytes = [], [], 0
-            for name, kind in _orphans(store, leased):
-                obj = _object_of(store, name, kind)
-                if obj is None or ledger.object_live(store.index, txn, obj):
-                    continue
+            kept = leased | quarantined_objects(store.index, txn)
+            for name, kind, obj, size in candidates:
+                if obj in kept or ledger.object_live(store.index, txn, obj):
+                    continue  # committed, leased or quarantined since the listing
                 (manifests if kind == "orphan-manifest" else blobs).append(name)
-                nbytes += (store.bytes.size(obj) or 0) if kind != "orphan-manifest" else 0
+                nbytes += size
                 if not dry_run:
                     store.bytes.delete(obj)
                     ledger.forget_pack(store.index, txn, obj)
@@ -243,18 +301,28 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
             with store.index.read() as txn:
                 blobs, manifests, nbytes = sweep(txn)
         else:
-            blobs, manifests, nbytes = store._txn(sweep)
+            try:
+                blobs, manifests, nbytes = store._txn(sweep)
+            except StoreFull:
+                if not reserve.release(store.root):
+                    raise
+                blobs, manifests, nbytes = store._txn(sweep)
     finally:
         gate.__exit__(None, None, None)
+    if not dry_run:
+        reserve.ensure(store.root)  # space was freed: hold some back again
     return GcReport(dry_run, blobs, manifests, tmp, expired, nbytes)
 
 
-def rebuild_store_index(store) -> int:
+def rebuild_store_index(store, skipped: list[Finding] | None = None) -> int:
     """Replace the index by one built from the packs' trailers and v1 manifest files (offline: the store held
-    ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise)."""
+    ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise). Nothing that fails its
+    checksum or does not decode is indexed; each such object, and each manifest left out (a chunk missing, its
+    session tombstoned), is appended to ``skipped`` as a ``Finding`` saying why."""
+    skipped = [] if skipped is None else skipped
     with store.exclusive():
         store.replace_index(lambda path: shutil.rmtree(path, ignore_errors=True))
-        return _reindex(store)
+        return _reindex(store, skipped)
 
 
 def _tombs(store) -> tuple[set[str], dict[bytes, float]]:
@@ -272,7 +340,7 @@ def _tombs(store) -> tuple[set[str], dict[bytes, float]]:
     return sids, dead_until
 
 
-def _reindex(store) -> int:
+def _reindex(store, skipped: list[Finding]) -> int:
     tombs, dead_until = _tombs(store)
     located: ledger.Placed = {}
     sizes: dict[str, int] = {}
@@ -284,26 +352,35 @@ def _reindex(store) -> int:
             with open_object(store.bytes, name) as r:
                 contents = read_trailer(r, name)
                 sizes[name] = r.size()
-        except (CorruptData, ObjectMissing):
+        except (CorruptData, ObjectMissing) as exc:
+            skipped.append(Finding("rebuild-skipped-pack", f"pack {name}", f"not indexed: {exc}"))
             continue
         for h, off, n, enc in contents.chunks:
             located.setdefault(h, (name, off, n, enc, sizes[name]))
         if contents.manifest:
-            _consider(found, contents.manifest, contents.written_ns, name, tombs)
+            _consider(found, contents.manifest, contents.written_ns, name, tombs, skipped)
     for name in sorted(store.bytes.names("blobs/")):
         legacy = keys.parse_legacy_blob(name)
         if legacy is not None:
             located.setdefault(legacy[0], (name, 0, store.bytes.size(name) or 0, legacy[1], 0))
         elif name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
             buf = bytearray(store.bytes.size(name) or 0)
-            store.bytes.read_into(name, 0, [memoryview(buf)])
-            _consider(found, bytes(buf), 0, "", tombs)
+            try:
+                store.bytes.read_into(name, 0, [memoryview(buf)])
+            except (KvShelfError, OSError) as exc:
+                skipped.append(Finding("rebuild-skipped-manifest", name, f"unreadable: {exc}"))
+                continue
+            _consider(found, bytes(buf), 0, "", tombs, skipped, what=name)
     ordered = sorted(found.values(), key=lambda item: item[1].created_at)
     for _written, m, pack in ordered:  # oldest first: a session's newest snapshot replaces older ones
-        if any(r.hash not in located for r in m.blobs):
+        where = f"snapshot {m.snapshot_id} (session {m.session_id!r})"
+        missing = [r.hash for r in m.blobs if r.hash not in located]
+        if missing:
+            skipped.append(Finding("rebuild-skipped-snapshot", where, f"{len(missing)} of its chunks are in no "
+                                   f"readable pack or blob (first: {missing[0]})", (m.session_id,)))
             continue
         if m.created_at <= dead_until.get(keys.manifest_keys(m)[2], float("-inf")):
-            continue  # its session was deleted, evicted or quarantined at or after this snapshot
+            continue  # its session was deleted, evicted or quarantined at or after this snapshot (not a loss)
         placed = {r.hash: located[r.hash] for r in m.blobs}
         store.index.write(lambda txn, m=m, pack=pack, placed=placed: ledger.commit(
             store.index, txn, m, pack, sizes.get(pack, 0), placed))
@@ -311,10 +388,13 @@ def _reindex(store) -> int:
         return txn.stat(store.index.db["manifests"])["entries"]
 
 
-def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[str]) -> None:
+def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[str], skipped: list[Finding],
+              what: str = "") -> None:
+    what = what or pack
     try:
-        m = mf.decode(raw, Manifest, "manifest on disk")
-    except (CorruptData, IncompatibleFormat):
+        m = mf.decode(raw, Manifest, f"manifest in {what}")
+    except (CorruptData, IncompatibleFormat) as exc:
+        skipped.append(Finding("rebuild-skipped-manifest", what, f"not indexed: {exc}"))
         return
     if m.snapshot_id in tombs:
         return

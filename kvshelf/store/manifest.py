@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
+import numpy as np
 import xxhash
 from msgspec import Meta, Struct
 
@@ -134,6 +135,25 @@ def unseal(data: bytes | memoryview, what: str) -> bytes | memoryview:
     return data
 
 
+def seal_tokens(tokens: np.ndarray) -> bytes:
+    """A tokens record: the little-endian int64 ids, then the tag byte and their xxh3-64. Its length is 8n + 9,
+    never a multiple of 8, so a v1 record (bare ids, 8n bytes) is told apart by its length alone."""
+    body = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    return body + bytes([_SEALED]) + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+
+
+def tokens_of(data: bytes | memoryview, what: str) -> np.ndarray:
+    """The token ids of a tokens record, checksum checked (``CorruptData`` naming ``what`` when it fails)."""
+    n = len(data)
+    if n % 8 == 0:
+        return np.frombuffer(data, dtype="<i8")  # a v1 record
+    body = data[:n - 9]
+    if n % 8 != 1 or data[n - 9] != _SEALED or \
+            xxhash.xxh3_64_intdigest(body) != int.from_bytes(data[n - 8:], "little"):
+        raise CorruptData(f"{what} fails its checksum (a damaged index record)")
+    return np.frombuffer(body, dtype="<i8")
+
+
 def decode(data: bytes | memoryview, kind: type, what: str):
     decoder = _decoders.get(kind) or _decoders.setdefault(kind, msgspec.msgpack.Decoder(kind))
     try:
@@ -146,4 +166,5 @@ def decode(data: bytes | memoryview, kind: type, what: str):
     return obj
 
 
-__all__ = ["BlobRef", "Manifest", "Summary", "ChunkMeta", "PackMeta", "Lease", "unseal", "encode", "decode", "MANIFEST_VERSION"]
+__all__ = ["BlobRef", "Manifest", "Summary", "ChunkMeta", "PackMeta", "Lease", "unseal", "encode", "decode",
+           "seal_tokens", "tokens_of", "MANIFEST_VERSION"]

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import CorruptData, InvalidCacheState, SnapshotNotFound
-from . import restoring
+from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, SnapshotNotFound
+from . import inputs, restoring
 from .layout import BatchDestinations, fill_from_blob
-from .leasing import Stale
+from .leasing import Gone, Stale
 from .manifest import Manifest
 from .results import PrefixHit, Restored, RestoredBatch
 
@@ -21,6 +21,7 @@ class ReadingMixin:
 
     def restore(self, session_id: str, namespace: str = "") -> Restored:
         """The session's latest snapshot, whole."""
+        inputs.check_session(session_id, namespace)
         self._check_scoped("restore")
         for attempt in range(3):
             with self.index.read() as txn:
@@ -34,6 +35,7 @@ class ReadingMixin:
 
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
+        snapshot_id, length = inputs.check_snapshot_id(snapshot_id), inputs.check_length(length)
         self._check_scoped("restore_snapshot")
         if self.tier is not None and self.tier.knows(snapshot_id) and not self._has(snapshot_id):
             return self.tier.restore(snapshot_id, length)  # a remote hit: fetched, verified, kept locally
@@ -45,6 +47,7 @@ class ReadingMixin:
 
     def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "") -> Restored | None:
         """Caches for the longest usable stored prefix of the prompt (reading only the chunks covering it)."""
+        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
         for _ in range(3):
             hit = self.lookup(prompt_tokens, namespace)
             if hit is None:
@@ -57,6 +60,7 @@ class ReadingMixin:
 
     def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]], _attempt: int = 0) -> RestoredBatch:
         """Several rows restored straight into one batched cache per layer, rows in request order."""
+        inputs.check_requests(requests)
         self._check_scoped("restore_batch")
         if not requests:
             raise InvalidCacheState("restore_batch needs at least one request")
@@ -158,28 +162,48 @@ class ReadingMixin:
     def _read_arrays(self, manifest: Manifest, p: int, direct: bool = False):
         """Lease the snapshot, read the chunks covering [0, p) into fresh arrays, verify, release: (entries, arrays)
         — or, with ``direct``, (entries, arrays, planned per layer) where planned layers hold batch-plan tensors."""
-        read = self._open_read(manifest, p)
-        objects = restoring.Objects(self.bytes)
-        try:
-            plans = self._single_row_plans(read.entries) if direct else None
+        for attempt in range(3):
+            read = self._open_read(manifest, p)
+            objects = restoring.Objects(self.bytes)
             try:
-                arrays, n_chunks, n_bytes = restoring.read_direct(objects, read, self.verify_reads, plans)
-            except CorruptData as exc:
-                self._corrupt(read, exc)
-            read.ok = True
-        finally:
-            objects.close()
-            self._close_read(read)
+                plans = self._single_row_plans(read.entries) if direct else None
+                try:
+                    arrays, n_chunks, n_bytes = restoring.read_direct(objects, read, self.verify_reads, plans)
+                except CorruptData as exc:
+                    if attempt < 2 and self._moved(read):
+                        continue  # re-encoded or rewritten under us: lease and read the new form
+                    self._corrupt(read, exc)
+                read.ok = True
+            finally:
+                objects.close()
+                self._close_read(read)
+            break
         self.counters["blobs_read"] += n_chunks
         self.counters["bytes_read"] += n_bytes
         if direct:
             return read.entries, arrays, [pl is not None for pl in plans]
         return read.entries, arrays
 
+    def _moved(self, read: restoring.Read) -> bool:
+        """Whether the chunks of ``read`` lie elsewhere now (or the snapshot was rewritten or removed): a failed
+        read is then retried on the new form, never taken for corruption."""
+        try:
+            with self.index.read() as txn:
+                return self._locate(txn, read.manifest, read.needed) != read.where
+        except (Stale, Gone):
+            return True
+
     def _open_read(self, manifest: Manifest, p: int) -> restoring.Read:
         """The entries cut to ``p`` and the chunks covering [0, p), leased (re-reading a manifest compacted since)."""
         for attempt in range(4):
             self.provider.check_provider(manifest.provider)
+            for i, e in enumerate(manifest.entries):  # header checks before any lease, read or allocation
+                codec = self.provider.for_entry(e)  # an unknown kind stays IncompatibleFormat (a newer kvshelf)
+                try:
+                    codec.validate(e, i)
+                except (InvalidCacheState, IncompatibleFormat) as exc:  # a record contradicting its own geometry
+                    raise CorruptData(f"session {manifest.session_id!r} (snapshot {manifest.snapshot_id}): its "
+                                      f"manifest entry {i} is invalid ({exc}); refused before reading") from None
             entries = list(manifest.entries)
             for entry in entries:  # an unknown kind is refused before any chunk is read
                 self.provider.for_entry(entry)

@@ -48,6 +48,15 @@ class Read:
     ok: bool = False
 
 
+BEFORE_OPEN: list = []  # test seam: callables run with an object's name between finding a chunk and opening it
+
+
+def before_open(name: str) -> None:
+    """Run the test seam's hooks (none outside tests): lets a test force a re-encoding into that window."""
+    for hook in list(BEFORE_OPEN):
+        hook(name)
+
+
 class Objects:
     """Readers of the objects one restore touches, opened once each."""
 
@@ -57,6 +66,7 @@ class Objects:
     def get(self, name: str):
         r = self._open.get(name)
         if r is None:
+            before_open(name)
             try:
                 r = self._open[name] = open_object(self.byte_store, name)
             except ObjectMissing:
@@ -235,6 +245,7 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
                 except IndexError:
                     raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} names no slot of this snapshot") from None
                 dest.pieces.append((c, ref, k))
+        check_coverage(read, slots, readers)  # before mx.load allocates a single destination
         decompressed: dict[int, memoryview] = {}
 
         def fill(slot: _Slot, dest: memoryview) -> None:
@@ -265,6 +276,24 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
     finally:
         for r in readers:
             r.close()
+
+
+def check_coverage(read: Read, slots: list[list[_Slot]], readers: list[BlobReader]) -> None:
+    """Σ bytes the chunks bring to each destination = the bytes its slot declares (≥ for a cut restore, whose
+    last chunk reaches past the cut) — checked from the chunk headers alone, before anything is allocated, so a
+    record whose shapes do not match its chunks is ``CorruptData`` and never a huge or half-filled allocation."""
+    cut = any(e.offset != read.manifest.length for e in read.entries) if read.entries else False
+    for row in slots:
+        for s in row:
+            if s.slot is None:
+                continue
+            want = math.prod(int(d) for d in s.slot.shape) * s.itemsize
+            got = sum(math.prod(readers[c].tensors[k].shape) * storage_dtype(readers[c].tensors[k].dtype).itemsize
+                      for c, _ref, k in s.pieces)
+            if got != want and not (cut and got > want and s.axis is not None):
+                raise CorruptData(f"snapshot {read.manifest.snapshot_id} (session {read.manifest.session_id!r}): "
+                                  f"tensor {s.key} declares {want} bytes {list(s.slot.shape)} but its chunks hold "
+                                  f"{got}: the record does not match its chunks")
 
 
 def _empty(s: _Slot) -> mx.array:

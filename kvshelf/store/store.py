@@ -24,8 +24,9 @@ from typing import Any
 import msgspec
 
 from ..codecs import CodecProvider, default_provider
-from ..errors import CorruptData, IdentityMismatch, KvShelfError, SnapshotNotFound
-from . import keys, ledger, openlock, saving
+from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
+                      WrongArgumentType)
+from . import inputs, keys, ledger, openlock, reserve, saving
 from . import manifest as mf
 from .backend import put_unsynced
 from .budget import evict_to_budget
@@ -39,12 +40,13 @@ from .manifest import Manifest
 from .openlock import StoreBusy
 from .prefix import BLOCK_TOKENS
 from .results import PrefixHit, SessionInfo, SnapshotInfo
+from .quarantining import QuarantineMixin
 from .reading import ReadingMixin
 from .surface import ToolsSurface
 from .writer import BackgroundWriter
 
 
-class Store(LeasingMixin, ReadingMixin, ToolsSurface):
+class Store(LeasingMixin, ReadingMixin, QuarantineMixin, ToolsSurface):
     """One store directory opened under one ``Identity``. Thread-safe; several processes may open it at once.
 
     ``admin=True`` (with no identity) opens it identity-blind for offline tools: the tools surface works on every
@@ -57,13 +59,13 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
                  map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
                  admin: bool = False, byte_store=None):
         if admin and identity is not None:
-            raise ValueError("an admin handle is identity-blind: pass identity=None with admin=True")
+            raise InvalidCacheState("an admin handle is identity-blind: pass identity=None with admin=True")
         if not admin and not isinstance(identity, Identity):
-            raise TypeError(f"identity must be a kvshelf Identity, got {type(identity).__name__}")
+            raise WrongArgumentType(f"identity must be a kvshelf Identity, got {type(identity).__name__}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
+            raise InvalidCacheState(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise InvalidCacheState(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
         self.root = os.path.abspath(os.fspath(path))
         ensure_dir(self.root)
         os.chmod(self.root, 0o700)
@@ -80,6 +82,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
         self._gate_path = os.path.join(lock_dir, "save.lock")
         os.close(os.open(self._gate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._lock_key = os.path.realpath(self.root)
+        reserve.ensure(self.root)
         openlock.acquire(self._lock_key)  # before LMDB maps the index: "open" is exact (openlock.py)
         try:
             reap = getattr(self.bytes, "reap_tmp", None)
@@ -124,7 +127,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
             if self._touches:
                 try:
                     self._txn(lambda txn: None)
-                except KvShelfError:  # e.g. a full disk: remembered uses are LRU order only, never data
+                except KvShelfError:  # damaged records or a full disk: uses are LRU order only, never data
                     pass
         finally:
             self._closed = True
@@ -146,7 +149,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
     def save_gate(self, exclusive: bool = False, timeout: float = 30.0) -> Iterator[None]:
         """The store-wide save gate (``locks/save.lock``, flock): saves hold it shared from their first write to
         their commit; orphan sweeps and offline jobs hold it exclusively, so an in-flight save's pack is never
-        taken for crash residue. ``TimeoutError`` when it cannot be had within ``timeout`` seconds."""
+        taken for crash residue. ``StoreBusy`` when it cannot be had within ``timeout`` seconds."""
         fd = os.open(self._gate_path, os.O_RDWR | os.O_CLOEXEC)
         try:
             deadline = time.monotonic() + timeout
@@ -156,7 +159,8 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError("save lock busy") from None
+                        raise StoreBusy(f"the save gate of {self.root} stayed busy for {timeout:g}s (a gc, "
+                                        f"compaction or offline job holds it{'' if exclusive else ' exclusively'})")
                     time.sleep(0.005)
             yield
         finally:
@@ -176,12 +180,16 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
     # ------------------------------------------------------------------ saving
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
         """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written)."""
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
         return self._published(saving.write(self, saving.capture(self, session_id, tokens, caches, namespace)))
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
                    namespace: str = "") -> Future:
         """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures."""
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_async")
         cap = saving.capture(self, session_id, tokens, caches, namespace)
         return self._writer.submit(lambda: self._published(saving.write(self, cap)), cap.nbytes)
@@ -228,6 +236,7 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
 
         A list prompt is converted (and checked) only as far as the lookup reads it, so a miss costs microseconds
         however long the prompt; arrays are converted whole (that is cheap)."""
+        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
         self._check_scoped("lookup")
         prompt = LazyTokens(prompt_tokens, "prompt_tokens")
         nsk = self._ns_key(namespace)
@@ -269,12 +278,24 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
         sid = txn.get(skey, db=self.index.db["sessions"])
         if sid is None:
             self._explain_missing(txn, session_id, namespace, skey)
-        return self._manifest(txn, sid)
+        raw = txn.get(sid, db=self.index.db["manifests"])
+        where = f"session {session_id!r} (namespace {namespace!r})"
+        if raw is None:  # one read transaction: a session pointing nowhere is a damaged record, not a race
+            raise CorruptData(f"{where} points to snapshot {bytes(sid).hex()}, which is not indexed "
+                              f"(a damaged index record: run `kvshelf verify`)")
+        m = mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()} of {where}")
+        if (m.session_id, m.namespace) != (session_id, namespace) or keys.identity_key_of(m) != self.id_key:
+            raise CorruptData(f"{where} points to snapshot {m.snapshot_id} of session {m.session_id!r} "
+                              f"(namespace {m.namespace!r}): a damaged index record, refused")
+        return m
 
     def _explain_missing(self, txn, session_id: str, namespace: str, skey: bytes):
         raw = txn.get(skey, db=self.index.db["quarantine"])
         if raw is not None:
-            sid_hex, reason = msgspec.msgpack.decode(raw)
+            try:
+                sid_hex, reason = msgspec.msgpack.decode(raw)
+            except (msgspec.DecodeError, ValueError, TypeError):
+                sid_hex, reason = "?", "its quarantine record is damaged too"
             raise CorruptData(f"session {session_id!r} (namespace {namespace!r}) was quarantined: snapshot "
                               f"{sid_hex}: {reason}")
         tail = session_id.encode("utf-8", "surrogatepass")
@@ -287,49 +308,29 @@ class Store(LeasingMixin, ReadingMixin, ToolsSurface):
                                f"{self.identity.model_id!r} in the store at {self.root}")
 
     # ------------------------------------------------------------------ management
-    def quarantine(self, snapshot_id: str, reason: str) -> None:
-        """Hide a snapshot for good: removed from the index, the session recorded in ``quarantine`` (so restoring
-        it says why), a ``tomb/<id>.quarantined`` file keeps the reason (a v1 manifest file is renamed)."""
-        sid = bytes.fromhex(snapshot_id)
-
-        def drop(txn):
-            raw = txn.get(sid, db=self.index.db["summaries"])
-            if raw is None:
-                return None
-            s = mf.decode(raw, mf.Summary, "summary")
-            removed = self._remove(txn, sid, reason[:2000])
-            skey = keys.summary_session_key(s)
-            if txn.get(skey, db=self.index.db["sessions"]) is None:
-                txn.put(skey, msgspec.msgpack.encode([snapshot_id, reason[:2000]]), db=self.index.db["quarantine"])
-            return s, removed
-
-        result = self._txn(drop)
-        if result is None:
-            return
-        s, removed = result
-        self.counters["quarantined"] += 1
-        if not s.pack:  # v1: keep the manifest file as evidence, renamed
-            from .maintenance import rename_legacy_manifest
-
-            rename_legacy_manifest(self, snapshot_id)
-        self._after_drop(*removed, quarantined=True)
-
     def delete(self, session_id: str, namespace: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
+        inputs.check_session(session_id, namespace)
         self._check_scoped("delete")
         skey = self._session_key(session_id, namespace)
 
         def drop(txn):
             sid = txn.get(skey, db=self.index.db["sessions"])
-            return None if sid is None else self._remove(txn, bytes(sid))
+            had_quarantine = txn.delete(skey, db=self.index.db["quarantine"])  # the operator's "drop it"
+            if sid is None:
+                return "quarantine" if had_quarantine else None
+            return self._remove(txn, bytes(sid))
 
-        result = self._txn(drop)
+        result = self._freeing_txn(drop)
+        if result == "quarantine":
+            return
         if result is None:
             raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to delete")
         self._after_drop(*result)
 
     def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
         """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""
+        inputs.check_optional_namespace(namespace)
         self._check_scoped("sessions")
         prefix = self.id_key if namespace is None else self.id_key + self._ns_key(namespace)
         touched = self._touched()
@@ -360,8 +361,10 @@ def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max
     puts the packs in any ``ByteStore`` implementation. ``remote`` (a ``redis://`` / ``rediss://`` /
     ``redis+cluster://`` URL or a list of cluster seed nodes) adds the shared tier (``kvshelf.store.remote``;
     ``remote_options`` go to ``RemoteTier`` and redis-py)."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise WrongArgumentType(f"open_store needs a str or os.PathLike store path, got {type(path).__name__}")
     if identity is None and not admin:
-        raise TypeError("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
+        raise WrongArgumentType("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
     store = Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, admin=admin, **options)
     if remote is not None and not admin:
         from .remote.tier import attach

@@ -11,11 +11,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import CorruptData, InvalidCacheState, KvShelfError, StoreBusy
-from . import keys, ledger, openlock, restoring
+from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError, StoreBusy
+from . import inputs, keys, ledger, openlock, restoring
 from . import manifest as mf
 from .blobfile import BlobReader, Piece, content_hash, kvz_buffers, raw_buffers
+from .backend import ObjectMissing
 from .index import Index
+from .localbytes import open_object
 from .manifest import BlobRef, ChunkMeta, Manifest, PackMeta, Summary
 from .pack import PackBuilder, new_pack_name
 
@@ -26,15 +28,20 @@ class ToolsSurface:
     # ------------------------------------------------------------------ listings
     def manifest(self, snapshot_id: str) -> Manifest:
         """A snapshot's manifest by id (any identity)."""
+        snapshot_id = inputs.check_snapshot_id(snapshot_id)
         with self.index.read() as txn:
             return self._manifest(txn, _sid(snapshot_id))
 
-    def iter_manifests(self) -> Iterator[Manifest]:
-        """Every indexed manifest, all identities (a snapshot of the index taken at the first call)."""
-        with self.index.read() as txn:
-            raws = [bytes(v) for _k, v in txn.cursor(db=self.index.db["manifests"])]
-        for raw in raws:
-            yield mf.decode(raw, Manifest, "manifest")
+    def iter_manifests(self, skip_damaged: bool = False) -> Iterator[Manifest]:
+        """Every indexed manifest, all identities, streamed in batched read transactions (``Index.scan``). A record
+        failing its checksum raises ``CorruptData`` naming it, or is left out with ``skip_damaged`` (``verify``
+        reports it)."""
+        for sid, raw in self.index.scan("manifests"):
+            try:
+                yield mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+            except (CorruptData, IncompatibleFormat):
+                if not skip_damaged:
+                    raise
 
     def chunk_info(self, hash_: str) -> ChunkMeta | None:
         """Refcount, payload bytes, stored bytes, encoding, last use and location of an indexed chunk."""
@@ -42,11 +49,14 @@ class ToolsSurface:
             raw = txn.get(bytes.fromhex(hash_), db=self.index.db["chunks"])
         return None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
 
-    def iter_chunks(self) -> Iterator[tuple[str, ChunkMeta]]:
-        with self.index.read() as txn:
-            rows = [(bytes(k).hex(), bytes(v)) for k, v in txn.cursor(db=self.index.db["chunks"])]
-        for h, raw in rows:
-            yield h, mf.decode(raw, ChunkMeta, f"chunk record {h}")
+    def iter_chunks(self, skip_damaged: bool = False) -> Iterator[tuple[str, ChunkMeta]]:
+        """Every chunk record, streamed in batched read transactions (``skip_damaged``: as ``iter_manifests``)."""
+        for key, raw in self.index.scan("chunks"):
+            try:
+                yield key.hex(), mf.decode(raw, ChunkMeta, f"chunk record {key.hex()}")
+            except CorruptData:
+                if not skip_damaged:
+                    raise
 
     def iter_packs(self) -> Iterator[tuple[str, PackMeta]]:
         """Every indexed pack: live chunks and bytes, size, manifests held (compaction reads live ratios here)."""
@@ -86,22 +96,33 @@ class ToolsSurface:
         return self._live_leases()[1]
 
     def open_blob(self, hash_: str, verify: bool = True) -> BlobReader:
-        """A reader over one indexed chunk in whatever encoding it is stored (raw or zstd), wherever it lies."""
-        info = self.chunk_info(hash_)
-        if info is None:
-            raise CorruptData(f"chunk {hash_} is not indexed")
-        name, offset, length = keys.location(hash_, info)
-        objects = restoring.Objects(self.bytes)
-        reader = BlobReader(None, hash_ if verify else None, source=objects.get(name), base=offset, length=length,
-                            where=hash_, owns_source=True)
-        return reader
+        """A reader over one indexed chunk in whatever encoding it is stored (raw or zstd), wherever it lies.
+
+        Unleased, so a re-encoding (``rewrite_blob``, repack) may move the chunk between reading its location and
+        opening the object: a missing object is only called corrupt once the index, read again, still places the
+        chunk there; otherwise the new location is opened (issue 12: re-encoding is invisible to readers)."""
+        where = None
+        for _attempt in range(4):
+            info = self.chunk_info(hash_)
+            if info is None:
+                raise CorruptData(f"chunk {hash_} is not indexed")
+            now = keys.location(hash_, info)
+            if now == where:
+                break  # it did not move: the object really is gone
+            where = now
+            restoring.before_open(where[0])
+            try:
+                source = open_object(self.bytes, where[0])
+            except ObjectMissing:
+                continue
+            return BlobReader(None, hash_ if verify else None, source=source, base=where[1], length=where[2],
+                              where=hash_, owns_source=True)
+        raise CorruptData(f"chunk {hash_}: its object {where[0] if where else '?'} is missing")
 
     def summaries(self) -> dict[str, Summary]:
         """Every indexed snapshot's summary record, all identities: snapshot id -> ``Summary``."""
         self._check_open()
-        with self.index.read() as txn:
-            rows = [(bytes(k).hex(), bytes(v)) for k, v in txn.cursor(db=self.index.db["summaries"])]
-        return {sid: mf.decode(raw, Summary, f"summary {sid}") for sid, raw in rows}
+        return {k.hex(): mf.decode(raw, Summary, f"summary {k.hex()}") for k, raw in self.index.scan("summaries")}
 
     def stats(self) -> dict[str, Any]:
         """Counts and bytes: this identity's snapshots, the whole store's chunks, and this handle's counters."""
@@ -142,11 +163,18 @@ class ToolsSurface:
         return gc_store(self, dry_run)
 
     def rebuild_index(self) -> int:
-        """Rebuild the LMDB index from the packs' trailers (and v1 manifest files); returns snapshots indexed."""
+        """Rebuild the LMDB index from the packs' trailers (and v1 manifest files); returns snapshots indexed.
+        What it left out and why (a damaged pack trailer, an undecodable manifest, a snapshot whose chunks are
+        gone) is ``rebuild_report()``."""
         from .maintenance import rebuild_store_index
 
         self._check_open()
-        return rebuild_store_index(self)
+        self._rebuild_skipped = []
+        return rebuild_store_index(self, self._rebuild_skipped)
+
+    def rebuild_report(self) -> list:
+        """The ``Finding`` list of the last ``rebuild_index`` of this handle: every object or snapshot it skipped."""
+        return list(getattr(self, "_rebuild_skipped", []))
 
     # ------------------------------------------------------------------ leases and chunk writes
     @contextmanager
@@ -315,7 +343,7 @@ class ToolsSurface:
         try:
             gate = self.save_gate(exclusive=True, timeout=timeout)
             gate.__enter__()
-        except TimeoutError:
+        except StoreBusy:
             raise StoreBusy(f"saves kept the store at {self.root} busy for {timeout:.0f}s") from None
         try:
             with self.index.writer_lock(), openlock.exclusive(self._lock_key):

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from ..errors import KvShelfError
+
 
 class BackgroundWriter:
     """Runs submitted jobs in order on one daemon thread; ``submit`` blocks while queued bytes exceed the bound."""
@@ -30,7 +32,7 @@ class BackgroundWriter:
         future: Future = Future()
         with self._cond:
             if self._closed:
-                raise RuntimeError("the store is closed")
+                raise KvShelfError("the store is closed: save_async after close()")
             # A job larger than the whole bound still goes through once the queue is empty.
             while self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
                 self._cond.wait()

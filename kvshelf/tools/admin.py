@@ -19,10 +19,11 @@ from typing import Any
 
 import msgspec
 
-from ..errors import IncompatibleFormat, KvShelfError, SnapshotNotFound
+from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound
 from ..store import Store, StoreBusy, open_store
 from ..store.manifest import Manifest
 from . import lmdb_files
+from .paths import require_path, require_text
 
 _SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}$")
 IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash", "namespace")
@@ -39,6 +40,7 @@ def is_store(path: str | os.PathLike[str]) -> bool:
 @contextmanager
 def open_admin(path: str | os.PathLike[str], *, create: bool = False) -> Iterator[Store]:
     """The store at ``path`` opened for offline tools. Raises ``StoreMissing`` unless it exists or ``create``."""
+    path = require_path(path, "store path")
     if not create and not is_store(path):
         raise StoreMissing(f"no kvshelf store at {path} (expected {Path(path) / 'index' / 'data.mdb'}); "
                            f"pass --store DIR or set KVSHELF_STORE")
@@ -102,6 +104,7 @@ def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
 
 def resolve(store: Store, target: str, **filters: str | None) -> Manifest:
     """A snapshot id, or a session id (its latest snapshot) that the filters make unambiguous."""
+    require_text(target, "session or snapshot id")
     if _SNAPSHOT_ID.match(target):
         try:
             m = store.manifest(target)
@@ -197,6 +200,11 @@ def stats(store: Store, max_bytes: int | None = None) -> dict[str, Any]:
     return doc
 
 
+def _snapshot_in(where: str) -> str:
+    match = re.search(r"snapshot ([0-9a-f]{32})", where)
+    return match.group(1) if match else ""
+
+
 def _affected(store: Store, where: str) -> list[tuple[str, str]]:
     """(session, snapshot) pairs a finding's ``where`` touches: the snapshot it names or the users of a blob."""
     match = re.search(r"snapshot ([0-9a-f]{32})", where)
@@ -204,11 +212,11 @@ def _affected(store: Store, where: str) -> list[tuple[str, str]]:
         try:
             m = store.manifest(match.group(1))
             return [(m.session_id, m.snapshot_id)]
-        except SnapshotNotFound:
+        except (SnapshotNotFound, CorruptData, IncompatibleFormat):
             return [("", match.group(1))]
     match = re.search(r"blob ([0-9a-f]{32})", where)
     if match:
-        users = [(m.session_id, m.snapshot_id) for m in store.iter_manifests()
+        users = [(m.session_id, m.snapshot_id) for m in store.iter_manifests(skip_damaged=True)
                  if any(r.hash == match.group(1) for r in m.blobs)]
         return users or [("", "")]
     return [("", "")]
@@ -219,7 +227,7 @@ def _header_findings(store: Store) -> list[dict[str, Any]]:
     from ..codecs import default_provider
 
     out = []
-    for m in store.iter_manifests():
+    for m in store.iter_manifests(skip_damaged=True):  # a damaged record is the store's own finding
         def problem(text: str, m=m) -> None:
             out.append({"kind": "bad-header", "where": f"snapshot {m.snapshot_id}", "detail": text,
                         "session_id": m.session_id, "snapshot_id": m.snapshot_id,
@@ -254,12 +262,12 @@ def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = l
     problems = _header_findings(store)
     progress(1)
     for f in store.verify(deep=deep):
-        for session, snapshot in _affected(store, f.where):
+        for session, snapshot in ([(s, _snapshot_in(f.where)) for s in f.sessions] or _affected(store, f.where)):
             problems.append({"kind": f.kind, "where": f.where, "detail": f.detail, "session_id": session or None,
                              "snapshot_id": snapshot or None, "message": f"{f.kind}: {f.where}: {f.detail}"})
     progress(1)
-    return {"deep": deep, "snapshots": sum(1 for _ in store.iter_manifests()),
-            "chunks": sum(1 for _ in store.iter_chunks()), "problems": problems}
+    return {"deep": deep, "snapshots": sum(1 for _ in store.iter_manifests(skip_damaged=True)),
+            "chunks": sum(1 for _ in store.iter_chunks(skip_damaged=True)), "problems": problems}
 
 
 def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
@@ -294,16 +302,28 @@ def remote_gc(remote: str, prefix: str | None = None, dry_run: bool = False, wai
 
 def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Rebuild the index from the blob directory (offline: ``StoreBusy`` while another process has the store open)."""
+    path = require_path(path, "store path")
     if not any((Path(path) / d).is_dir() for d in ("packs", "blobs")):
         raise StoreMissing(f"no kvshelf pack or blob directory at {Path(path)}")
     started = time.perf_counter()
+    set_aside = None
+    try:
+        with open_admin(path, create=True):
+            pass
+    except CorruptData:  # the index itself is damaged (truncated, overwritten): rebuild next to it
+        from ..store.lmdbcheck import set_aside as move_aside
+
+        set_aside = move_aside(str(path))
     with open_admin(path, create=True) as store:
         try:
             count = store.rebuild_index()
         except StoreBusy as exc:
             raise StoreBusy(f"{exc}; rebuild-index is an offline repair: stop the other users first") from None
         totals = blob_totals(store)
-    return {"snapshots": count, **totals, "seconds": round(time.perf_counter() - started, 3)}
+        skipped = [{"kind": f.kind, "where": f.where, "detail": f.detail, "sessions": list(f.sessions)}
+                   for f in store.rebuild_report()]
+    return {"snapshots": count, **totals, "skipped": skipped, "damaged_index_kept_at": set_aside,
+            "seconds": round(time.perf_counter() - started, 3)}
 
 
 __all__ = ["open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",

@@ -405,6 +405,9 @@ def cmd_serve(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Never a traceback: a ``KvShelfError`` or an ``OSError`` is one clear line on stderr (and an
+    ``{"error", "message"}`` document with ``--json``) and exit 1; anything else is reported the same way as an
+    internal error, also exit 1; usage errors are argparse's exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # its options are mlx_lm.server's too: not parsed here
         return cmd_serve(argv[1:])
@@ -412,14 +415,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     pr = Printer(as_json=args.json)
     try:
         return COMMANDS[args.command](args, pr)
-    except KvShelfError as exc:
-        pr.error(f"{type(exc).__name__}: {exc}")
-        if args.json:
-            pr.emit({"error": type(exc).__name__, "message": str(exc)}, lambda _c: None)
-        return PROBLEMS
-    except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
-        pr.error(str(exc))
-        return PROBLEMS
+    except (KvShelfError, OSError) as exc:
+        return _report(pr, args, exc, "")
+    except Exception as exc:  # noqa: BLE001 - a bug, still one readable line: the operator's terminal is no place for a traceback
+        return _report(pr, args, exc, "internal error (please report it): ")
+
+
+def _report(pr: Printer, args: argparse.Namespace, exc: BaseException, prefix: str) -> int:
+    message = str(exc) or repr(exc)
+    pr.error(f"{prefix}{type(exc).__name__}: {message}")
+    if args.json:
+        pr.emit({"error": type(exc).__name__, "message": message}, lambda _c: None)
+    return PROBLEMS
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import msgspec
 # an ImportError; importing it here, once, in the thread that imports this module, closes that window.
 import rich._emoji_codes  # noqa: F401
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -74,10 +75,10 @@ class Printer:
 
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
-        self.out = Console(highlight=False)
+        self.out = Console(highlight=False, markup=False)
         if not self.out.is_terminal:  # piped: wide enough that tables keep whole ids and hashes
-            self.out = Console(highlight=False, width=200)
-        self.err = Console(stderr=True, highlight=False)
+            self.out = Console(highlight=False, width=200, markup=False)
+        self.err = Console(stderr=True, highlight=False, markup=False)
 
     def emit(self, doc: Any, human: Callable[[Console], None]) -> None:
         if self.as_json:
@@ -91,7 +92,7 @@ class Printer:
             self.err.print(text)
 
     def error(self, text: str) -> None:
-        self.err.print(f"[bold red]error:[/] {text}", markup=True)
+        self.err.print(f"[bold red]error:[/] {escape(text)}", markup=True)  # messages quote paths and lists: no markup
 
     @contextlib.contextmanager
     def progress(self, description: str, total: int | None) -> Iterator[Callable[[int], None]]:

@@ -24,7 +24,8 @@ from ..codecs import default_provider
 from ..codecs.checksum import checksum
 from ..codecs.snapshot_file import load_snapshot, save_snapshot
 from ..errors import InvalidCacheState, KvShelfError, SnapshotNotFound
-from .watcher import FILE_FAULTS, InboxWatcher, WatchStats
+from .paths import require_path, require_text
+from .watcher import FILE_FAULTS, InboxWatcher, WatchStats, env_phase
 
 
 def _identity_of(header) -> Any:
@@ -48,7 +49,7 @@ def _fingerprint(tokens: Iterable[int], caches: list[Any]) -> tuple[tuple[int, .
 
 def session_id_for(path: Path) -> str:
     """A file's session id: its name without the ``.safetensors`` suffix (``chat-42.safetensors`` -> ``chat-42``)."""
-    name = path.name
+    name = require_path(path, "snapshot path").name
     return name[: -len(".safetensors")] if name.endswith(".safetensors") else path.stem
 
 
@@ -108,7 +109,9 @@ def import_file(
 
     ``path`` is a kvshelf snapshot file or (with mlx-lm installed) an mlx-lm ``save_prompt_cache`` file; the
     latter carries no tokens unless kvshelf wrote it, so ``tokens`` gives them (refused without)."""
-    path = Path(path)
+    path, store_dir = require_path(path, "snapshot path"), require_path(store_dir, "store path")
+    if session_id is not None:
+        require_text(session_id, "session_id")
     session = session_id or session_id_for(path)
     files = _mlx_lm_files()
     if files is not None and files.is_prompt_cache_file(path):
@@ -154,6 +157,9 @@ def export_session(
         raise InvalidCacheState("--format mlx-lm needs mlx-lm installed (pip install 'kvshelf[mlx-lm]')")
     from . import admin
 
+    require_text(session_id, "session_id")
+    require_path(file, "output file")
+
     with admin.open_admin(store_dir) as store:
         found = admin.find_session(store, session_id, namespace=namespace, **identity)
     from ..store import Identity, open_store
@@ -178,6 +184,8 @@ def watch_inbox(
     poll: float = 0.25, chunk_tokens: int = 256, **expect: str,
 ) -> WatchStats:
     """Run the inbox watcher until SIGINT/SIGTERM (or idle for ``until_idle`` seconds)."""
+    require_path(store_dir, "store path")
+    inbox = require_path(inbox, "inbox")
 
     def ingest(path: Path) -> dict[str, Any]:
         return import_file(store_dir, path, chunk_tokens=chunk_tokens, **expect)
@@ -194,7 +202,7 @@ def watch_inbox(
             log(f"compacted: {report.bytes_before} -> {report.bytes_after} bytes in {time.monotonic() - started:.1f}s")
 
     watcher = InboxWatcher(inbox, ingest, settle=settle, poll=poll, compact=compact, compact_every=compact_every,
-                           log=log)
+                           log=log, phase=env_phase())
     watcher.install_signal_handlers()
     return watcher.run(until_idle=until_idle)
 

@@ -15,6 +15,13 @@ Rules (each one is what a fleet operator can rely on):
 * SIGINT/SIGTERM set a stop flag: the file in hand is finished (ingest commits atomically, then the move), nothing
   new is started. If the process dies between the commit and the move, the next run ingests the file again, which
   the idempotent ingest turns into a no-op.
+
+Test seam (no effect unless set): ``phase(name, detail)`` is called at each step — ``seen`` (a candidate's size was
+looked at), ``ingest`` (a file is taken in hand, before its ingest), ``filed``, ``signal`` (with the file in hand) —
+so tests wait on what the watcher did instead of sleeping. ``env_phase()`` builds one from two environment
+variables for a watcher in another process: ``KVSHELF_TEST_WATCH_TRACE=<file>`` appends one line per phase, and
+``KVSHELF_TEST_WATCH_HOLD=<file>`` makes each ``ingest`` wait until that file exists, then consume it (one release
+per file; a signal sent meanwhile lands, deterministically, with the file in hand).
 """
 
 from __future__ import annotations
@@ -111,6 +118,36 @@ def _write_private(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
 
 
+Phase = Callable[[str, str], None]
+TRACE_ENV, HOLD_ENV = "KVSHELF_TEST_WATCH_TRACE", "KVSHELF_TEST_WATCH_HOLD"
+
+
+def _no_phase(_name: str, _detail: str) -> None:
+    pass
+
+
+def env_phase(hold_limit: float = 600.0) -> Phase:
+    """The phase seam for a watcher in another process (see the module docstring); a no-op when neither is set."""
+    trace, hold = os.environ.get(TRACE_ENV), os.environ.get(HOLD_ENV)
+    if not trace and not hold:
+        return _no_phase
+
+    def phase(name: str, detail: str) -> None:
+        if trace:
+            with open(trace, "a", encoding="utf-8") as fh:
+                fh.write(f"{name} {detail}\n")
+        if hold and name == "ingest":
+            deadline = time.monotonic() + hold_limit
+            while not os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            try:
+                os.unlink(hold)  # one release per ingest: the next file waits for the next one
+            except FileNotFoundError:
+                pass
+
+    return phase
+
+
 class InboxWatcher:
     """Polls (woken early by watchdog) an inbox directory and hands settled snapshot files to ``ingest``."""
 
@@ -124,8 +161,11 @@ class InboxWatcher:
         compact: Callable[[], Any] | None = None,
         compact_every: float | None = None,
         log: Callable[[str], None] = lambda _msg: None,
+        phase: Phase = _no_phase,
     ) -> None:
         self.inbox = Path(inbox)
+        self.phase = phase
+        self._in_hand: str | None = None
         self.ingest, self.compact, self.compact_every = ingest, compact, compact_every
         self.settle, self.poll, self.log = settle, poll, log
         self.stop_event = threading.Event()
@@ -153,6 +193,7 @@ class InboxWatcher:
                 except FileNotFoundError:
                     continue
                 present.add(entry.name)
+                self.phase("seen", f"{entry.name} {st.st_size}")
                 seen = self._seen.get(entry.name)
                 if seen is None or (seen.size, seen.mtime_ns) != (st.st_size, st.st_mtime_ns):
                     self._seen[entry.name] = _Seen(st.st_size, st.st_mtime_ns, now_mono)
@@ -168,6 +209,14 @@ class InboxWatcher:
 
     def handle(self, path: Path) -> WatchOutcome | None:
         """Verify + ingest one settled file, then file it under done/ or failed/."""
+        self._in_hand = path.name
+        try:
+            return self._handle(path)
+        finally:
+            self._in_hand = None
+
+    def _handle(self, path: Path) -> WatchOutcome | None:
+        self.phase("ingest", path.name)
         try:
             result = self.ingest(path)
         except FILE_FAULTS as exc:
@@ -194,6 +243,7 @@ class InboxWatcher:
             self.log(f"ingested {path.name}")
             outcome = WatchOutcome(path.name, DONE, "", result)
         self.stats.outcomes.append(outcome)
+        self.phase("filed", f"{outcome.status} {path.name}")
         return outcome
 
     def run_once(self) -> int:
@@ -241,6 +291,7 @@ class InboxWatcher:
 
         def _stop(signum: int, _frame: object) -> None:
             self.log(f"received {signal.Signals(signum).name}; finishing the file in hand")
+            self.phase("signal", f"{signal.Signals(signum).name} in-hand={self._in_hand or '-'}")
             self.stop_event.set()
             self._wake.set()
 
@@ -248,4 +299,4 @@ class InboxWatcher:
         signal.signal(signal.SIGTERM, _stop)
 
 
-__all__ = ["InboxWatcher", "WatchOutcome", "WatchStats", "parse_duration", "FILE_FAULTS"]
+__all__ = ["env_phase", "TRACE_ENV", "HOLD_ENV", "InboxWatcher", "WatchOutcome", "WatchStats", "parse_duration", "FILE_FAULTS"]

@@ -1,0 +1,100 @@
+"""Quarantine (mixed into ``Store``): hiding a snapshot whose bytes failed verification, keeping its evidence, and
+the operator's drop. Why a room of its own: issue 12 made quarantine keep what it hides (``evidence.py``) and made
+the removal paths that free space survive a full disk (``reserve.py``); none of that is the façade's business.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..errors import KvShelfError, StoreFull
+from . import inputs, keys, reserve
+from . import manifest as mf
+from .manifest import Manifest
+
+
+class QuarantineMixin:
+    """Needs ``index``, ``root``, ``counters``, ``_txn``, ``_remove`` and ``_after_drop`` (``Store``)."""
+
+    def quarantine(self, snapshot_id: str, reason: str) -> None:
+        """Hide a snapshot for good: removed from the index, the session recorded in ``quarantine`` (so restoring
+        it says why), a ``tomb/<id>.quarantined`` file keeps the reason (a v1 manifest file is renamed).
+
+        Nothing is unlinked: the objects the snapshot used (its pack, the packs or v1 blobs of its chunks) are named
+        in the quarantine record and kept as evidence — ``verify`` reports the snapshot and ``gc`` skips them —
+        until an operator drops the record (``drop_quarantined``, or ``delete`` of the session)."""
+        sid = bytes.fromhex(snapshot_id)
+
+        def drop(txn):
+            raw = txn.get(sid, db=self.index.db["summaries"])
+            if raw is None:
+                return None
+            s = mf.decode(raw, mf.Summary, "summary")
+            mraw = txn.get(sid, db=self.index.db["manifests"])
+            objects = {s.pack} if s.pack else set()
+            try:
+                m = mf.decode(mraw, Manifest, "manifest") if mraw is not None else None
+            except KvShelfError:
+                m = None
+            for ref in (m.blobs if m is not None else ()):
+                meta_raw = txn.get(bytes.fromhex(ref.hash), db=self.index.db["chunks"])
+                try:
+                    meta = mf.decode(meta_raw, mf.ChunkMeta, "chunk record") if meta_raw is not None else None
+                except KvShelfError:
+                    meta = None
+                if meta is not None:
+                    objects.add(keys.location(ref.hash, meta)[0])
+            removed = self._remove(txn, sid, reason[:2000])
+            skey = keys.summary_session_key(s)
+            if txn.get(skey, db=self.index.db["sessions"]) is None:
+                txn.put(skey, msgspec.msgpack.encode([snapshot_id, reason[:2000], sorted(o for o in objects if o)]),
+                        db=self.index.db["quarantine"])
+            return s, removed
+
+        result = self._freeing_txn(drop)
+        if result is None:
+            return
+        s, removed = result
+        self.counters["quarantined"] += 1
+        if not s.pack:  # v1: keep the manifest file as evidence, renamed
+            from .maintenance import rename_legacy_manifest
+
+            rename_legacy_manifest(self, snapshot_id)
+        dropped, _freed, tomb = removed  # freed objects stay: evidence, reclaimed by gc after drop_quarantined
+        self._after_drop(dropped, [], tomb, quarantined=True)
+
+    def _freeing_txn(self, fn):
+        """A transaction that frees space (delete, quarantine): on a full disk the reserve is given back
+        (``reserve.py``) and it is tried once more."""
+        try:
+            return self._txn(fn)
+        except StoreFull:
+            if not reserve.release(self.root):
+                raise
+            return self._txn(fn)
+
+    def drop_quarantined(self, snapshot_id: str) -> bool:
+        """An operator's decision: forget a quarantined snapshot (its record goes; ``gc`` may then reclaim the
+        objects it kept). Identity-blind (works on an admin handle). True when a record was dropped."""
+        snapshot_id = inputs.check_snapshot_id(snapshot_id)
+        self._check_open()
+        db = self.index.db["quarantine"]
+
+        def drop(txn):
+            hits = []
+            for key, raw in txn.cursor(db=db):
+                try:
+                    rec = msgspec.msgpack.decode(raw)
+                    match = str(rec[0]) == snapshot_id
+                except (msgspec.DecodeError, ValueError, TypeError, IndexError):
+                    match = False
+                if match:
+                    hits.append(bytes(key))
+            for key in hits:
+                txn.delete(key, db=db)
+            return bool(hits)
+
+        return self._txn(drop)
+
+
+__all__ = ["QuarantineMixin"]

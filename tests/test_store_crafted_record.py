@@ -1,0 +1,59 @@
+"""A manifest record that passes its checksum but whose shapes lie (crafted, or written by a buggy writer) is refused
+before any destination is allocated (issue 12: "restore validates entries, and Σ slot bytes = Σ chunk bytes, before
+allocating"): the entries are validated by their codec, and each destination's declared bytes are compared with
+what its chunks' headers say they hold. Other sessions keep restoring exactly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from tools_data import MODEL, make_caches, same_reads
+
+from kvshelf import open_store
+from kvshelf.errors import CorruptData
+from kvshelf.store import manifest as mf
+
+N = 40
+
+
+def _craft(store, snapshot_id: str, change) -> None:
+    """Replace the indexed manifest by ``change(manifest)``, sealed like a real record (its checksum is valid)."""
+    m = store.manifest(snapshot_id)
+    new = change(m)
+    store.index.write(lambda txn: txn.put(bytes.fromhex(snapshot_id), mf.encode(new),
+                                          db=store.index.db["manifests"]))
+
+
+def _with_slot(m, **fields):
+    e = m.entries[0]
+    t = e.tensors[0]
+    slot = msgspec.structs.replace(t, **fields)
+    entry = msgspec.structs.replace(e, tensors=[slot, *e.tensors[1:]])
+    return msgspec.structs.replace(m, entries=[entry, *m.entries[1:]])
+
+
+@pytest.mark.parametrize("lie", ["dtype", "huge-token-axis", "shorter", "chunk-list-short"])
+def test_a_record_whose_shapes_lie_is_corrupt_before_allocation(tmp_path, lie) -> None:
+    caches, other = make_caches("mla", N, 1), make_caches("mla", N, 2)
+    with open_store(tmp_path / "s", identity=MODEL, chunk_tokens=16) as store:
+        info = store.save("a", list(range(N)), caches)
+        store.save("b", list(range(1000, 1000 + N)), other)
+        t = store.manifest(info.snapshot_id).entries[0].tensors[0]
+        axis = t.token_axis
+        if lie == "dtype":  # same shape, half the bytes: a float16 destination filled from float32 chunks
+            change = lambda m: _with_slot(m, dtype="float16", nbytes=t.nbytes // 2)  # noqa: E731
+        elif lie == "huge-token-axis":  # 2^32 positions: tens of GiB if anything were allocated from it
+            shape = list(t.shape)
+            shape[axis] = 1 << 32
+            change = lambda m: _with_slot(m, shape=shape, nbytes=t.nbytes // t.shape[axis] << 32)  # noqa: E731
+        elif lie == "chunk-list-short":  # entries intact, one chunk ref gone: the slots' bytes are not covered
+            change = lambda m: msgspec.structs.replace(m, chunks=m.chunks[:-1])  # noqa: E731
+        else:
+            shape = list(t.shape)
+            shape[axis] -= 3
+            change = lambda m: _with_slot(m, shape=shape, nbytes=t.nbytes // t.shape[axis] * shape[axis])  # noqa: E731
+        _craft(store, info.snapshot_id, change)
+        with pytest.raises(CorruptData, match="does not match its chunks" if lie == "chunk-list-short" else "session .a."):
+            store.restore("a")
+        assert same_reads(store.restore("b").caches, other)
