@@ -23,8 +23,9 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
-from ..errors import IncompatibleFormat
+from ..errors import IncompatibleFormat, WrongArgumentType
 from .codec import Codec, CodecProvider
+from .header import CacheEntry
 from .encoded_codec import EncodedCodec
 from .kv_codecs import KV_CODECS
 from .mla_codec import MLACodec
@@ -131,6 +132,8 @@ class PluggableProvider(CodecProvider):
                                  f"({kinds}); expected exactly one")
 
     def for_entry(self, entry: Any) -> Codec:
+        if not isinstance(entry, (str, CacheEntry)):
+            raise WrongArgumentType(f"for_entry takes a CacheEntry or a kind name, got {type(entry).__name__}")
         kind = entry if isinstance(entry, str) else entry.kind
         if kind not in self._by_kind:
             self.plugin_codecs()
