@@ -380,6 +380,17 @@ class RotatingKvCodec(RowStateCodec):
         return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p), extra=extra)
 
 
+def present_slots(entry: CacheEntry, index: int | None) -> list[int]:
+    """Which of an arrays-cache entry's ``extra.size`` slots hold an array (``extra.present``, a 0/1 string): the
+    one reading of that field, shared by kvshelf's ``ArraysCache`` codec and mlx-lm's."""
+    size = extra_int(entry, index, "size")
+    present = entry.extra.get("present")
+    if not isinstance(present, str) or len(present) != size or set(present) - {"0", "1"}:
+        message = f"expected {size} characters of 0/1, got {present!r}"
+        raise validate.incompatible(entry, index, "extra.present", message)
+    return [j for j, c in enumerate(present) if c == "1"]
+
+
 class ArraysCodec(RowStateCodec):
     """Recurrent slots, one tensor per present slot, no token axis; reusable at the exact length only."""
 
@@ -409,12 +420,7 @@ class ArraysCodec(RowStateCodec):
         return entry, [a for _, a, _ in named]
 
     def _present(self, entry: CacheEntry, index: int | None) -> list[int]:
-        size = extra_int(entry, index, "size")
-        present = entry.extra.get("present")
-        if not isinstance(present, str) or len(present) != size or set(present) - {"0", "1"}:
-            message = f"expected {size} characters of 0/1, got {present!r}"
-            raise validate.incompatible(entry, index, "extra.present", message)
-        return [j for j, c in enumerate(present) if c == "1"]
+        return present_slots(entry, index)
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
         validate.require_entry(entry)

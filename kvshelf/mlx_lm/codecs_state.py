@@ -20,7 +20,7 @@ from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, RotatingKVCac
 
 from ..codecs import dtypes, validate
 from ..codecs.header import CacheEntry
-from ..codecs.kv_codecs import HEAD_KEYS, check_common, extra_dtype, extra_int
+from ..codecs.kv_codecs import HEAD_KEYS, check_common, extra_dtype, extra_int, present_slots
 from ..codecs.latent_common import check_prefix, make_slots, replace_entry
 from ..codecs.validate import SlotSpec
 from ..errors import CacheRangeError, InvalidCacheState
@@ -146,11 +146,7 @@ class ArraysCodec(MlxCodec):
         return entry, [a for _, a, _ in named]
 
     def _present(self, entry: CacheEntry, index: int | None) -> list[int]:
-        size = extra_int(entry, index, "size")
-        present = entry.extra.get("present")
-        if not isinstance(present, str) or len(present) != size or set(present) - {"0", "1"}:
-            raise validate.incompatible(entry, index, "extra.present", f"expected {size} characters of 0/1, got {present!r}")
-        return [j for j, c in enumerate(present) if c == "1"]
+        return present_slots(entry, index)
 
     def validate(self, entry: CacheEntry, index: int | None = None) -> None:
         check_common(entry, index, self.kind, (), {"size", "present", "left_padding"})
