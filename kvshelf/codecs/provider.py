@@ -27,7 +27,8 @@ from ..errors import IncompatibleFormat, WrongArgumentType
 from .codec import Codec, CodecProvider
 from .header import CacheEntry
 from .encoded_codec import EncodedCodec
-from .kv_codecs import KV_CODECS
+from .kv_codecs import TOKEN_KV_CODECS
+from .kv_state_codecs import STATE_KV_CODECS
 from .mla_codec import MLACodec
 from .paged_codec import PagedCodec
 
@@ -150,7 +151,8 @@ class PluggableProvider(CodecProvider):
 
 
 default_provider = PluggableProvider(
-    DEFAULT_PROVIDER_ID, [MLACodec(dsa=False), MLACodec(dsa=True), EncodedCodec(), PagedCodec(), *KV_CODECS]
+    DEFAULT_PROVIDER_ID, [MLACodec(dsa=False), MLACodec(dsa=True), EncodedCodec(), PagedCodec(), *TOKEN_KV_CODECS,
+    *STATE_KV_CODECS]
 )
 
 __all__ = ["DEFAULT_PROVIDER_ID", "PLUGIN_GROUP", "PluggableProvider", "default_provider", "load_plugin_codecs"]

@@ -20,7 +20,8 @@ from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, RotatingKVCac
 
 from ..codecs import dtypes, validate
 from ..codecs.header import CacheEntry
-from ..codecs.kv_codecs import HEAD_KEYS, check_common, extra_dtype, extra_int, present_slots
+from ..codecs.kv_codecs import HEAD_KEYS, check_common, extra_dtype, extra_int
+from ..codecs.kv_state_codecs import present_slots
 from ..codecs.latent_common import check_prefix, make_slots, replace_entry
 from ..codecs.validate import SlotSpec
 from ..errors import CacheRangeError, InvalidCacheState
