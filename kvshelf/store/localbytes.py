@@ -141,25 +141,56 @@ class LocalByteStore:
 
     # ------------------------------------------------------------------ writing
     def put(self, name: str, buffers: Sequence[Buffer], *, durable: bool = True) -> int:
-        final = self.path(name)
         views = _views(buffers)
         total = sum(v.nbytes for v in views)
-        try:
+
+        def write(fd: int, final: str, done: list[int]) -> None:
             _faults._inject_faults(final, total)
+            pwrite_all(fd, views)
+            done[0] = total
+
+        return self._write_object(name, write, durable)
+
+    def put_stream(self, name: str, parts, *, durable: bool = True) -> int:
+        """``put`` of the concatenation of ``parts`` (an iterable of buffer sequences) where producing the next part
+        overlaps writing the previous one (``pwritev`` on a helper thread releases the GIL): the save path hashes
+        chunk k+1 while chunk k is written. All or nothing, like ``put``."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def write(fd: int, final: str, done: list[int]) -> None:
+            with ThreadPoolExecutor(1, thread_name_prefix="kvshelf-write") as writer:
+                pending = None
+                try:
+                    for part in parts:
+                        views = _views(part)
+                        n = sum(v.nbytes for v in views)
+                        _faults._inject_faults(final, n)
+                        if pending is not None:
+                            pending.result()
+                        pending = writer.submit(pwrite_all, fd, views, done[0])
+                        done[0] += n
+                finally:
+                    if pending is not None:
+                        pending.result()
+
+        return self._write_object(name, write, durable)
+
+    def _write_object(self, name: str, write, durable: bool) -> int:
+        """The one all-or-nothing write path of both puts: ``write(fd, final, done)`` fills a flock-held tmp file
+        (counting bytes in ``done[0]``), then fsync, rename, directory fsync; any failure leaves no object behind,
+        and ENOSPC/EDQUOT become ``StoreFull``."""
+        final = self.path(name)
+        done = [0]
+        try:
             ensure_dir(os.path.dirname(final))
             fd, tmp_name = self._open_tmp()
             try:
-                pwrite_all(fd, views)
+                write(fd, final, done)
                 if durable:
                     syncs.fsync(fd)
-                try:
-                    os.rename(tmp_name, final)
-                except BaseException:
-                    _unlink(tmp_name)
-                    raise
+                os.rename(tmp_name, final)
             except BaseException:
-                if tmp_name is not None:
-                    _unlink(tmp_name)
+                _unlink(tmp_name)
                 raise
             finally:
                 os.close(fd)  # drops the flock
@@ -169,58 +200,11 @@ class LocalByteStore:
                 except BaseException:
                     _unlink(final)  # all or nothing: a put that raises leaves no object behind
                     raise
-            return total
+            return done[0]
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreFull(f"no space left on device writing {name!r} ({total} bytes) under {self.root}: "
-                                f"nothing was committed") from exc
-            raise
-
-    def put_stream(self, name: str, parts, *, durable: bool = True) -> int:
-        """``put`` of the concatenation of ``parts`` (an iterable of buffer sequences) where producing the next part
-        overlaps writing the previous one (``pwritev`` on a helper thread releases the GIL): the save path hashes
-        chunk k+1 while chunk k is written. All or nothing, like ``put``."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        final = self.path(name)
-        total = 0
-        try:
-            ensure_dir(os.path.dirname(final))
-            fd, tmp_name = self._open_tmp()
-            try:
-                with ThreadPoolExecutor(1, thread_name_prefix="kvshelf-write") as writer:
-                    pending = None
-                    try:
-                        for part in parts:
-                            views = _views(part)
-                            n = sum(v.nbytes for v in views)
-                            _faults._inject_faults(final, n)
-                            if pending is not None:
-                                pending.result()
-                            pending = writer.submit(pwrite_all, fd, views, total)
-                            total += n
-                    finally:
-                        if pending is not None:
-                            pending.result()
-                if durable:
-                    syncs.fsync(fd)
-                os.rename(tmp_name, final)
-            except BaseException:
-                _unlink(tmp_name)
-                raise
-            finally:
-                os.close(fd)
-            if durable:
-                try:
-                    syncs.fsync_dir(os.path.dirname(final))
-                except BaseException:
-                    _unlink(final)
-                    raise
-            return total
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreFull(f"no space left on device writing {name!r} ({total}+ bytes) under {self.root}: "
-                                f"nothing was committed") from exc
+                raise StoreFull(f"no space left on device writing {name!r} ({done[0]}+ bytes written) under "
+                                f"{self.root}: nothing was committed") from exc
             raise
 
     def _open_tmp(self) -> tuple[int, str]:
