@@ -19,6 +19,7 @@ from kvshelf import Identity, open_store
 from kvshelf.errors import CorruptData
 from kvshelf.latent_legos import LatentGeometry, MLACache
 from kvshelf.store import records
+from kvshelf.store.prefix import positions
 
 GEOMETRY = LatentGeometry(kv_lora_rank=8, rope_head_dim=8)
 IDENTITY = Identity("incremental-prefix-model")
@@ -58,6 +59,24 @@ def test_resaving_a_grown_session_writes_only_its_new_boundaries(tmp_path):
         hit = store.lookup(toks[:4200] + [7])
         assert (hit.session_id, hit.length, hit.snapshot_id) == ("chat", 4200, info.snapshot_id)
         assert store.verify() == []
+
+
+def test_a_chat_saved_every_turn_costs_its_new_boundaries_per_turn(tmp_path):
+    """32 turns of 256 tokens, saved after each (T up to 8192): every turn touches at most 256/16 + 2 records, where
+    the snapshot-tagged table rewrote all of them (``pytest -s -k every_turn`` prints both totals)."""
+    toks = [int(t) for t in np.random.default_rng(2).integers(0, 50_000, size=32 * 256)]
+    total = snapshot_tagged = 0
+    with open_shelf(tmp_path / "s") as store:
+        for turn in range(1, 33):
+            n = turn * 256
+            with records.counting() as work:
+                info = store.save("chat", toks[:n], caches(n, seed=turn))
+            assert work["put"] + work["delete"] <= (256 // 16 + 2 if turn > 1 else len(positions(n))), (turn, work)
+            total += work["put"] + work["delete"]
+            snapshot_tagged += len(positions(n)) + (len(positions(n - 256)) if turn > 1 else 0)
+        assert_table_exact(store, {("chat", ""): (toks, info.snapshot_id)})
+    print(f"\n32 turns x 256 tokens: {total} prefix-record writes+deletes (snapshot-tagged table: {snapshot_tagged})")
+    assert total <= 32 * (256 // 16 + 2) + 15
 
 
 def test_an_identical_resave_writes_no_prefix_record_and_moves_the_head(tmp_path):

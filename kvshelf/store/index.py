@@ -12,7 +12,7 @@ tokens         sid                                         the snapshot's tokens
 sessions       idk + nsk + session id (utf-8)              sid of the session's latest snapshot
 prefix         16-byte boundary hash (dupsort)             continuation (128 bytes) + lineage id of every session
                                                            whose current snapshot holds that boundary
-heads          lineage id (16 bytes, ``records.lineage_id``)  sid of that session's current snapshot
+heads          lineage id (``keys.lineage_id``, 16 bytes)  sid of that session's current snapshot
 chunks         16-byte blob hash                           ``ChunkMeta`` (refcount, sizes, encoding, last use)
 lru            idk + be64 last-used ns + sid               empty (eviction order per identity)
 packs          pack object name (utf-8)                    ``PackMeta`` (live chunks / bytes, size, manifests)

@@ -30,7 +30,6 @@ never per record a lookup visits.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,18 +38,13 @@ import numpy as np
 
 from ..errors import CorruptData, IncompatibleFormat
 from . import manifest as mf
+from .keys import lineage_id
 from .manifest import Manifest
 from .prefix import BLOCK_TOKENS, boundaries_after, common_prefix
 
-_PERSON = b"kvshelf-lineage1"  # BLAKE2b personalisation (16 bytes): lineage ids never equal another hash's output
 _EMPTY = np.zeros(0, dtype="<i8")
 _local = threading.local()
 Record = tuple[bytes, bytes]  # (boundary hash, continuation + lineage id)
-
-
-def lineage_id(session_key: bytes) -> bytes:
-    """The 16 bytes that tag every prefix record of a session (``keys.session_key``: idk + nsk + session id)."""
-    return hashlib.blake2b(session_key, digest_size=16, person=_PERSON).digest()
 
 
 def records_after(nsk: bytes, lineage: bytes, tokens: np.ndarray, after: int = 0,
