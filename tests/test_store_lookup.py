@@ -13,6 +13,7 @@ from kvshelf import Identity
 from kvshelf.errors import IdentityMismatch, InvalidCacheState, SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
 from kvshelf.store.prefix import boundary_hash, continuation, positions, tokens_array
+from kvshelf.store.records import lineage_id
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 LENGTHS = (40, 30, 30)  # 100 tokens: six 16-token boundaries
@@ -107,8 +108,8 @@ def test_candidates_are_confirmed_token_by_token(tmp_path):
     """A forged prefix record (as a hash collision would make) never yields reuse beyond the real match."""
     tokens = token_ids(100)
     with open_test_store(tmp_path / "s") as store:
-        info = store.save("a", tokens, session(MLA, LENGTHS))
-        sid = bytes.fromhex(info.snapshot_id)
+        store.save("a", tokens, session(MLA, LENGTHS))
+        tag = lineage_id(store._session_key("a", ""))  # records name the session's lineage; heads resolve it to "a"
         unrelated = token_ids(100, seed=77)
         diverging = tokens[:20] + token_ids(80, seed=78)
         nsk = store._ns_key("")
@@ -116,7 +117,7 @@ def test_candidates_are_confirmed_token_by_token(tmp_path):
             for prompt in (unrelated, diverging):
                 arr = tokens_array(prompt)
                 for pos in positions(len(arr)):
-                    txn.put(boundary_hash(nsk, arr, pos), continuation(arr, pos) + sid, db=store.index.db["prefix"],
+                    txn.put(boundary_hash(nsk, arr, pos), continuation(arr, pos) + tag, db=store.index.db["prefix"],
                             dupdata=True)
         assert store.lookup(unrelated) is None
         hit = store.lookup(diverging)

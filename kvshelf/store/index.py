@@ -10,7 +10,9 @@ manifests      sid                                         ``Manifest`` (msgpack
 summaries      sid                                         ``Summary`` (msgpack, small: what lookups read)
 tokens         sid                                         the snapshot's tokens as little-endian int64
 sessions       idk + nsk + session id (utf-8)              sid of the session's latest snapshot
-prefix         16-byte boundary hash (dupsort)             sid of every snapshot holding that boundary
+prefix         16-byte boundary hash (dupsort)             continuation (128 bytes) + lineage id of every session
+                                                           whose current snapshot holds that boundary
+heads          lineage id (``keys.lineage_id``, 16 bytes)  sid of that session's current snapshot
 chunks         16-byte blob hash                           ``ChunkMeta`` (refcount, sizes, encoding, last use)
 lru            idk + be64 last-used ns + sid               empty (eviction order per identity)
 packs          pack object name (utf-8)                    ``PackMeta`` (live chunks / bytes, size, manifests)
@@ -29,14 +31,14 @@ from typing import TypeVar
 import lmdb
 
 from ..errors import IncompatibleFormat, KvShelfError, StoreFull
-from . import lmdbcheck, syncs
+from . import lmdbcheck, records, syncs
 from .localbytes import ensure_dir
 
-INDEX_FORMAT = 2  # 2: layout v2 (packs, sealed records); a format-1 index is read as it is and marked 2 on open
-READS_FORMATS = (1, 2)
+INDEX_FORMAT = 3  # 2: layout v2 (packs, sealed records); 3: prefix records tagged by session lineage (records.py)
+READS_FORMATS = (1, 2, 3)  # 1 and 2 are migrated at open, in one write transaction (``Index._check_format``)
 _T = TypeVar("_T")
 SCAN_BATCH = 512  # records per read transaction of a streaming listing (Index.scan)
-DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine")
+DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine", "heads")
 
 
 def _disk_nearly_full(path: str, reserve: int = 8 << 20) -> bool:
@@ -107,12 +109,15 @@ class Index:
             raw = txn.get(b"format", db=self.db["meta"])
         if raw is not None and struct.unpack("<Q", raw)[0] == INDEX_FORMAT:
             return  # the common case: no write transaction (no fsync) at open
-        def mark(txn):
+        def mark(txn):  # re-read inside the write transaction: of two processes opening together, one migrates
             raw = txn.get(b"format", db=self.db["meta"])
-            if raw is None or struct.unpack("<Q", raw)[0] in READS_FORMATS:
-                if raw is None or struct.unpack("<Q", raw)[0] != INDEX_FORMAT:
+            found = None if raw is None else struct.unpack("<Q", raw)[0]
+            if found is None or found in READS_FORMATS:
+                if found != INDEX_FORMAT:
                     txn.put(b"format", struct.pack("<Q", INDEX_FORMAT), db=self.db["meta"])
-                    txn.drop(self.env.open_db(b"leases", txn=txn), delete=True)  # v1 leases: gone with their commits
+                    if found is None or found < 2:
+                        txn.drop(self.env.open_db(b"leases", txn=txn), delete=True)  # v1 leases: gone with commits
+                    records.rebuild_table(self, txn)  # formats 1, 2: prefix records tagged by snapshot, re-tagged
             else:
                 raise IncompatibleFormat(f"index at {self.path} has format {struct.unpack('<Q', raw)[0]}, "
                                          f"this kvshelf reads format {INDEX_FORMAT}")

@@ -3,7 +3,8 @@
 Index keys (raw bytes; ``sid`` = 16-byte snapshot id, ``idk``/``nsk`` = 16-byte identity / namespace keys):
 ``sessions`` idk+nsk+session utf-8 → sid; ``lru`` idk+be64(last used ns)+sid → b""; ``quarantine`` as ``sessions``;
 ``chunks`` 16-byte hash → ChunkMeta; ``packs`` pack name utf-8 → PackMeta; ``manifests``/``summaries``/``tokens``
-sid → record; ``prefix`` boundary hash → continuation + sid (dupsort).
+sid → record; ``prefix`` boundary hash → continuation + lineage id (dupsort); ``heads`` lineage id → sid of the
+session's current snapshot (``records.py`` says why records name the session, not the snapshot).
 
 Objects: ``packs/<uuid>.pack`` (layout v2), ``blobs/<hh>/<hash>.safetensors|.kvz`` (v1 chunk blobs),
 ``blobs/manifests/<sid>.msgpack`` (v1 manifest files; ``.quarantined`` once hidden), ``tomb/<sid>`` (a dropped
@@ -12,6 +13,7 @@ snapshot whose pack outlives it: ``rebuild_index`` must not bring it back).
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 from .identity import identity_key, namespace_key
@@ -28,6 +30,15 @@ def be64(n: int) -> bytes:
 
 def session_key(idk: bytes, nsk: bytes, session_id: str) -> bytes:
     return idk + nsk + session_id.encode("utf-8", "surrogatepass")
+
+
+_LINEAGE = b"kvshelf-lineage1"  # BLAKE2b personalisation (16 bytes): lineage ids never equal another hash's output
+
+
+def lineage_id(session_key_: bytes) -> bytes:
+    """The 16 bytes that tag every prefix record of a session, stable across its saves. BLAKE2b, not xxh3: session
+    ids are chosen by clients, and two lineages made to collide would share (and delete) each other's records."""
+    return hashlib.blake2b(session_key_, digest_size=16, person=_LINEAGE).digest()
 
 
 def session_of_key(key: bytes) -> str:
@@ -88,5 +99,5 @@ def parse_legacy_blob(name: str) -> tuple[str, str] | None:
     return stem, encoding
 
 
-__all__ = ["be64", "identity_key_of", "is_pack", "legacy_blob", "legacy_manifest", "location", "lru_key", "lru_sid",
-           "manifest_keys", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key", "tomb"]
+__all__ = ["be64", "identity_key_of", "is_pack", "legacy_blob", "legacy_manifest", "lineage_id", "location", "lru_key",
+           "lru_sid", "manifest_keys", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key", "tomb"]

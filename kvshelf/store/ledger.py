@@ -7,7 +7,8 @@ touches the byte store: a drop only *returns* the objects that may have lost the
 unlinks them in a later write transaction after re-checking (``object_live``) and consulting the leases.
 
 Order inside ``commit``: the new snapshot's chunk references are counted *before* the replaced snapshot is dropped,
-so a chunk both share never reaches zero in between.
+so a chunk both share never reaches zero in between; the session's prefix records move to the new snapshot
+(``records.move_head``: only the ones that changed) before the replaced snapshot's tokens record goes.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import time
 
 import numpy as np
 
-from . import keys
+from . import keys, records
 from . import manifest as mf
 from .manifest import ChunkMeta, Manifest, PackMeta, Summary
-from .prefix import BLOCK_TOKENS, all_boundaries
 
 
 class MissingChunks(Exception):
@@ -53,8 +53,8 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     db = index.db
     now = time.time_ns() if now is None else now
     unique = {r.hash: r for r in manifest.blobs}
-    records = {h: txn.get(bytes.fromhex(h), db=db["chunks"]) for h in unique}
-    missing = [h for h, raw in records.items() if raw is None and h not in placed]
+    chunk_records = {h: txn.get(bytes.fromhex(h), db=db["chunks"]) for h in unique}
+    missing = [h for h, raw in chunk_records.items() if raw is None and h not in placed]
     if missing:
         raise MissingChunks(missing)
     idk, nsk, skey = keys.manifest_keys(manifest)
@@ -63,7 +63,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     if pack and _pack_meta(index, txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
     for h, ref in unique.items():
-        raw = records[h]
+        raw = chunk_records[h]
         if raw is None:
             where, offset, length, encoding, size = placed[h]
             if not keys.is_pack(where):  # a v1 blob file found by rebuild_index
@@ -82,27 +82,27 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     if pack:
         _bump_pack(index, txn, pack, manifests=1)
     old = replaces if replaces is not None else txn.get(skey, db=db["sessions"])
+    tokens = np.asarray(manifest.tokens, dtype="<i8")
+    records.move_head(index, txn, skey, sid, tokens)
     freed: list[str] = []
     if old is not None:
-        freed = drop(index, txn, bytes(old))
+        freed = drop(index, txn, bytes(old), prefix_records=False)
     summary = Summary(idk, nsk, manifest.session_id, manifest.namespace, manifest.length,
                       manifest.minimum_reusable_offset, manifest.trimmable, manifest.nbytes, manifest.created_at, now,
                       pack)
     txn.put(sid, mf.encode(manifest), db=db["manifests"])
     txn.put(sid, mf.encode(summary), db=db["summaries"])
-    tokens = np.asarray(manifest.tokens, dtype="<i8")
     txn.put(sid, mf.seal_tokens(tokens), db=db["tokens"])
-    for key, cont in all_boundaries(nsk, tokens, BLOCK_TOKENS):
-        txn.put(key, cont + sid, db=db["prefix"], dupdata=True)
     txn.put(skey, sid, db=db["sessions"])
     txn.put(keys.lru_key(idk, now, sid), b"", db=db["lru"])
     txn.delete(skey, db=db["quarantine"])
     return (bytes(old) if old is not None else None), freed
 
 
-def drop(index, txn, sid: bytes) -> list[str]:
+def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
     """Remove a snapshot from the index; returns the objects (packs, v1 blobs, its v1 manifest file) that may have
-    lost their last use."""
+    lost their last use. Its session's prefix records and head go with it (if it is the head) unless
+    ``prefix_records`` is False: ``commit`` has already moved them to the snapshot replacing it."""
     db = index.db
     raw = txn.get(sid, db=db["manifests"])
     if raw is None:
@@ -111,9 +111,9 @@ def drop(index, txn, sid: bytes) -> list[str]:
     summary = mf.decode(txn.get(sid, db=db["summaries"]), Summary, f"summary {sid.hex()}")
     for name in ("manifests", "summaries", "tokens"):
         txn.delete(sid, db=db[name])
-    for key, cont in all_boundaries(summary.ns_key, np.asarray(manifest.tokens, dtype="<i8"), BLOCK_TOKENS):
-        txn.delete(key, cont + sid, db=db["prefix"])
     skey = keys.summary_session_key(summary)
+    if prefix_records:
+        records.drop_head(index, txn, skey, sid, np.asarray(manifest.tokens, dtype="<i8"))
     if txn.get(skey, db=db["sessions"]) == sid:
         txn.delete(skey, db=db["sessions"])
     txn.delete(keys.lru_key(summary.id_key, summary.last_used_ns, sid), db=db["lru"])

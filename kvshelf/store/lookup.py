@@ -1,7 +1,8 @@
 """The prefix search behind ``Store.lookup``: the longest usable stored prefix of a prompt, exactly.
 
-Every snapshot records every boundary of its tokens (``prefix.py``), with the 16 tokens that follow the boundary
-in the record (dups sorted by them). Along the prompt's boundaries the number of records is non-increasing, so:
+Every session's current snapshot records every boundary of its tokens (``prefix.py``), with the 16 tokens that follow
+the boundary in the record (dups sorted by them) and the session's lineage id, which ``heads`` resolves to the
+snapshot (``records.py``). Along the prompt's boundaries the number of records is non-increasing, so:
 
 1. the deepest boundary any snapshot shares with the prompt is found by galloping then binary search (O(log n) gets;
    a list prompt is converted only as far as that reads);
@@ -211,14 +212,16 @@ class _Lookup:
             if self.best is not None and (predicted < self.best[0] or
                                           (predicted == self.best[0] and self.ties >= TIE_CANDIDATES)):
                 return True  # everything further out predicts no more than this
-            sid = bytes(record[-16:])
-            if sid in self.seen:
+            lineage = bytes(record[-16:])
+            if lineage in self.seen:
                 continue
-            self.seen.add(sid)
+            self.seen.add(lineage)
             self.examined += 1
             if self.examined > MAX_EXAMINED:
                 return False
-            self._consider(sid, predicted, at + self.block + 1)
+            sid = self.txn.get(lineage, db=self.db["heads"])  # the session's current snapshot (records.py)
+            if sid is not None:
+                self._consider(bytes(sid), predicted, at + self.block + 1)
         return True
 
     def _consider(self, sid: bytes, predicted: int, reach: int) -> None:

@@ -1,7 +1,7 @@
 """Checking and repairing a store: ``verify`` (the test oracle), ``gc`` (crash residue) and ``rebuild_index``.
 
-``verify`` recomputes from the manifests what every other table must hold (refcounts, per-pack counts, prefix
-records, sessions, LRU keys, total bytes) and compares, then checks the byte store against the index. ``gc`` removes
+``verify`` recomputes from the manifests what every other table must hold (refcounts, per-pack counts, the prefix
+records and heads of every session's current snapshot, sessions, LRU keys, total bytes) and compares, then checks the byte store against the index. ``gc`` removes
 only what the ledger says is dead (``ledger.object_live``) and no live lease holds, under the exclusive save gate (no
 save is between writing its pack and committing it) and LMDB's writer lock. ``rebuild_index`` re-indexes every
 manifest found in a pack trailer (or a v1 manifest file) whose chunks are all present, skipping tombstoned ones.
@@ -18,14 +18,13 @@ import msgspec
 import numpy as np
 
 from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
-from . import keys, ledger, reserve
+from . import keys, ledger, records, reserve
 from .evidence import quarantined_objects
 from . import manifest as mf
 from .backend import ObjectMissing, put_unsynced
 from .localbytes import open_object
 from .manifest import ChunkMeta, Manifest, PackMeta, Summary
 from .pack import TOMB_DIR, is_pack, read_trailer
-from .prefix import all_boundaries
 from .results import Finding, GcReport
 
 
@@ -72,7 +71,7 @@ def _verify(store, deep: bool, out: list[Finding]) -> None:
     users: defaultdict[str, set[str]] = defaultdict(set)
     refs: Counter[str] = Counter()
     manifests_in: Counter[str] = Counter()
-    prefix_records = 0
+    prefix_records = heads = 0
     with store.index.read() as txn:
         manifests: set[bytes] = set()  # ids only: each manifest is checked as the cursor reaches it, then dropped
         prefix_cur = txn.cursor(db=db["prefix"])
@@ -115,13 +114,12 @@ def _verify(store, deep: bool, out: list[Finding]) -> None:
                                                           "checksum)"))
             if txn.get(skey, db=db["sessions"]) != sid:
                 out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
+            else:  # the session's head: its records are in the table (records.py), a stale snapshot's are not
+                n, problems = records.check_head(store.index, txn, prefix_cur, skey, sid, np.asarray(m.tokens, "<i8"))
+                heads, prefix_records = heads + 1, prefix_records + n
+                out.extend(Finding("prefix-drift", where, p) for p in problems)
             if txn.get(keys.lru_key(idk, s.last_used_ns, sid), db=db["lru"]) is None:
                 out.append(Finding("lru-drift", where, "no LRU record"))
-            bounds = all_boundaries(nsk, np.asarray(m.tokens, "<i8"), store.block)
-            prefix_records += len(bounds)
-            missing = sum(1 for key, cont in bounds if not prefix_cur.set_key_dup(key, cont + sid))
-            if missing:
-                out.append(Finding("prefix-drift", where, f"{missing} of {len(bounds)} prefix records missing"))
             if s.pack:
                 manifests_in[s.pack] += 1
             on_disk = _manifest_on_disk(store, sid.hex(), s)
@@ -141,6 +139,8 @@ def _verify(store, deep: bool, out: list[Finding]) -> None:
         n_prefix = txn.stat(db["prefix"])["entries"]
         if n_prefix != prefix_records:
             out.append(Finding("prefix-drift", "prefix index", f"{n_prefix} records, manifests imply {prefix_records}"))
+        out.extend(Finding("prefix-drift", "prefix heads", p) for p in records.check_heads(store.index, txn, heads,
+                                                                                           manifests))
         n_lru = txn.stat(db["lru"])["entries"]
         if n_lru != len(manifests):
             out.append(Finding("lru-drift", "lru index", f"{n_lru} records for {len(manifests)} snapshots"))

@@ -1,10 +1,11 @@
 """Prefix keys: a hash per block boundary of a token sequence, scoped by identity and namespace.
 
 The boundary after ``j`` tokens is ``xxh3_128(nsk || int64le(t[:j]))``, recorded at j = 1..block-1 and every multiple
-of ``block``. Saving computes every boundary with one
-streaming hash (O(T)); a lookup computes single boundaries directly (a prefix of 32k tokens is 256 KiB: ~20 µs), so it
-can binary-search the deepest stored boundary with O(log T) index gets. Every snapshot stores all its boundaries, so the
-stored set is prefix-closed and the search is exact. Hashes only nominate candidates; tokens are always compared.
+of ``block``. Saving computes the boundaries it writes with one streaming hash (O(T) hashing; ``records.py`` keeps
+the index writes O(change)); a lookup computes single boundaries directly (a prefix of 32k tokens is 256 KiB: ~20 µs),
+so it can binary-search the deepest stored boundary with O(log T) index gets. Every session's current snapshot has all
+its boundaries in the table, so the stored set is prefix-closed and the search is exact. Hashes only nominate
+candidates; tokens are always compared.
 """
 
 from __future__ import annotations
@@ -52,10 +53,20 @@ def boundary_hash(nsk: bytes, tokens: np.ndarray, position: int) -> bytes:
 
 def all_boundaries(nsk: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> list[tuple[bytes, bytes]]:
     """(key, continuation) of every boundary of ``tokens``, in one streaming pass (O(len))."""
+    return boundaries_after(nsk, tokens, 0, block)
+
+
+def boundaries_after(nsk: bytes, tokens: np.ndarray, after: int,
+                     block: int = BLOCK_TOKENS) -> list[tuple[bytes, bytes]]:
+    """(key, continuation) of the boundaries of ``tokens`` at positions > ``after``: the tail a re-save of a grown or
+    changed session may have to rewrite. The hash still streams over the whole prefix (hashing is ~10 GB/s; it is
+    the index writes that must stay O(change)), but only the tail's records are built."""
     h = xxhash.xxh3_128(nsk)
     view = memoryview(tokens)
     out, done = [], 0
     for pos in positions(len(tokens), block):
+        if pos <= after:
+            continue
         h.update(view[done:pos])
         done = pos
         out.append((h.digest(), continuation(tokens, pos, block)))
@@ -78,4 +89,5 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-__all__ = ["BLOCK_TOKENS", "positions", "tokens_array", "boundary_hash", "all_boundaries", "continuation", "common_prefix"]
+__all__ = ["BLOCK_TOKENS", "positions", "tokens_array", "boundary_hash", "all_boundaries", "boundaries_after",
+           "continuation", "common_prefix"]
