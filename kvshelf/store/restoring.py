@@ -15,25 +15,20 @@ of a failed read are dropped, never returned.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import struct
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 
-from ..codecs.dtypes import safetensors_code
-from ..errors import CorruptData, KvShelfError
+from ..errors import CorruptData
 from .backend import ObjectMissing
-from .blobfile import BlobReader, descriptor, storage_dtype
+from .blobfile import BlobReader, storage_dtype
 from .layout import slot_index
 from .localbytes import open_object
 from .manifest import BlobRef
+from .piecereads import ChunkHash, read_parallel, read_piece
+from .virtualfile import VirtualFile
 
 
 @dataclass
@@ -84,41 +79,6 @@ class Objects:
         self._open.clear()
 
 
-class _ChunkHash:
-    """The running content hash of one chunk, fed tensor by tensor in header order."""
-
-    def __init__(self, reader: BlobReader, verify: bool):
-        self.reader, self.verify = reader, verify
-        self.h = xxhash.xxh3_128(descriptor(reader.tensors)) if verify else None
-        self.next = 0
-        self.early: dict[int, list[memoryview]] = {}
-
-    def feed(self, k: int, views: list[memoryview]) -> None:
-        if self.h is None:
-            return
-        if k != self.next:
-            self.early[k] = views
-            return
-        for v in views:
-            self.h.update(v)
-        self.next += 1
-        while self.next in self.early:
-            for v in self.early.pop(self.next):
-                self.h.update(v)
-            self.next += 1
-
-    def check(self) -> None:
-        if self.h is None:
-            return
-        if self.next != len(self.reader.tensors):
-            raise CorruptData(f"blob {self.reader.where}: {len(self.reader.tensors) - self.next} tensors were never "
-                              f"read (they name no slot of this snapshot)")
-        got = self.h.hexdigest()
-        if got != self.reader.expect_hash:
-            raise CorruptData(f"blob {self.reader.where}: content hash {got} does not match its name "
-                              f"{self.reader.expect_hash}")
-
-
 class _Slot:
     """One destination tensor and the chunk pieces that fill it: a slot of the entry as it is, or (``plan``) a
     tensor of the layer's single-row batch plan — ``[1, H, capacity, D]`` with the slot's ``T`` positions at column
@@ -141,67 +101,6 @@ class _Slot:
     @property
     def padded(self) -> bool:
         return self.slot is None or (self.axis is not None and self.shape[self.axis] != self.length)
-
-
-class VirtualFile:
-    """What ``mx.load`` reads: a safetensors header of the destinations; tensor bytes made on demand."""
-
-    closed = False
-
-    def __init__(self, slots: list[_Slot], fill):
-        header, off = {}, 0
-        self.at: dict[int, _Slot] = {}
-        for s in slots:
-            header[s.key] = {"dtype": safetensors_code(s.dtype), "shape": list(s.shape),
-                             "data_offsets": [off, off + s.nbytes]}
-            self.at[off] = s
-            off += s.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.head = struct.pack("<Q", len(raw)) + raw
-        self.size = len(self.head) + off
-        self.pos = 0
-        self.fill = fill
-        self.error: BaseException | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        buf = bytearray(self.size - self.pos if n is None or n < 0 else n)
-        k = self.readinto(buf)
-        return bytes(buf[:k])
-
-    def readinto(self, buf) -> int:
-        mv = memoryview(buf).cast("B")
-        n = mv.nbytes
-        try:
-            if self.pos < len(self.head):
-                k = min(n, len(self.head) - self.pos)
-                mv[:k] = self.head[self.pos:self.pos + k]
-                if k < n:
-                    raise KvShelfError("unexpected read across the header boundary")
-            else:
-                slot = self.at.get(self.pos - len(self.head))
-                if slot is None or slot.nbytes != n:
-                    raise KvShelfError(f"MLX asked for {n} bytes at {self.pos}: not one whole destination tensor")
-                if self.error is None:
-                    self.fill(slot, mv)
-        except BaseException as exc:  # kept, re-raised after eval: never let it unwind through MLX
-            if self.error is None:
-                self.error = exc
-        self.pos += n
-        return n
 
 
 def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None = None
@@ -229,12 +128,12 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
         slots.append(row)
         by_slot.append(mapped)
     readers: list[BlobReader] = []
-    hashes: list[_ChunkHash] = []
+    hashes: list[ChunkHash] = []
     try:
         for c, ref in enumerate(read.needed):
             reader = objects.chunk(ref, read.where[ref.hash], verify)
             readers.append(reader)
-            hashes.append(_ChunkHash(reader, verify))
+            hashes.append(ChunkHash(reader, verify))
             advise = getattr(reader.source, "willneed", None)
             if advise is not None:
                 advise(reader.base, reader.length)
@@ -297,7 +196,7 @@ def check_coverage(read: Read, slots: list[list[_Slot]], readers: list[BlobReade
 
 
 def _empty(s: _Slot) -> mx.array:
-    from .layout import owned_zeros, as_stored
+    from .layout import as_stored, owned_zeros
 
     arrays, _ = owned_zeros([(s.key, s.dtype, s.shape)])
     return as_stored(s.dtype, arrays[0])
@@ -338,79 +237,18 @@ def _fill_slot(slot: _Slot, dest: memoryview, readers, hashes, decompressed) -> 
             views = [dest[o * span + at:o * span + at + keep * inner] for o in range(outer)]
         if keep == n_here:
             if reader.compressed:
-                _read_piece(reader, c, k, views, decompressed)
+                read_piece(reader, c, k, views, decompressed)
                 hashes[c].feed(k, views)
             else:
                 direct.append((reader, c, k, views))
         else:  # straddles the cut: whole piece to a temporary (it is hashed whole), keep the head of each run
             tmp = memoryview(bytearray(t.nbytes))
-            _read_piece(reader, c, k, [tmp], decompressed)
+            read_piece(reader, c, k, [tmp], decompressed)
             hashes[c].feed(k, [tmp])
             run = n_here * inner
             for o, v in enumerate(views):
                 v[:] = tmp[o * run:o * run + v.nbytes]
-    _read_parallel(direct)
-    for reader, c, k, views in direct:
-        hashes[c].feed(k, views)
+    read_parallel(direct, hashes)
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
-_POOL_LOCK = threading.Lock()
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-
-
-def _read_parallel(pieces: list) -> None:
-    """``preadv`` the pieces of one destination tensor on ``READ_THREADS`` threads (``preadv`` releases the GIL):
-    the copy into fresh pages is bounded by page faults, which one core alone takes at half the machine's speed
-    (MLX's own file loader splits large reads across threads for the same reason)."""
-    global _POOL
-    if len(pieces) < 2 or READ_THREADS == 1:
-        for reader, c, k, views in pieces:
-            _read_raw(reader, k, views)
-        return
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():  # a forked child gets its own threads
-            _POOL = (os.getpid(), ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvshelf-read"))
-        pool = _POOL[1]
-    step = -(-len(pieces) // READ_THREADS)
-    groups = [pieces[i:i + step] for i in range(0, len(pieces), step)]
-    futures = [pool.submit(lambda g=g: [_read_raw(r, k, v) for r, _c, k, v in g]) for g in groups[1:]]
-    for reader, _c, k, views in groups[0]:
-        _read_raw(reader, k, views)
-    for f in futures:
-        f.result()
-
-
-def _read_raw(reader: BlobReader, k: int, views: list[memoryview]) -> None:
-    t = reader.tensors[k]
-    try:
-        reader.source.read_into(reader.data_start + t.start, views)
-    except CorruptData:
-        raise CorruptData(f"blob {reader.where} is truncated (tensor data ends early)") from None
-
-
-def _read_piece(reader: BlobReader, c: int, k: int, views: list[memoryview], decompressed) -> None:
-    t = reader.tensors[k]
-    if not reader.compressed:
-        try:
-            reader.source.read_into(reader.data_start + t.start, views)
-        except CorruptData:
-            raise CorruptData(f"blob {reader.where} is truncated (tensor data ends early)") from None
-        return
-    payload = decompressed.get(c)
-    if payload is None:
-        bufs = [memoryview(bytearray(x.nbytes)) for x in reader.tensors]
-        saved, reader.expect_hash = reader.expect_hash, None  # hashed piece by piece by the caller
-        try:
-            reader._decompress_into([[b] for b in bufs], reader.where)
-        finally:
-            reader.expect_hash = saved
-        payload = decompressed[c] = memoryview(b"".join(bufs))
-    src = payload[t.start:t.stop]
-    at = 0
-    for v in views:
-        v[:] = src[at:at + v.nbytes]
-        at += v.nbytes
-
-
-__all__ = ["Objects", "Read", "VirtualFile", "read_direct"]
+__all__ = ["Objects", "Read", "VirtualFile", "check_coverage", "read_direct"]
