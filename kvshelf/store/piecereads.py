@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ..errors import CorruptData
 from .blobfile import BlobReader, descriptor
@@ -58,45 +59,90 @@ _POOL_LOCK = threading.Lock()
 READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def read_parallel(pieces: list, hashes: list[ChunkHash]) -> None:
-    """``preadv`` the pieces of one destination tensor on ``READ_THREADS`` threads and hash each piece on the thread
-    that read it, right after it landed (``preadv`` and xxh3 both release the GIL): the copy into fresh pages is
-    bounded by page faults, which one core alone takes at half the machine's speed, and the hash then reads bytes
-    still in that core's cache instead of a second pass over memory. Pieces are dealt to threads by chunk, so a
-    chunk's running hash is only ever fed by one thread, in order (one slot holds one piece per chunk)."""
+@dataclass
+class PieceJob:
+    """Where tensor ``k`` of a chunk goes: the destination ``views`` (its runs, in C order), or — a piece
+    straddling a prefix cut (``keep`` < its length) — a temporary whose head of each run is kept."""
+
+    k: int
+    views: list
+    straddle: tuple[int, int] | None = None  # (run bytes in the piece, kept bytes per run)
+
+
+BATCH_BYTES = 1 << 20  # bytes per preadv before hashing them: still in this core's cache when hashed
+
+
+def fill_chunks(jobs: list[list[PieceJob]], readers: list[BlobReader], hashes: list[ChunkHash]) -> None:
+    """Read every chunk's pieces into their destinations in FILE order (chunk by chunk, tensors in header order),
+    on ``READ_THREADS`` threads dealt whole chunks: a cold pack is read front to back (readahead works, no seek per
+    layer), a warm one is a few large ``preadv`` calls per chunk, and each chunk's running hash is fed by the one
+    thread that owns it, in order. Every thread finishes before the first error is raised."""
     global _POOL
-    if len(pieces) < 2 or READ_THREADS == 1:
-        _read_and_hash(pieces, hashes)
+    order = [c for c in range(len(jobs)) if jobs[c]]
+    if len(order) < 2 or READ_THREADS == 1:
+        for c in order:
+            _fill_chunk(readers[c], jobs[c], hashes[c])
         return
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():  # a forked child gets its own threads
             _POOL = (os.getpid(), ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvshelf-read"))
         pool = _POOL[1]
-    groups: list[list] = [[] for _ in range(READ_THREADS)]
-    for item in pieces:
-        groups[item[1] % READ_THREADS].append(item)
-    futures = [pool.submit(_read_and_hash, g, hashes) for g in groups[1:] if g]
+    groups: list[list[int]] = [order[t::READ_THREADS] for t in range(READ_THREADS)]
+
+    def run(group: list[int]) -> None:
+        for c in group:
+            _fill_chunk(readers[c], jobs[c], hashes[c])
+
+    futures = [pool.submit(run, g) for g in groups[1:] if g]
     try:
-        _read_and_hash(groups[0], hashes)
+        run(groups[0])
     finally:
-        errors = [f.exception() for f in futures]  # every thread done before the caller sees anything
+        errors = [f.exception() for f in futures]
     for exc in errors:
         if exc is not None:
             raise exc
 
 
-def _read_and_hash(pieces: list, hashes: list[ChunkHash]) -> None:
-    for reader, c, k, views in pieces:
-        _read_raw(reader, k, views)
-        hashes[c].feed(k, views)
+def _fill_chunk(reader: BlobReader, jobs: list[PieceJob], h: ChunkHash) -> None:
+    batch: list[PieceJob] = []
+    start = end = size = 0
+    decompressed: dict = {}
 
+    def flush() -> None:
+        nonlocal batch, size
+        if batch:
+            try:
+                reader.source.read_into(start, [v for job in batch for v in job.views])
+            except CorruptData:
+                raise CorruptData(f"blob {reader.where} is truncated (tensor data ends early)") from None
+            for job in batch:
+                h.feed(job.k, job.views)
+        batch, size = [], 0
 
-def _read_raw(reader: BlobReader, k: int, views: list[memoryview]) -> None:
-    t = reader.tensors[k]
-    try:
-        reader.source.read_into(reader.data_start + t.start, views)
-    except CorruptData:
-        raise CorruptData(f"blob {reader.where} is truncated (tensor data ends early)") from None
+    for job in sorted(jobs, key=lambda j: j.k):
+        t = reader.tensors[job.k]
+        if reader.compressed or job.straddle is not None:
+            flush()
+            if job.straddle is None:
+                read_piece(reader, 0, job.k, job.views, decompressed)
+                h.feed(job.k, job.views)
+                continue
+            run, kept = job.straddle  # whole piece to a temporary (it is hashed whole), keep each run's head
+            tmp = memoryview(bytearray(t.nbytes))
+            read_piece(reader, 0, job.k, [tmp], decompressed)
+            h.feed(job.k, [tmp])
+            for o, v in enumerate(job.views):
+                v[:] = tmp[o * run:o * run + kept]
+            continue
+        at = reader.data_start + t.start
+        if batch and (at != end or size >= BATCH_BYTES):
+            flush()
+        if not batch:
+            start = at
+        batch.append(job)
+        end = reader.data_start + t.stop
+        size += t.nbytes
+    flush()
 
 
 def read_piece(reader: BlobReader, c: int, k: int, views: list[memoryview], decompressed) -> None:
@@ -124,4 +170,4 @@ def read_piece(reader: BlobReader, c: int, k: int, views: list[memoryview], deco
 
 
 
-__all__ = ["ChunkHash", "READ_THREADS", "read_parallel", "read_piece"]
+__all__ = ["BATCH_BYTES", "ChunkHash", "PieceJob", "READ_THREADS", "fill_chunks", "read_piece"]

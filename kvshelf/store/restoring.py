@@ -1,20 +1,23 @@
-"""The restore path: chunk bytes ``preadv``-ed straight into the final MLX arrays, hashed while hot, no fsync.
+"""The restore path: every destination allocated uninitialised, then chunk bytes ``preadv``-ed straight into it in
+file order, hashed where they land, no fsync.
 
 Why ``mx.load`` over a virtual file: MLX has no way to hand out an owned, uninitialised, writable buffer (``mx.zeros``
 touches every page, then the read touches it again: measured 1.5–2× slower at 512 MiB). ``mx.load`` of a file-like
-object allocates each tensor uninitialised and fills it with ONE ``readinto(memoryview)`` call into its own buffer.
-So the destinations are described as a safetensors header (``VirtualFile``) and each ``readinto`` scatters the
-chunk pieces of that tensor into it: a ``[1, H, t, D]`` piece of a ``[1, H, T, D]`` plane goes to its H head runs in
-one ``preadv``, no temporary, no zero fill. Pieces are hashed right after they land (per-chunk running xxh3-128,
-tensors evaluated in chunk order, so each hash is fed in order; a piece that arrives early is hashed from its
-destination once its predecessors are in). Only a piece straddling a prefix cut goes through a temporary.
+object allocates each tensor uninitialised and calls ``readinto(memoryview)`` once with its own buffer. So the
+destinations are described as a safetensors header (``VirtualFile``); each ``readinto`` only records where that
+tensor's pieces go (``_plan_slot``: a ``[1, H, t, D]`` piece of a ``[1, H, T, D]`` plane is H head runs) and zeroes
+what no piece covers. Once every destination exists, ``piecereads.fill_chunks`` reads chunk after chunk in the order
+they lie in the pack — not layer after layer, which would hop across the pack once per layer and defeat readahead on
+a cold read — a few large ``preadv`` calls per chunk on two threads, each chunk hashed by the thread that read it.
+Only a piece straddling a prefix cut goes through a temporary.
 
-Errors inside ``readinto`` (a corrupt or missing chunk) are kept and re-raised after ``mx.eval`` returns: the arrays
-of a failed read are dropped, never returned.
+Errors (a corrupt, short or missing chunk) are raised only after every reader thread has stopped, and the arrays of
+a failed read are dropped, never returned.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 
@@ -27,7 +30,7 @@ from .blobfile import BlobReader, storage_dtype
 from .layout import slot_index
 from .localbytes import open_object
 from .manifest import BlobRef
-from .piecereads import ChunkHash, read_parallel, read_piece
+from .piecereads import ChunkHash, PieceJob, fill_chunks
 from .virtualfile import VirtualFile
 
 
@@ -145,24 +148,23 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
                     raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} names no slot of this snapshot") from None
                 dest.pieces.append((c, ref, k))
         check_coverage(read, slots, readers)  # before mx.load allocates a single destination
-        decompressed: dict[int, memoryview] = {}
-
-        def fill(slot: _Slot, dest: memoryview) -> None:
-            _fill_slot(slot, dest, readers, hashes, decompressed)
-
         flat = [s for row in slots for s in row if s.nbytes]
-        flat.sort(key=lambda s: (s.i, -1 if s.j is None else s.j))  # entry slot order: chunk header order
-        vf = VirtualFile(flat, fill)
+        jobs: list[list[PieceJob]] = [[] for _ in readers]
+
+        def allocated(slot: _Slot, dest: memoryview) -> None:  # inside mx.load: uninitialised, nothing read yet
+            _plan_slot(slot, _detached(dest), readers, jobs)
+
+        vf = VirtualFile(flat, allocated)
         loaded = mx.load(vf, format="safetensors") if flat else {}
+        mx.eval([loaded[s.key] for s in flat])  # every destination allocated; then filled in file order
+        if vf.error is not None:
+            raise vf.error
+        fill_chunks(jobs, readers, hashes)
         out: list[list] = [[None] * len(row) for row in slots]
         index = {id(s): (i, k) for i, row in enumerate(slots) for k, s in enumerate(row)}
-        for s in flat:  # one at a time, so every chunk's tensors arrive in header order (hashed in order)
-            a = loaded[s.key]
-            mx.eval(a)
-            if vf.error is not None:
-                raise vf.error
+        for s in flat:
             i, k = index[id(s)]
-            out[i][k] = a
+            out[i][k] = loaded[s.key]
         for i, row in enumerate(slots):
             for k, s in enumerate(row):
                 if not s.nbytes:
@@ -202,7 +204,16 @@ def _empty(s: _Slot) -> mx.array:
     return as_stored(s.dtype, arrays[0])
 
 
-def _fill_slot(slot: _Slot, dest: memoryview, readers, hashes, decompressed) -> None:
+def _detached(dest: memoryview) -> memoryview:
+    """A view of the same memory as ``dest`` that outlives the ``readinto`` call MLX made with it: the memory is
+    the loaded array's own buffer, alive as long as the array (which ``read_direct`` holds until it returns)."""
+    addr = np.frombuffer(dest, np.uint8).ctypes.data
+    return memoryview((ctypes.c_char * dest.nbytes).from_address(addr)).cast("B")
+
+
+def _plan_slot(slot: _Slot, dest: memoryview, readers: list[BlobReader], jobs: list[list[PieceJob]]) -> None:
+    """Zero what no piece covers and give each of the slot's pieces its destination runs (``jobs[chunk]``); the
+    shapes in the chunk headers are checked here, before a byte is read."""
     axis = slot.axis
     if slot.padded:  # zero what no piece covers (a planned tensor's columns around the row, or all of it)
         host = np.frombuffer(dest, np.uint8)
@@ -214,41 +225,25 @@ def _fill_slot(slot: _Slot, dest: memoryview, readers, hashes, decompressed) -> 
             grid = host.reshape(outer, slot.shape[axis] * inner)
             grid[:, :slot.col0 * inner] = 0
             grid[:, (slot.col0 + slot.length) * inner:] = 0
-    direct: list = []  # raw pieces: read in parallel below, then hashed in order
     for c, ref, k in slot.pieces:
-        reader = readers[c]
-        t = reader.tensors[k]
+        t = readers[c].tensors[k]
         want_full = tuple(int(d) for d in slot.slot.shape)
         if axis is None:
             if t.shape != want_full:
                 raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want_full}")
-            views = [dest]
-            keep = n_here = 1
-        else:
-            n_here = t.shape[axis] if len(t.shape) > axis else -1
-            want = want_full[:axis] + (n_here,) + want_full[axis + 1:]
-            if n_here < 0 or t.shape != want or ref.start + n_here > max(ref.stop, ref.start):
-                raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want}")
-            keep = max(0, min(n_here, slot.length - ref.start))
-            outer = math.prod(slot.shape[:axis])
-            inner = math.prod(slot.shape[axis + 1:]) * slot.itemsize
-            span = slot.shape[axis] * inner
-            at = (slot.col0 + ref.start) * inner
-            views = [dest[o * span + at:o * span + at + keep * inner] for o in range(outer)]
-        if keep == n_here:
-            if reader.compressed:
-                read_piece(reader, c, k, views, decompressed)
-                hashes[c].feed(k, views)
-            else:
-                direct.append((reader, c, k, views))
-        else:  # straddles the cut: whole piece to a temporary (it is hashed whole), keep the head of each run
-            tmp = memoryview(bytearray(t.nbytes))
-            read_piece(reader, c, k, [tmp], decompressed)
-            hashes[c].feed(k, [tmp])
-            run = n_here * inner
-            for o, v in enumerate(views):
-                v[:] = tmp[o * run:o * run + v.nbytes]
-    read_parallel(direct, hashes)
+            jobs[c].append(PieceJob(k, [dest]))
+            continue
+        n_here = t.shape[axis] if len(t.shape) > axis else -1
+        want = want_full[:axis] + (n_here,) + want_full[axis + 1:]
+        if n_here < 0 or t.shape != want or ref.start + n_here > max(ref.stop, ref.start):
+            raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want}")
+        keep = max(0, min(n_here, slot.length - ref.start))
+        outer = math.prod(slot.shape[:axis])
+        inner = math.prod(slot.shape[axis + 1:]) * slot.itemsize
+        span = slot.shape[axis] * inner
+        at = (slot.col0 + ref.start) * inner
+        views = [dest[o * span + at:o * span + at + keep * inner] for o in range(outer)]
+        jobs[c].append(PieceJob(k, views, None if keep == n_here else (n_here * inner, keep * inner)))
 
 
 __all__ = ["Objects", "Read", "VirtualFile", "check_coverage", "read_direct"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import xxhash
 
 
@@ -67,14 +68,11 @@ class RunHash:
         mv = view if isinstance(view, memoryview) else memoryview(view)
         if mv.nbytes == 0:
             return
-        if not mv.contiguous:
-            raise ValueError("RunHash.update needs a contiguous buffer")
-        mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-        if mv.readonly:
-            data = bytes(mv)
-            _API[3](self._state, ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p), len(data))
-        else:
-            _API[3](self._state, ctypes.addressof(ctypes.c_char.from_buffer(mv)), mv.nbytes)
+        if not mv.c_contiguous:
+            raise ValueError("RunHash.update needs a C-contiguous buffer")
+        # the address of the first byte, read-only buffers included (MLX exports its arrays read-only), no copy
+        addr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, np.uint8).ctypes.data
+        _API[3](self._state, addr, mv.nbytes)
 
     def hexdigest(self) -> str:
         if self._py is not None:
