@@ -28,6 +28,7 @@ import zstandard
 
 from ..codecs.dtypes import DTYPE_NAMES, numpy_dtype, safetensors_code
 from ..errors import CorruptData
+from .runhash import RunHash
 
 KVZ_MAGIC = b"KVSHZ01\n"
 MAX_HEADER = 64 << 20
@@ -94,7 +95,7 @@ def descriptor(items) -> bytes:
 
 def content_hash(pieces: list[Piece]) -> str:
     """The blob's name: xxh3-128 over the descriptor and then every tensor's bytes, in order."""
-    h = xxhash.xxh3_128(descriptor(pieces))
+    h = RunHash(descriptor(pieces))  # GIL released per run: the save's writer thread is never kept waiting
     for p in pieces:
         for seg in p.segments:
             h.update(seg)

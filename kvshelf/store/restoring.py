@@ -1,39 +1,37 @@
-"""The restore path: chunk bytes ``preadv``-ed straight into the final MLX arrays, hashed while hot, no fsync.
+"""The restore path: every destination allocated uninitialised, then chunk bytes ``preadv``-ed straight into it in
+file order, hashed where they land, no fsync.
 
 Why ``mx.load`` over a virtual file: MLX has no way to hand out an owned, uninitialised, writable buffer (``mx.zeros``
 touches every page, then the read touches it again: measured 1.5–2× slower at 512 MiB). ``mx.load`` of a file-like
-object allocates each tensor uninitialised and fills it with ONE ``readinto(memoryview)`` call into its own buffer.
-So the destinations are described as a safetensors header (``VirtualFile``) and each ``readinto`` scatters the
-chunk pieces of that tensor into it: a ``[1, H, t, D]`` piece of a ``[1, H, T, D]`` plane goes to its H head runs in
-one ``preadv``, no temporary, no zero fill. Pieces are hashed right after they land (per-chunk running xxh3-128,
-tensors evaluated in chunk order, so each hash is fed in order; a piece that arrives early is hashed from its
-destination once its predecessors are in). Only a piece straddling a prefix cut goes through a temporary.
+object allocates each tensor uninitialised and calls ``readinto(memoryview)`` once with its own buffer. So the
+destinations are described as a safetensors header (``VirtualFile``); each ``readinto`` only records where that
+tensor's pieces go (``_plan_slot``: a ``[1, H, t, D]`` piece of a ``[1, H, T, D]`` plane is H head runs) and zeroes
+what no piece covers. Once every destination exists, ``piecereads.fill_chunks`` reads chunk after chunk in the order
+they lie in the pack — not layer after layer, which would hop across the pack once per layer and defeat readahead on
+a cold read — a few large ``preadv`` calls per chunk on two threads, each chunk hashed by the thread that read it.
+Only a piece straddling a prefix cut goes through a temporary.
 
-Errors inside ``readinto`` (a corrupt or missing chunk) are kept and re-raised after ``mx.eval`` returns: the arrays
-of a failed read are dropped, never returned.
+Errors (a corrupt, short or missing chunk) are raised only after every reader thread has stopped, and the arrays of
+a failed read are dropped, never returned.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
 import math
-import os
-import struct
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 
-from ..codecs.dtypes import safetensors_code
-from ..errors import CorruptData, KvShelfError
+from ..errors import CorruptData
 from .backend import ObjectMissing
-from .blobfile import BlobReader, descriptor, storage_dtype
+from .blobfile import BlobReader, storage_dtype
 from .layout import slot_index
 from .localbytes import open_object
 from .manifest import BlobRef
+from .piecereads import ChunkHash, PieceJob, fill_chunks
+from .virtualfile import VirtualFile
 
 
 @dataclass
@@ -84,41 +82,6 @@ class Objects:
         self._open.clear()
 
 
-class _ChunkHash:
-    """The running content hash of one chunk, fed tensor by tensor in header order."""
-
-    def __init__(self, reader: BlobReader, verify: bool):
-        self.reader, self.verify = reader, verify
-        self.h = xxhash.xxh3_128(descriptor(reader.tensors)) if verify else None
-        self.next = 0
-        self.early: dict[int, list[memoryview]] = {}
-
-    def feed(self, k: int, views: list[memoryview]) -> None:
-        if self.h is None:
-            return
-        if k != self.next:
-            self.early[k] = views
-            return
-        for v in views:
-            self.h.update(v)
-        self.next += 1
-        while self.next in self.early:
-            for v in self.early.pop(self.next):
-                self.h.update(v)
-            self.next += 1
-
-    def check(self) -> None:
-        if self.h is None:
-            return
-        if self.next != len(self.reader.tensors):
-            raise CorruptData(f"blob {self.reader.where}: {len(self.reader.tensors) - self.next} tensors were never "
-                              f"read (they name no slot of this snapshot)")
-        got = self.h.hexdigest()
-        if got != self.reader.expect_hash:
-            raise CorruptData(f"blob {self.reader.where}: content hash {got} does not match its name "
-                              f"{self.reader.expect_hash}")
-
-
 class _Slot:
     """One destination tensor and the chunk pieces that fill it: a slot of the entry as it is, or (``plan``) a
     tensor of the layer's single-row batch plan — ``[1, H, capacity, D]`` with the slot's ``T`` positions at column
@@ -141,67 +104,6 @@ class _Slot:
     @property
     def padded(self) -> bool:
         return self.slot is None or (self.axis is not None and self.shape[self.axis] != self.length)
-
-
-class VirtualFile:
-    """What ``mx.load`` reads: a safetensors header of the destinations; tensor bytes made on demand."""
-
-    closed = False
-
-    def __init__(self, slots: list[_Slot], fill):
-        header, off = {}, 0
-        self.at: dict[int, _Slot] = {}
-        for s in slots:
-            header[s.key] = {"dtype": safetensors_code(s.dtype), "shape": list(s.shape),
-                             "data_offsets": [off, off + s.nbytes]}
-            self.at[off] = s
-            off += s.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.head = struct.pack("<Q", len(raw)) + raw
-        self.size = len(self.head) + off
-        self.pos = 0
-        self.fill = fill
-        self.error: BaseException | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        buf = bytearray(self.size - self.pos if n is None or n < 0 else n)
-        k = self.readinto(buf)
-        return bytes(buf[:k])
-
-    def readinto(self, buf) -> int:
-        mv = memoryview(buf).cast("B")
-        n = mv.nbytes
-        try:
-            if self.pos < len(self.head):
-                k = min(n, len(self.head) - self.pos)
-                mv[:k] = self.head[self.pos:self.pos + k]
-                if k < n:
-                    raise KvShelfError("unexpected read across the header boundary")
-            else:
-                slot = self.at.get(self.pos - len(self.head))
-                if slot is None or slot.nbytes != n:
-                    raise KvShelfError(f"MLX asked for {n} bytes at {self.pos}: not one whole destination tensor")
-                if self.error is None:
-                    self.fill(slot, mv)
-        except BaseException as exc:  # kept, re-raised after eval: never let it unwind through MLX
-            if self.error is None:
-                self.error = exc
-        self.pos += n
-        return n
 
 
 def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None = None
@@ -229,12 +131,12 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
         slots.append(row)
         by_slot.append(mapped)
     readers: list[BlobReader] = []
-    hashes: list[_ChunkHash] = []
+    hashes: list[ChunkHash] = []
     try:
         for c, ref in enumerate(read.needed):
             reader = objects.chunk(ref, read.where[ref.hash], verify)
             readers.append(reader)
-            hashes.append(_ChunkHash(reader, verify))
+            hashes.append(ChunkHash(reader, verify))
             advise = getattr(reader.source, "willneed", None)
             if advise is not None:
                 advise(reader.base, reader.length)
@@ -246,24 +148,23 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
                     raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} names no slot of this snapshot") from None
                 dest.pieces.append((c, ref, k))
         check_coverage(read, slots, readers)  # before mx.load allocates a single destination
-        decompressed: dict[int, memoryview] = {}
-
-        def fill(slot: _Slot, dest: memoryview) -> None:
-            _fill_slot(slot, dest, readers, hashes, decompressed)
-
         flat = [s for row in slots for s in row if s.nbytes]
-        flat.sort(key=lambda s: (s.i, -1 if s.j is None else s.j))  # entry slot order: chunk header order
-        vf = VirtualFile(flat, fill)
+        jobs: list[list[PieceJob]] = [[] for _ in readers]
+
+        def allocated(slot: _Slot, dest: memoryview) -> None:  # inside mx.load: uninitialised, nothing read yet
+            _plan_slot(slot, _detached(dest), readers, jobs)
+
+        vf = VirtualFile(flat, allocated)
         loaded = mx.load(vf, format="safetensors") if flat else {}
+        mx.eval([loaded[s.key] for s in flat])  # every destination allocated; then filled in file order
+        if vf.error is not None:
+            raise vf.error
+        fill_chunks(jobs, readers, hashes)
         out: list[list] = [[None] * len(row) for row in slots]
         index = {id(s): (i, k) for i, row in enumerate(slots) for k, s in enumerate(row)}
-        for s in flat:  # one at a time, so every chunk's tensors arrive in header order (hashed in order)
-            a = loaded[s.key]
-            mx.eval(a)
-            if vf.error is not None:
-                raise vf.error
+        for s in flat:
             i, k = index[id(s)]
-            out[i][k] = a
+            out[i][k] = loaded[s.key]
         for i, row in enumerate(slots):
             for k, s in enumerate(row):
                 if not s.nbytes:
@@ -297,13 +198,22 @@ def check_coverage(read: Read, slots: list[list[_Slot]], readers: list[BlobReade
 
 
 def _empty(s: _Slot) -> mx.array:
-    from .layout import owned_zeros, as_stored
+    from .layout import as_stored, owned_zeros
 
     arrays, _ = owned_zeros([(s.key, s.dtype, s.shape)])
     return as_stored(s.dtype, arrays[0])
 
 
-def _fill_slot(slot: _Slot, dest: memoryview, readers, hashes, decompressed) -> None:
+def _detached(dest: memoryview) -> memoryview:
+    """A view of the same memory as ``dest`` that outlives the ``readinto`` call MLX made with it: the memory is
+    the loaded array's own buffer, alive as long as the array (which ``read_direct`` holds until it returns)."""
+    addr = np.frombuffer(dest, np.uint8).ctypes.data
+    return memoryview((ctypes.c_char * dest.nbytes).from_address(addr)).cast("B")
+
+
+def _plan_slot(slot: _Slot, dest: memoryview, readers: list[BlobReader], jobs: list[list[PieceJob]]) -> None:
+    """Zero what no piece covers and give each of the slot's pieces its destination runs (``jobs[chunk]``); the
+    shapes in the chunk headers are checked here, before a byte is read."""
     axis = slot.axis
     if slot.padded:  # zero what no piece covers (a planned tensor's columns around the row, or all of it)
         host = np.frombuffer(dest, np.uint8)
@@ -315,102 +225,25 @@ def _fill_slot(slot: _Slot, dest: memoryview, readers, hashes, decompressed) -> 
             grid = host.reshape(outer, slot.shape[axis] * inner)
             grid[:, :slot.col0 * inner] = 0
             grid[:, (slot.col0 + slot.length) * inner:] = 0
-    direct: list = []  # raw pieces: read in parallel below, then hashed in order
     for c, ref, k in slot.pieces:
-        reader = readers[c]
-        t = reader.tensors[k]
+        t = readers[c].tensors[k]
         want_full = tuple(int(d) for d in slot.slot.shape)
         if axis is None:
             if t.shape != want_full:
                 raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want_full}")
-            views = [dest]
-            keep = n_here = 1
-        else:
-            n_here = t.shape[axis] if len(t.shape) > axis else -1
-            want = want_full[:axis] + (n_here,) + want_full[axis + 1:]
-            if n_here < 0 or t.shape != want or ref.start + n_here > max(ref.stop, ref.start):
-                raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want}")
-            keep = max(0, min(n_here, slot.length - ref.start))
-            outer = math.prod(slot.shape[:axis])
-            inner = math.prod(slot.shape[axis + 1:]) * slot.itemsize
-            span = slot.shape[axis] * inner
-            at = (slot.col0 + ref.start) * inner
-            views = [dest[o * span + at:o * span + at + keep * inner] for o in range(outer)]
-        if keep == n_here:
-            if reader.compressed:
-                _read_piece(reader, c, k, views, decompressed)
-                hashes[c].feed(k, views)
-            else:
-                direct.append((reader, c, k, views))
-        else:  # straddles the cut: whole piece to a temporary (it is hashed whole), keep the head of each run
-            tmp = memoryview(bytearray(t.nbytes))
-            _read_piece(reader, c, k, [tmp], decompressed)
-            hashes[c].feed(k, [tmp])
-            run = n_here * inner
-            for o, v in enumerate(views):
-                v[:] = tmp[o * run:o * run + v.nbytes]
-    _read_parallel(direct)
-    for reader, c, k, views in direct:
-        hashes[c].feed(k, views)
+            jobs[c].append(PieceJob(k, [dest]))
+            continue
+        n_here = t.shape[axis] if len(t.shape) > axis else -1
+        want = want_full[:axis] + (n_here,) + want_full[axis + 1:]
+        if n_here < 0 or t.shape != want or ref.start + n_here > max(ref.stop, ref.start):
+            raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want}")
+        keep = max(0, min(n_here, slot.length - ref.start))
+        outer = math.prod(slot.shape[:axis])
+        inner = math.prod(slot.shape[axis + 1:]) * slot.itemsize
+        span = slot.shape[axis] * inner
+        at = (slot.col0 + ref.start) * inner
+        views = [dest[o * span + at:o * span + at + keep * inner] for o in range(outer)]
+        jobs[c].append(PieceJob(k, views, None if keep == n_here else (n_here * inner, keep * inner)))
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
-_POOL_LOCK = threading.Lock()
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-
-
-def _read_parallel(pieces: list) -> None:
-    """``preadv`` the pieces of one destination tensor on ``READ_THREADS`` threads (``preadv`` releases the GIL):
-    the copy into fresh pages is bounded by page faults, which one core alone takes at half the machine's speed
-    (MLX's own file loader splits large reads across threads for the same reason)."""
-    global _POOL
-    if len(pieces) < 2 or READ_THREADS == 1:
-        for reader, c, k, views in pieces:
-            _read_raw(reader, k, views)
-        return
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():  # a forked child gets its own threads
-            _POOL = (os.getpid(), ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvshelf-read"))
-        pool = _POOL[1]
-    step = -(-len(pieces) // READ_THREADS)
-    groups = [pieces[i:i + step] for i in range(0, len(pieces), step)]
-    futures = [pool.submit(lambda g=g: [_read_raw(r, k, v) for r, _c, k, v in g]) for g in groups[1:]]
-    for reader, _c, k, views in groups[0]:
-        _read_raw(reader, k, views)
-    for f in futures:
-        f.result()
-
-
-def _read_raw(reader: BlobReader, k: int, views: list[memoryview]) -> None:
-    t = reader.tensors[k]
-    try:
-        reader.source.read_into(reader.data_start + t.start, views)
-    except CorruptData:
-        raise CorruptData(f"blob {reader.where} is truncated (tensor data ends early)") from None
-
-
-def _read_piece(reader: BlobReader, c: int, k: int, views: list[memoryview], decompressed) -> None:
-    t = reader.tensors[k]
-    if not reader.compressed:
-        try:
-            reader.source.read_into(reader.data_start + t.start, views)
-        except CorruptData:
-            raise CorruptData(f"blob {reader.where} is truncated (tensor data ends early)") from None
-        return
-    payload = decompressed.get(c)
-    if payload is None:
-        bufs = [memoryview(bytearray(x.nbytes)) for x in reader.tensors]
-        saved, reader.expect_hash = reader.expect_hash, None  # hashed piece by piece by the caller
-        try:
-            reader._decompress_into([[b] for b in bufs], reader.where)
-        finally:
-            reader.expect_hash = saved
-        payload = decompressed[c] = memoryview(b"".join(bufs))
-    src = payload[t.start:t.stop]
-    at = 0
-    for v in views:
-        v[:] = src[at:at + v.nbytes]
-        at += v.nbytes
-
-
-__all__ = ["Objects", "Read", "VirtualFile", "read_direct"]
+__all__ = ["Objects", "Read", "VirtualFile", "check_coverage", "read_direct"]
