@@ -14,6 +14,12 @@ gives up (``SnapshotNotFound``/stale) and never reads.
 
 File format: ``u64 length | u64 xxh3-64 | msgpack [Lease, ...]``; a reader racing a rewrite sees a bad checksum and
 reads again; one it cannot parse after retries is treated as holding everything (nothing is unlinked this round).
+
+A full disk: the file's room (``LEASE_ROOM``) is allocated when it is made, and a body that outgrows it is allocated
+(``posix_fallocate``) *before* it is written, so a publication either fits in allocated blocks or writes nothing —
+the file never holds a torn body that would read as "leasing everything" and stop deletes from freeing space. When
+it writes nothing, ``add`` keeps the lease in memory (this handle's own unlinkers see it) and returns False: the
+reader then protects its read with object locks instead (``objlocks.py``), which need no space at all.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class LeaseBook:
         self._lock = threading.Lock()
         self._fd = -1
         self._name = ""
+        self._room = 0  # bytes of the lease file known to be allocated (publishing within them needs no space)
         self._pid = os.getpid()
 
     def _open_own(self) -> None:
@@ -62,34 +69,45 @@ class LeaseBook:
         self._name = f"{stem}.lease"
         try:  # room allocated up front: publishing a few leases never needs a block on a full disk
             os.posix_fallocate(fd, 0, LEASE_ROOM)
+            self._room = LEASE_ROOM
         except OSError:
-            pass
+            self._room = 0
         os.rename(tmp, os.path.join(self.dir, self._name))  # visible to checkers only once locked
         self._fd = fd
 
     def _publish(self) -> None:
         """Header + body at offset 0 (readers check the header's length and checksum, so bytes past the body are
-        ignored): the file keeps its allocated room instead of shrinking to each body."""
+        ignored): the file keeps its allocated room instead of shrinking to each body. Space is allocated before the
+        write, so an ENOSPC leaves the previous publication intact (over-protective at worst, never torn)."""
         body = _ENC.encode(list(self._held.values()))
         data = _HEAD.pack(len(body), xxhash.xxh3_64_intdigest(body)) + body
         if self._fd < 0:
             self._open_own()
-        os.pwrite(self._fd, data, 0)
+        if len(data) > self._room:
+            os.posix_fallocate(self._fd, 0, len(data))
+            self._room = len(data)
+        if os.pwrite(self._fd, data, 0) != len(data):  # pragma: no cover - allocated blocks take a whole write
+            raise OSError(errno.ENOSPC, "short write publishing leases", self._name)
         size = os.fstat(self._fd).st_size
         if size > max(LEASE_ROOM, 2 * len(data)):
             os.ftruncate(self._fd, max(LEASE_ROOM, len(data)))
+            self._room = min(self._room, max(LEASE_ROOM, len(data)))
 
-    def add(self, key: bytes, lease: Lease) -> None:
+    def add(self, key: bytes, lease: Lease) -> bool:
+        """Hold ``lease`` and publish it. False when the disk had no room to publish it: the lease is held in memory
+        only (seen by this handle, not by other handles), and the caller must protect its read another way
+        (``objlocks.py``) or drop it with ``remove``."""
         with self._lock:
             self._held[key] = lease
             try:
                 self._publish()
-            except OSError as exc:  # e.g. a full disk: the lease is not held, so the read must not go on
-                self._held.pop(key, None)
-                from ..errors import StoreFull, file_error
-
+                return True
+            except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise StoreFull(f"no room to publish a reader's lease in {self.dir}: {exc}") from exc
+                    return False
+                self._held.pop(key, None)  # not held: the read must not go on
+                from ..errors import file_error
+
                 raise file_error(exc, f"publishing a lease in {self.dir}") from exc
 
     def remove(self, key: bytes) -> Lease | None:

@@ -6,6 +6,14 @@ it meanwhile), no live lease names it (``leases.py``: kernel-released locks, no 
 remove. Leases are taken without any commit (no fsync on the read path); uses of snapshots (LRU order, last-used
 times) are remembered in memory and written by the handle's next write transaction (a save, a delete, close, or a
 timer a few seconds later — a background commit, never inside a restore).
+
+A full disk never blocks a read: a lease the lease file has no room for is held in memory and the read is protected
+by object locks instead (``objlocks.py``: kernel locks, no byte of disk). Every unlink asks ``_leased_objects``, whose
+answer also holds every object a reader has locked. Eviction and compaction, which pick *what* to drop or rewrite
+from the published leases, may then pick a snapshot another handle is reading that way; its bytes stay on disk (the
+unlink is refused while the lock is held) and are reclaimed by that reader's release or a later ``gc``.
+The lease files are read *inside* the transaction that decides what is dead (after the deaths it acts on committed),
+so a reader that published or locked later re-checks after those deaths too and gives up instead of reading.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from collections.abc import Sequence
 from ..errors import SnapshotNotFound
 from . import keys, ledger
 from . import manifest as mf
+from ..errors import StoreFull
 from .evidence import quarantined_objects
 from .leases import Unknown
+from .objlocks import LeasedObjects, lock_objects, prober
 from .manifest import BlobRef, ChunkMeta, Lease, Manifest, Summary
 
 TOUCH_FLUSH_SECONDS = 2.0
@@ -41,37 +51,43 @@ class LeasingMixin:
         self._touches: dict[bytes, tuple[int, list[str]]] = {}  # sid -> (when, hashes) not yet written
         self._touch_timer: threading.Timer | None = None
         self._forget: set[str] = set()  # packs unlinked whose emptied records the next write transaction drops
+        self._read_locks: dict = {}  # lease key -> objlocks.ReadLocks, for leases the lease file had no room for
 
     # ------------------------------------------------------------------ write transactions
     def _txn(self, fn, unlink: Sequence[str] = ()):
         """One write transaction of this handle: remembered uses first, then unlinking the objects among ``unlink``
-        that are dead and unleased (under the writer lock), then ``fn``."""
+        that are dead and unleased (leases read under the writer lock), then ``fn``. On a full disk the uses are
+        dropped from it and it is tried once more: an LRU order is never worth a failed delete or gc."""
         with self._lock:
             touches, self._touches = self._touches, {}
             forget, self._forget = self._forget, set()
-        leased = None
-        if unlink:
-            try:
-                leased = self._leased_objects()
-            except Unknown:
-                leased = None
-                unlink = ()
 
-        def run(txn):
+        def run(txn, touches):
             for sid, (when, hashes) in touches.items():
                 self._apply_touch(txn, sid, when, hashes)
             for name in forget:  # packs unlinked by _reclaim: drop their (emptied) records
                 if not ledger.object_live(self.index, txn, name):
                     ledger.forget_pack(self.index, txn, name)
-            kept = quarantined_objects(self.index, txn) if unlink else set()
-            for name in unlink:
-                if name not in leased and name not in kept and not ledger.object_live(self.index, txn, name):
-                    self.bytes.delete(name)
-                    ledger.forget_pack(self.index, txn, name)
+            if unlink:
+                try:
+                    leased = self._leased_objects() | quarantined_objects(self.index, txn)
+                except Unknown:
+                    leased = None
+                for name in unlink if leased is not None else ():
+                    if name not in leased and not ledger.object_live(self.index, txn, name):
+                        self.bytes.delete(name)
+                        ledger.forget_pack(self.index, txn, name)
             return fn(txn)
 
         try:
-            return self.index.write(run)
+            try:
+                return self.index.write(lambda txn: run(txn, touches))
+            except StoreFull:
+                if not touches:
+                    raise
+                result = self.index.write(lambda txn: run(txn, {}))
+                touches = {}  # not written, and not worth keeping on a full disk
+                return result
         except BaseException:
             with self._lock:  # not written: keep them for the next transaction
                 for sid, item in touches.items():
@@ -87,11 +103,11 @@ class LeasingMixin:
         names = [n for n in dict.fromkeys(names) if n]
         if not names:
             return
-        try:
-            leased = self._leased_objects()
-        except Unknown:
-            return  # a live handle's lease file is unreadable right now: unlink nothing this time (gc will)
-        with self.index.read() as txn:
+        with self.index.read() as txn:  # leases read after this snapshot began: see the module docstring
+            try:
+                leased = self._leased_objects()
+            except Unknown:
+                return  # a live handle's lease file is unreadable right now: unlink nothing this time (gc will)
             leased = leased | quarantined_objects(self.index, txn)  # a quarantined snapshot's evidence stays
             dead = [n for n in names if n not in leased and not ledger.object_live(self.index, txn, n)]
         for name in dead:
@@ -99,11 +115,13 @@ class LeasingMixin:
         with self._lock:
             self._forget.update(n for n in dead if keys.is_pack(n))
 
-    def _leased_objects(self) -> set[str]:
+    def _leased_objects(self) -> LeasedObjects:
+        """Objects no unlinker may remove: those live leases name, and (asked per name) those a reader on a full disk
+        holds a lock on (``objlocks.py``). Call it after the deaths the caller acts on have committed."""
         out: set[str] = set()
         for lease in self.leases.live():
             out.update(lease.objects)
-        return out
+        return LeasedObjects(out, prober(self.root, getattr(self.bytes, "path", None)))
 
     def _live_leases(self, txn=None) -> tuple[set[str], set[str]]:
         """(snapshot ids, chunk hashes) held by live leases of every handle."""
@@ -138,25 +156,53 @@ class LeasingMixin:
                 with self.index.read() as txn:
                     where = self._locate(txn, manifest, refs)
                 objects = sorted({w[0] for w in where.values()})
-                self.leases.add(key, Lease(os.getpid(), time.time() + self.lease_seconds, manifest.snapshot_id,
-                                           [r.hash for r in refs], objects))
+                if not self.leases.add(key, Lease(os.getpid(), time.time() + self.lease_seconds,
+                                                  manifest.snapshot_id, [r.hash for r in refs], objects)):
+                    self._lock_objects(key, objects)  # no room to publish it: lock the objects instead
                 with self.index.read() as txn:
                     again = self._locate(txn, manifest, refs)
                 if again == where:
                     return (key, where) if with_where else key
             raise Stale(f"chunks of snapshot {manifest.snapshot_id} kept moving while being leased")
         except Gone:
-            self.leases.remove(key)
+            self._drop_lease(key)
             raise SnapshotNotFound(f"snapshot {manifest.snapshot_id} of session {manifest.session_id!r} was "
                                    f"removed before it could be read") from None
         except BaseException:
-            self.leases.remove(key)
+            self._drop_lease(key)
             raise
+
+    def _lock_objects(self, key: bytes, objects: Sequence[str]) -> None:
+        """Protect a lease the disk had no room to publish with read locks on its objects (``objlocks.py``)."""
+        self._unlock_objects(key)  # a retry of _lease: the objects may have moved
+        path_of = getattr(self.bytes, "path", None)
+        if path_of is None:
+            raise StoreFull(f"no room to publish a reader's lease in {self.leases.dir}, and this byte store has no "
+                            f"files to lock instead")
+        try:
+            locks = lock_objects(self.root, [path_of(name) for name in objects])
+        except OSError as exc:
+            raise StoreFull(f"no room to publish a reader's lease in {self.leases.dir}, and its objects could not "
+                            f"be locked instead ({exc})") from exc
+        with self._lock:
+            self._read_locks[key] = locks
+
+    def _unlock_objects(self, key: bytes) -> None:
+        with self._lock:
+            locks = self._read_locks.pop(key, None)
+        if locks is not None:
+            locks.close()
+
+    def _drop_lease(self, key: bytes):
+        try:
+            return self.leases.remove(key)
+        finally:
+            self._unlock_objects(key)
 
     def _release(self, key: bytes, touch: bytes | None, refs: Sequence[BlobRef | str]) -> None:
         """Drop a lease (no commit). A use (``touch``) is remembered for the next write transaction. Objects of the
         lease that lost their last reference while it was held are unlinked now (only then is there a commit)."""
-        lease = self.leases.remove(key)
+        lease = self._drop_lease(key)  # locks go before the reclaim below, which must not see our own
         hashes = [r if isinstance(r, str) else r.hash for r in refs]
         if touch is not None:
             with self._lock:

@@ -1,20 +1,21 @@
 """Quarantine (mixed into ``Store``): hiding a snapshot whose bytes failed verification, keeping its evidence, and
 the operator's drop. Why a room of its own: issue 12 made quarantine keep what it hides (``evidence.py``) and made
-the removal paths that free space survive a full disk (``reserve.py``); none of that is the façade's business.
+the removal paths that free space survive a full disk (``fulldisk.py``); none of that is the façade's business.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from ..errors import KvShelfError, StoreFull
-from . import inputs, keys, reserve
+from ..errors import KvShelfError
+from . import inputs, keys
 from . import manifest as mf
 from .manifest import Manifest
 
 
 class QuarantineMixin:
-    """Needs ``index``, ``root``, ``counters``, ``_txn``, ``_remove`` and ``_after_drop`` (``Store``)."""
+    """Needs ``index``, ``root``, ``counters``, ``_txn``, ``_freeing_txn``, ``_remove`` and ``_after_drop``
+    (``Store``)."""
 
     def quarantine(self, snapshot_id: str, reason: str) -> None:
         """Hide a snapshot for good: removed from the index, the session recorded in ``quarantine`` (so restoring
@@ -62,16 +63,6 @@ class QuarantineMixin:
             rename_legacy_manifest(self, snapshot_id)
         dropped, _freed, tomb = removed  # freed objects stay: evidence, reclaimed by gc after drop_quarantined
         self._after_drop(dropped, [], tomb, quarantined=True)
-
-    def _freeing_txn(self, fn):
-        """A transaction that frees space (delete, quarantine): on a full disk the reserve is given back
-        (``reserve.py``) and it is tried once more."""
-        try:
-            return self._txn(fn)
-        except StoreFull:
-            if not reserve.release(self.root):
-                raise
-            return self._txn(fn)
 
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (its record goes; ``gc`` may then reclaim the

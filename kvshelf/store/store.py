@@ -3,7 +3,8 @@
 The rooms behind it, one concern each: ``keys`` (every key layout), ``ledger`` (commit / drop / refcounts),
 ``leasing`` + ``leases`` (write transactions, readers' leases, the one place objects are unlinked), ``saving``
 (capture → one pack → one commit), ``restoring`` (straight into the final MLX arrays), ``budget`` (eviction),
-``surface`` (the offline tools' calls), ``maintenance`` (verify, gc, rebuild), ``lookup`` (the prefix search).
+``surface`` (the offline tools' calls), ``maintenance`` (verify, gc, rebuild), ``lookup`` (the prefix search),
+``fulldisk`` + ``reserve`` + ``objlocks`` (a full disk never blocks a read, a delete or a gc).
 
 Durability order: a save's pack (chunks + its manifest in the trailer) is fsynced and renamed, its directory fsynced,
 then ONE LMDB write transaction indexes it. Objects that lost their last reference are unlinked only in a later
@@ -26,10 +27,11 @@ import msgspec
 from ..codecs import CodecProvider, default_provider
 from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
                       WrongArgumentType)
-from . import inputs, keys, ledger, openlock, reserve, saving
+from . import inputs, keys, ledger, objlocks, openlock, saving
 from . import manifest as mf
 from .backend import put_unsynced
 from .budget import evict_to_budget
+from .fulldisk import FullDiskMixin
 from .identity import Identity, namespace_key
 from .index import Index
 from .leases import LeaseBook
@@ -46,7 +48,7 @@ from .surface import ToolsSurface
 from .writer import BackgroundWriter
 
 
-class Store(LeasingMixin, ReadingMixin, QuarantineMixin, ToolsSurface):
+class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSurface):
     """One store directory opened under one ``Identity``. Thread-safe; several processes may open it at once.
 
     ``admin=True`` (with no identity) opens it identity-blind for offline tools: the tools surface works on every
@@ -81,8 +83,8 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, ToolsSurface):
         ensure_dir(lock_dir)
         self._gate_path = os.path.join(lock_dir, "save.lock")
         os.close(os.open(self._gate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        objlocks.make_sentinel(self.root)
         self._lock_key = os.path.realpath(self.root)
-        reserve.ensure(self.root)
         openlock.acquire(self._lock_key)  # before LMDB maps the index: "open" is exact (openlock.py)
         try:
             reap = getattr(self.bytes, "reap_tmp", None)
@@ -102,6 +104,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, ToolsSurface):
                          "batch_layers_direct": 0, "batch_layers_fallback": 0}
         self._closed = self._closing = False
         self.tier = None  # the shared tier (kvshelf.store.remote), attached by open_store(remote=...)
+        self._init_fulldisk()  # sizes and takes the reserve (reserve.py) now that the index can say what it needs
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Store":
@@ -195,7 +198,9 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, ToolsSurface):
         return self._writer.submit(lambda: self._published(saving.write(self, cap)), cap.nbytes)
 
     def _published(self, info: SnapshotInfo) -> SnapshotInfo:
-        """Local-durable first; then the shared tier (if any) queues it for publishing, never waiting."""
+        """Local-durable first; then the reserve grows with the longest snapshot (a delete of it must fit on a full
+        disk); then the shared tier (if any) queues it for publishing, never waiting."""
+        self._keep_reserve(info.length)
         if self.tier is not None:
             try:
                 self.tier.saved(self.manifest(info.snapshot_id))
@@ -327,6 +332,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, ToolsSurface):
         if result is None:
             raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to delete")
         self._after_drop(*result)
+        self._keep_reserve()  # space was freed: hold back again what the next delete may need
 
     def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
         """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""

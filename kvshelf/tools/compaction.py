@@ -22,6 +22,10 @@ still its session's latest and unchanged (a save that won the race keeps its sna
 its blobs unlinked). Snapshots a live reader holds (leases) are skipped; the old blobs are leased across the swap, so
 a reader that fetched the old manifest just before it still finds every blob it names, and they are only unlinked by
 the ``gc`` of step 5, ``grace`` seconds later. Only the store's public surface is used.
+
+This module is the plan (which snapshots and chunks each step takes, in what order, around which leases, and the
+report); how one snapshot is rewritten at the blob level (dense tables, merged chunks, zstd estimates) is
+``rewriting.py``.
 """
 
 from __future__ import annotations
@@ -31,20 +35,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
-import numpy as np
-import zstandard
-
-from ..errors import CorruptData, KvShelfError, SnapshotNotFound
+from ..errors import CorruptData, SnapshotNotFound
 from ..store import Store, StoreBusy
-from ..store.blobfile import KVZ_MAGIC, Piece, content_hash, storage_dtype
-from ..store.layout import Destinations, fill_from_blob, plan_blobs
-from ..store.manifest import BlobRef, Manifest
+from ..store.manifest import Manifest
 from . import lmdb_files
-from .densify import densify, dropped_blocks, is_dense
-from .shuffle import shuffle, shuffle_itemsize
+from .densify import is_dense
+from .rewriting import (ZSTD_LEVEL, Lost, densify_one, estimate_zstd, merge_one, merge_plan, raw_overhead,
+                        read_snapshot)
 
-ZSTD_LEVEL = 3  # what the store's .kvz writer uses by default
 LEASE_RETRIES = (0.05, 0.1, 0.2, 0.4)  # seconds before leased snapshots are tried again
 
 
@@ -82,63 +80,15 @@ def _disk_bytes(store: Store) -> int:
     return sum(size for _name, size in store.stored_objects()) + lmdb_files.index_bytes(store.root)
 
 
-# --- reading and writing snapshots at the blob level ------------------------------------------------------------------
-def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
-    """Every array of a snapshot, read and verified from its blobs (no codec, no cache object)."""
-    dest = Destinations(list(manifest.entries))
-    for ref in manifest.blobs:
-        with store.open_blob(ref.hash, verify=True) as reader:
-            fill_from_blob(reader, ref, dest)
-    return dest.finish()
-
-
-def _swap(store: Store, old: Manifest, new: Manifest, todo: list[tuple[BlobRef, list[Piece]]]) -> None:
-    """Write the new blobs and swap the manifest (``Store.replace_snapshot``: save gate held, old blobs leased across
-    the swap and left for a later ``gc``). A snapshot replaced or removed meanwhile raises ``_Lost``."""
-    if not store.replace_snapshot(old, new, todo):
-        raise _Lost(f"snapshot {old.snapshot_id} of session {old.session_id!r} was saved again, removed or rewritten "
-                    f"while it was being compacted; left as it is")
-
-
-class _Lost(KvShelfError):
-    pass
-
-
 def _leased(store: Store, manifest: Manifest, leased: set[str]) -> bool:
     return any(r.hash in leased for r in manifest.blobs)
 
 
-# --- step 2: dense block tables -------------------------------------------------------------------------------------
-def _densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
-    """(bytes before, after) of the snapshot's untokened blobs."""
-    before = sum(r.nbytes for r in m.own)
-    if dry_run:
-        after = 0
-        for e in m.entries:
-            for slot in e.tensors:
-                if slot.token_axis is None:
-                    keep = (e.pages.num_blocks - dropped_blocks(e)) if e.pages and e.pages.num_blocks else 1
-                    total = e.pages.num_blocks if e.pages and e.pages.num_blocks else 1
-                    after += slot.nbytes * keep // total
-        return before, after
-    arrays = read_snapshot(store, m)
-    pairs = [densify(e, a) for e, a in zip(m.entries, arrays)]
-    entries, new_arrays = [p[0] for p in pairs], [p[1] for p in pairs]
-    plans = plan_blobs(entries, new_arrays, m.chunk_tokens)
-    chunks, own, todo = [], [], []
-    for plan in plans:
-        ref = BlobRef(content_hash(plan.pieces), plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
-        (own if plan.stop == 0 else chunks).append(ref)
-        todo.append((ref, plan.pieces))
-    new = msgspec.structs.replace(m, entries=entries, chunks=chunks, own=own)
-    _swap(store, m, new, todo)
-    return before, sum(r.nbytes for r in own)
-
-
+# --- step 2: dense block tables (the rewrite itself: rewriting.py) ----------------------------------------------
 def _densify_into(store: Store, m: Manifest, dry_run: bool, step: CompactionStep) -> None:
     try:
-        before, after = _densify_one(store, m, dry_run)
-    except (SnapshotNotFound, CorruptData, _Lost) as exc:  # replaced, evicted or quarantined meanwhile
+        before, after = densify_one(store, m, dry_run)
+    except (SnapshotNotFound, CorruptData, Lost) as exc:  # replaced, evicted or quarantined meanwhile
         step.skipped.append(f"{m.snapshot_id}: {exc}")
         return
     step.count += 1
@@ -152,90 +102,6 @@ def _current(store: Store, m: Manifest) -> Manifest | None:
         return store.manifest(m.snapshot_id)
     except SnapshotNotFound:
         return None
-
-
-# --- step 3: merging undersized chunks --------------------------------------------------------------------------------
-def merge_plan(m: Manifest, refs_of: Callable[[str], int], leased: set[str]) -> list[list[BlobRef]]:
-    """Runs of consecutive chunks to merge: each holds an undersized chunk (fewer than ``chunk_tokens`` tokens),
-    only chunks no other snapshot references, at most ``2 * chunk_tokens`` tokens in all."""
-    bins: list[list[BlobRef]] = []
-    current: list[BlobRef] = []
-
-    def small(r: BlobRef) -> bool:
-        return r.stop - r.start < m.chunk_tokens
-
-    for ref in m.chunks:
-        eligible = refs_of(ref.hash) == 1 and ref.hash not in leased
-        if (current and eligible and (small(ref) or small(current[-1]))
-                and ref.stop - current[0].start <= 2 * m.chunk_tokens):
-            current.append(ref)
-            continue
-        if len(current) > 1:
-            bins.append(current)
-        current = [ref] if eligible else []
-    if len(current) > 1:
-        bins.append(current)
-    return bins
-
-
-def _merged_pieces(store: Store, m: Manifest, group: list[BlobRef]) -> list[Piece]:
-    parts: dict[str, list[np.ndarray]] = {}
-    meta: dict[str, tuple[str, int]] = {}
-    for ref in group:
-        with store.open_blob(ref.hash, verify=True) as reader:
-            bufs = reader.read_into([None] * len(reader.tensors))
-            for t, buf in zip(reader.tensors, bufs):
-                i, j = (int(x) for x in t.name.split(".", 2)[:2])
-                axis = m.entries[i].tensors[j].token_axis
-                if axis is None:
-                    raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} has no token axis")
-                parts.setdefault(t.name, []).append(np.frombuffer(buf, storage_dtype(t.dtype)).reshape(t.shape))
-                meta[t.name] = (t.dtype, axis)
-    pieces = []
-    for name, arrays in parts.items():
-        if len(arrays) != len(group):
-            raise CorruptData(f"chunks {[r.hash for r in group]} do not all hold tensor {name!r}")
-        dtype, axis = meta[name]
-        joined = np.ascontiguousarray(np.concatenate(arrays, axis=axis))
-        pieces.append(Piece(name, dtype, tuple(joined.shape), memoryview(joined).cast("B")))
-    return pieces
-
-
-def _merge_one(store: Store, m: Manifest, bins: list[list[BlobRef]]) -> None:
-    replacement: dict[str, BlobRef] = {}
-    todo = []
-    for group in bins:
-        pieces = _merged_pieces(store, m, group)
-        ref = BlobRef(content_hash(pieces), group[0].start, group[-1].stop, sum(r.nbytes for r in group))
-        todo.append((ref, pieces))
-        replacement[group[0].hash] = ref
-        for r in group[1:]:
-            replacement[r.hash] = None  # type: ignore[assignment]
-    chunks = []
-    for r in m.chunks:
-        if r.hash not in replacement:
-            chunks.append(r)
-        elif replacement[r.hash] is not None:
-            chunks.append(replacement[r.hash])
-    new = msgspec.structs.replace(m, chunks=chunks)
-    _swap(store, m, new, todo)
-
-
-# --- step 4: recompression ---------------------------------------------------------------------------------------
-def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
-    """The bytes a blob's tensor data would take as zstd over byte-shuffled float planes (for ``--dry-run``)."""
-    with store.open_blob(hash_, verify=False) as reader:
-        bufs = reader.read_into([None] * len(reader.tensors))
-        header = reader.data_start
-        cctx = zstandard.ZstdCompressor(level=level)
-        stream = b"".join(shuffle(b, shuffle_itemsize(t.dtype)) for t, b in zip(reader.tensors, bufs))
-    return header + 8 + len(cctx.compress(stream))
-
-
-def _raw_overhead(store: Store, hash_: str) -> int:
-    """The bytes of a blob's safetensors framing (its raw file = framing + payload), for ``--dry-run``."""
-    with store.open_blob(hash_, verify=False) as reader:
-        return reader.data_start - reader.base - (len(KVZ_MAGIC) if reader.compressed else 0)
 
 
 # --- the job -----------------------------------------------------------------------------------------------------
@@ -295,9 +161,9 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
             merged = sum(len(b) for b in bins)
             try:
                 if not dry_run:
-                    _merge_one(store, m, bins)
+                    merge_one(store, m, bins)
                     last_swap = time.monotonic()
-            except (SnapshotNotFound, CorruptData, _Lost) as exc:
+            except (SnapshotNotFound, CorruptData, Lost) as exc:
                 step.skipped.append(f"{m.snapshot_id}: {exc}")
                 continue
             step.count += merged - len(bins)  # files saved
@@ -323,7 +189,7 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
             continue
         try:
             if target is hot:
-                after = meta.nbytes + _raw_overhead(store, h) if dry_run else store.rewrite_blob(h, "raw")
+                after = meta.nbytes + raw_overhead(store, h) if dry_run else store.rewrite_blob(h, "raw")
             elif dry_run:
                 after = estimate_zstd(store, h, level)
                 if after >= meta.stored_bytes:
