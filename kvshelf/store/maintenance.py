@@ -11,6 +11,7 @@ Nothing here imports ``Store``: these functions take the handle and use its room
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections import Counter, defaultdict
 
@@ -26,6 +27,7 @@ from .localbytes import open_object
 from .manifest import ChunkMeta, Manifest, PackMeta, Summary
 from .pack import TOMB_DIR, is_pack, read_trailer
 from .results import Finding, GcReport
+from .tombs import removable_tombs
 
 
 def _manifest_on_disk(store, sid_hex: str, summary: Summary) -> bytes | None:
@@ -275,7 +277,7 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
         if obj is not None:
             candidates.append((name, kind, obj, (store.bytes.size(obj) or 0) if kind != "orphan-manifest" else 0))
     if not candidates:
-        return GcReport(dry_run, [], [], tmp, expired, 0)
+        return _with_tombs(store, GcReport(dry_run, [], [], tmp, expired, 0))
     try:
         gate = store.save_gate(exclusive=True, timeout=10.0)
         gate.__enter__()
@@ -311,7 +313,16 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
         gate.__exit__(None, None, None)
     if not dry_run:
         reserve.ensure(store.root)  # space was freed: hold some back again
-    return GcReport(dry_run, blobs, manifests, tmp, expired, nbytes)
+    return _with_tombs(store, GcReport(dry_run, blobs, manifests, tmp, expired, nbytes))
+
+
+def _with_tombs(store, report: GcReport) -> GcReport:
+    """The tombstones no surviving manifest needs, removed after the objects they guarded (``tombs.py``)."""
+    report = dataclasses.replace(report, tombstones=removable_tombs(store))
+    if not report.dry_run:
+        for name in report.tombstones:
+            store.bytes.delete(name)
+    return report
 
 
 def rebuild_store_index(store, skipped: list[Finding] | None = None) -> int:

@@ -90,6 +90,7 @@ class GcReport:
     expired_leases: int = 0
     bytes: int = 0
     skipped: str = ""
+    tombstones: list[str] = field(default_factory=list)  # tomb/<sid> files no manifest on disk needs any more
 
 
 __all__ = ["SnapshotInfo", "Restored", "PrefixHit", "RestoredBatch", "SessionInfo", "Finding", "GcReport"]

@@ -274,7 +274,8 @@ def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
     report = store.gc(dry_run=dry_run)
     return {"dry_run": report.dry_run, "blobs": len(report.orphan_blobs), "bytes": report.bytes,
             "orphan_blobs": report.orphan_blobs, "orphan_manifests": report.orphan_manifests,
-            "tmp_files": report.tmp_files, "expired_leases": report.expired_leases, "skipped": report.skipped}
+            "tmp_files": report.tmp_files, "expired_leases": report.expired_leases, "skipped": report.skipped,
+            "tombstones": report.tombstones}
 
 
 def remote_admin(remote: str, prefix: str | None = None):
