@@ -283,3 +283,21 @@ def test_leased_objects_answer_for_leases_locks_and_unions(leased, locked, other
     assert set(held | other) == leased | other  # iteration: the published names only
     assert (name in LeasedObjects(leased)) == (name in leased)
 
+
+
+def test_copying_the_index_on_a_full_disk_is_store_full(tmpfs) -> None:
+    """``copy_index`` (compaction's index step) on a full disk: LMDB's DiskError leaves as ``StoreFull``, the store
+    unchanged — never a raw ``lmdb`` error."""
+    mnt = tmpfs("6m")
+    store_dir = mnt / "store"
+    saved = {"f0-a": 560}
+    with sw.open_test_store(store_dir) as store:
+        save(store, "f0-a", 560)
+        (mnt / "index-copy").mkdir()
+        reserve.release(str(store_dir))
+        ballast = fill(mnt)
+        with store.exclusive():
+            with pytest.raises(StoreFull):
+                store.copy_index(str(mnt / "index-copy"))
+        check(store, saved)
+    ballast.unlink()

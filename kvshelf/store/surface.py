@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError, StoreBusy
+import lmdb
+
+from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError, StoreBusy, StoreFull
 from . import inputs, keys, ledger, openlock, restoring
 from . import manifest as mf
 from .blobfile import BlobReader, Piece, content_hash, kvz_buffers, raw_buffers
@@ -369,7 +371,13 @@ class ToolsSurface:
         with ``replace_index``)."""
         if not openlock.is_exclusive(self._lock_key):
             raise StoreBusy("copy_index needs the store held exclusively (use it inside store.exclusive())")
-        self.index.env.copy(target, compact=True)
+        try:
+            self.index.env.copy(target, compact=True)
+        except lmdb.Error as exc:  # a full disk is lmdb.DiskError (ENOSPC): say so, as every other write does
+            if "No space" in str(exc) or isinstance(exc, lmdb.DiskError):
+                raise StoreFull(f"copying the index into {target} failed: the disk is full ({exc}); the store is "
+                                f"unchanged") from exc
+            raise KvShelfError(f"copying the index into {target} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _sid(snapshot_id: str) -> bytes:
