@@ -370,6 +370,9 @@ def _reindex(store, skipped: list[Finding]) -> int:
             except (KvShelfError, OSError) as exc:
                 skipped.append(Finding("rebuild-skipped-manifest", name, f"unreadable: {exc}"))
                 continue
+            if not mf.is_sealed(buf):  # no checksum: a flipped token would be indexed as a true one
+                skipped.append(_unsealed(name, bytes(buf)))
+                continue
             _consider(found, bytes(buf), 0, "", tombs, skipped, what=name)
     ordered = sorted(found.values(), key=lambda item: item[1].created_at)
     for _written, m, pack in ordered:  # oldest first: a session's newest snapshot replaces older ones
@@ -386,6 +389,17 @@ def _reindex(store, skipped: list[Finding]) -> int:
             store.index, txn, m, pack, sizes.get(pack, 0), placed))
     with store.index.read() as txn:
         return txn.stat(store.index.db["manifests"])["entries"]
+
+
+def _unsealed(name: str, raw: bytes) -> Finding:
+    """Why a v1 manifest file was left out: it carries no checksum (the sessions it names are only a hint)."""
+    try:
+        m = mf.decode(raw, Manifest, name)
+        who, where = (m.session_id,), f"{name} (snapshot {m.snapshot_id}, session {m.session_id!r})"
+    except (CorruptData, IncompatibleFormat):
+        who, where = (), name
+    return Finding("rebuild-skipped-manifest", where, "not indexed: an unsealed v1 manifest file (no checksum, so "
+                   "its tokens cannot be trusted; a v2 store seals those agreeing with its index when it opens)", who)
 
 
 def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[str], skipped: list[Finding],

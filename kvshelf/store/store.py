@@ -26,7 +26,7 @@ import msgspec
 from ..codecs import CodecProvider, default_provider
 from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
                       WrongArgumentType)
-from . import inputs, keys, ledger, openlock, reserve, saving
+from . import inputs, keys, ledger, openlock, reserve, saving, sealing
 from . import manifest as mf
 from .backend import put_unsynced
 from .budget import evict_to_budget
@@ -102,6 +102,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, ToolsSurface):
                          "batch_layers_direct": 0, "batch_layers_fallback": 0}
         self._closed = self._closing = False
         self.tier = None  # the shared tier (kvshelf.store.remote), attached by open_store(remote=...)
+        sealing.seal_v1_manifests(self)  # once per index: v1 manifest files get the checksum rebuilds rely on
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Store":
