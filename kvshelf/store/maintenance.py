@@ -4,7 +4,9 @@
 records, sessions, LRU keys, total bytes) and compares, then checks the byte store against the index. ``gc`` removes
 only what the ledger says is dead (``ledger.object_live``) and no live lease holds, under the exclusive save gate (no
 save is between writing its pack and committing it) and LMDB's writer lock. ``rebuild_index`` re-indexes every
-manifest found in a pack trailer (or a v1 manifest file) whose chunks are all present, skipping tombstoned ones.
+manifest found in a pack trailer (or a sealed v1 manifest file whose checksum holds: ``sealing.py``) whose chunks
+are all present, skipping tombstoned ones. verify streams: ``verifying.py`` says how its memory stays bounded and
+why a save or delete committing meanwhile never becomes a finding.
 
 Nothing here imports ``Store``: these functions take the handle and use its rooms (``index``, ``bytes``, ``leases``).
 """
@@ -298,8 +300,9 @@ def gc_store(store, dry_run: bool = True) -> GcReport:
 def rebuild_store_index(store, skipped: list[Finding] | None = None) -> int:
     """Replace the index by one built from the packs' trailers and v1 manifest files (offline: the store held
     ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise). Nothing that fails its
-    checksum or does not decode is indexed; each such object, and each manifest left out (a chunk missing, its
-    session tombstoned), is appended to ``skipped`` as a ``Finding`` saying why."""
+    checksum or does not decode is indexed, nor a v1 manifest file that is not sealed (no checksum to check); each
+    such object, and each manifest left out (a chunk missing, its session tombstoned), is appended to ``skipped``
+    as a ``Finding`` saying why."""
     skipped = [] if skipped is None else skipped
     with store.exclusive():
         store.replace_index(lambda path: shutil.rmtree(path, ignore_errors=True))
