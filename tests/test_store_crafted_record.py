@@ -57,3 +57,36 @@ def test_a_record_whose_shapes_lie_is_corrupt_before_allocation(tmp_path, lie) -
         with pytest.raises(CorruptData, match="does not match its chunks" if lie == "chunk-list-short" else "session .a."):
             store.restore("a")
         assert same_reads(store.restore("b").caches, other)
+
+
+@pytest.mark.parametrize("lie", ["huge-consistent-offset", "chunk-list-short"])
+def test_a_batched_restore_checks_coverage_before_allocating(tmp_path, lie) -> None:
+    """``restore_batch`` checks each row as a single-row restore does before its batch destinations exist. The
+    lies pass the codecs' ``validate`` (the entry agrees with itself), so only the chunk-bytes check can catch them:
+    2^20 declared positions would make the batch allocate 768 MiB (and return zeros), a missing chunk ref would
+    return a silently zero-filled row. MLX's peak memory counts what was allocated."""
+    import mlx.core as mx
+
+    caches, other = make_caches("mla", N, 1), make_caches("mla", N, 2)
+    with open_store(tmp_path / "s", identity=MODEL, chunk_tokens=16) as store:
+        info = store.save("a", list(range(N)), caches)
+        store.save("b", list(range(1000, 1000 + N)), other)
+        if lie == "huge-consistent-offset":
+            big = 1 << 20
+
+            def change(m):
+                e = m.entries[0]
+                slots = [msgspec.structs.replace(t, shape=[1, big, 32], nbytes=big * 32 * 4) for t in e.tensors]
+                return msgspec.structs.replace(m, entries=[msgspec.structs.replace(e, offset=big, tensors=slots),
+                                                           *m.entries[1:]])
+        else:
+            change = lambda m: msgspec.structs.replace(m, chunks=m.chunks[:-1])  # noqa: E731
+        _craft(store, info.snapshot_id, change)
+        mx.eval(mx.zeros((1,)))
+        mx.reset_peak_memory()
+        with pytest.raises(CorruptData, match="does not match its chunks"):
+            store.restore_batch(["b", "a"])
+        assert mx.get_peak_memory() < 1 << 20  # nothing of the batch was allocated (one row alone is 30 KiB)
+        batch = store.restore_batch(["b", "b"])  # the other session is untouched, its leases released
+        assert batch.lengths == [N, N]
+        assert same_reads(store.restore("b").caches, other)

@@ -175,22 +175,47 @@ class Index:
                                         f"the transaction was rolled back and nothing was committed") from exc
                     raise self._error(exc) from exc
 
-    def scan(self, name: str, batch: int = SCAN_BATCH):
-        """Every (key, value) of sub-database ``name`` (not dupsort), read in short transactions of ``batch``
-        records each: memory and reader-slot time stay bounded however large the index (a listing sees each key
-        once, in key order; records committed meanwhile may or may not be seen)."""
+    def scan(self, name: str, batch: int = SCAN_BATCH, *, start: bytes | None = None, stop: bytes | None = None,
+             ids: set[int] | None = None):
+        """Every (key, value) of sub-database ``name`` (not dupsort) with ``start <= key < stop``, read in short
+        transactions of ``batch`` records each: memory and reader-slot time stay bounded however large the index
+        (a listing sees each key once, in key order; records committed meanwhile may or may not be seen). Each
+        batch's transaction id is added to ``ids``: one id for a whole listing means nothing was committed
+        between its batches, so it saw one consistent snapshot."""
+        for _txn, txn_id, rows in self._batches(name, batch, start, stop, hold=False):
+            if ids is not None:
+                ids.add(txn_id)
+            yield from rows
+
+    def batches(self, name: str, batch: int = SCAN_BATCH, *, start: bytes | None = None,
+                stop: bytes | None = None):
+        """``scan``'s batches as ``(txn, rows)``, each yielded while its read transaction is still open, so the
+        caller checks the rows against other tables in that same consistent snapshot (``txn.id()`` names it);
+        the transaction ends when the caller asks for the next batch."""
+        for txn, _txn_id, rows in self._batches(name, batch, start, stop, hold=True):
+            yield txn, rows
+
+    def _batches(self, name: str, batch: int, start: bytes | None, stop: bytes | None, hold: bool):
         after: bytes | None = None
         while True:
             with self.read() as txn:
                 cur = txn.cursor(db=self.db[name])
-                ok = cur.set_range(after) if after is not None else cur.first()
+                seek = after if after is not None else start
+                ok = cur.set_range(seek) if seek else cur.first()
                 rows = []
                 while ok and len(rows) < batch:
                     key = bytes(cur.key())
+                    if stop is not None and key >= stop:
+                        ok = False
+                        break
                     if key != after:
                         rows.append((key, bytes(cur.value())))
                     ok = cur.next()
-            yield from rows
+                txn_id = txn.id()
+                if hold and rows:
+                    yield txn, txn_id, rows
+            if not hold and rows:
+                yield None, txn_id, rows
             if not ok or not rows:
                 return
             after = rows[-1][0]

@@ -4,7 +4,9 @@
 records and heads of every session's current snapshot, sessions, LRU keys, total bytes) and compares, then checks the byte store against the index. ``gc`` removes
 only what the ledger says is dead (``ledger.object_live``) and no live lease holds, under the exclusive save gate (no
 save is between writing its pack and committing it) and LMDB's writer lock. ``rebuild_index`` re-indexes every
-manifest found in a pack trailer (or a v1 manifest file) whose chunks are all present, skipping tombstoned ones.
+manifest found in a pack trailer (or a sealed v1 manifest file whose checksum holds: ``sealing.py``) whose chunks
+are all present, skipping tombstoned ones. verify streams: ``verifying.py`` says how its memory stays bounded and
+why a save or delete committing meanwhile never becomes a finding.
 
 Nothing here imports ``Store``: these functions take the handle and use its rooms (``index``, ``bytes``, ``leases``).
 """
@@ -13,21 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections import Counter, defaultdict
+import time
 
 import msgspec
 import numpy as np
 
 from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
-from . import keys, ledger, records, reserve
+from . import keys, ledger, records, reserve, verifying
 from .evidence import quarantined_objects
 from . import manifest as mf
 from .backend import ObjectMissing, put_unsynced
 from .localbytes import open_object
-from .manifest import ChunkMeta, Manifest, PackMeta, Summary
+from .manifest import Manifest, Summary
 from .pack import TOMB_DIR, is_pack, read_trailer
 from .results import Finding, GcReport
 from .tombs import removable_tombs
+
+ORPHAN_LOOKS = 3  # looks at a crash-residue candidate under the save gate before verify reports it
 
 
 def _manifest_on_disk(store, sid_hex: str, summary: Summary) -> bytes | None:
@@ -56,8 +60,8 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
     return out
 
 
-def _quarantine_findings(store, txn, out: list[Finding]) -> None:
-    for key, raw in txn.cursor(db=store.index.db["quarantine"]):
+def _quarantine_findings(store, out: list[Finding]) -> None:
+    for key, raw in store.index.scan("quarantine"):
         session = keys.session_of_key(key)
         try:
             sid_hex, reason, *_objects = msgspec.msgpack.decode(raw)
@@ -69,151 +73,136 @@ def _quarantine_findings(store, txn, out: list[Finding]) -> None:
 
 
 def _verify(store, deep: bool, out: list[Finding]) -> None:
+    """Streamed (``verifying`` says how memory stays bounded and why a concurrent commit invents nothing): the
+    manifests in batches, each checked against its other records inside its batch's read transaction and any
+    finding re-checked in a fresh one; then session pointers; then the counts (``verifying.check_counts``); then
+    crash residue, confirmed under the exclusive save gate."""
     db = store.index.db
-    users: defaultdict[str, set[str]] = defaultdict(set)
-    refs: Counter[str] = Counter()
-    manifests_in: Counter[str] = Counter()
-    prefix_records = heads = 0
-    with store.index.read() as txn:
-        manifests: set[bytes] = set()  # ids only: each manifest is checked as the cursor reaches it, then dropped
+    residue = _orphans(store, store._leased_objects())  # listed first, confirmed last (_confirmed_orphans)
+    _quarantine_findings(store, out)
+    tally = verifying.Tally(verifying.partitions(store.index))
+    for txn, rows in store.index.batches("manifests", verifying.VERIFY_BATCH):
+        tally.txn_ids.add(txn.id())
+        tally.manifests += len(rows)
         prefix_cur = txn.cursor(db=db["prefix"])
-        _quarantine_findings(store, txn, out)
-        for sid, raw in txn.cursor(db=db["manifests"]):
-            sid = bytes(sid)
-            manifests.add(sid)
-            try:
-                m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
-            except (CorruptData, IncompatibleFormat) as exc:
-                try:
-                    who = (mf.decode(txn.get(sid, db=db["summaries"]) or b"", Summary, "summary").session_id,)
-                except CorruptData:
-                    who = ()
-                out.append(Finding("bad-manifest", f"snapshot {sid.hex()}"
-                                   + (f" (session {who[0]!r})" if who else ""), str(exc), who))
-                continue
-            where = f"snapshot {sid.hex()} (session {m.session_id!r})"
-            mine = len(out)
-            idk, nsk, skey = keys.manifest_keys(m)
-            raw = txn.get(sid, db=db["summaries"])
-            if raw is None:
-                out.append(Finding("missing-summary", where, "no summary record", (m.session_id,)))
-                continue
-            try:
-                s = mf.decode(raw, Summary, "summary")
-            except CorruptData as exc:
-                out.append(Finding("bad-summary", where, str(exc), (m.session_id,)))
-                continue
-            if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
-                out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
-            toks = txn.get(sid, db=db["tokens"])
-            try:
-                same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"),
-                                                           np.asarray(m.tokens, "<i8"))
-            except CorruptData:
-                same = False
-            if not same:
-                out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest (or fail their "
-                                                          "checksum)"))
-            if txn.get(skey, db=db["sessions"]) != sid:
-                out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
-            else:  # the session's head: its records are in the table (records.py), a stale snapshot's are not
-                n, problems = records.check_head(store.index, txn, prefix_cur, skey, sid, np.asarray(m.tokens, "<i8"))
-                heads, prefix_records = heads + 1, prefix_records + n
-                out.extend(Finding("prefix-drift", where, p) for p in problems)
-            if txn.get(keys.lru_key(idk, s.last_used_ns, sid), db=db["lru"]) is None:
-                out.append(Finding("lru-drift", where, "no LRU record"))
-            if s.pack:
-                manifests_in[s.pack] += 1
-            on_disk = _manifest_on_disk(store, sid.hex(), s)
-            if on_disk is None:
-                out.append(Finding("missing-manifest-file", where, "its manifest is on disk in no pack or file"))
-            elif deep:
-                try:
-                    same = mf.decode(on_disk, Manifest, "manifest on disk") == m
-                except (CorruptData, IncompatibleFormat):
-                    same = False
-                if not same:
-                    out.append(Finding("manifest-file-drift", where, "the manifest on disk differs from the index"))
-            for h in {r.hash for r in m.blobs}:
-                refs[h] += 1
-                users[h].add(m.session_id)
-            out[mine:] = [Finding(f.kind, f.where, f.detail, (m.session_id,)) for f in out[mine:]]
-        n_prefix = txn.stat(db["prefix"])["entries"]
-        if n_prefix != prefix_records:
-            out.append(Finding("prefix-drift", "prefix index", f"{n_prefix} records, manifests imply {prefix_records}"))
-        out.extend(Finding("prefix-drift", "prefix heads", p) for p in records.check_heads(store.index, txn, heads,
-                                                                                           manifests))
-        n_lru = txn.stat(db["lru"])["entries"]
-        if n_lru != len(manifests):
-            out.append(Finding("lru-drift", "lru index", f"{n_lru} records for {len(manifests)} snapshots"))
-        for key, sid in txn.cursor(db=db["sessions"]):
-            if bytes(sid) not in manifests:
-                out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {bytes(sid).hex()}"))
-        chunks: dict[str, ChunkMeta] = {}
-        for key, raw in txn.cursor(db=db["chunks"]):
-            try:
-                chunks[bytes(key).hex()] = mf.decode(raw, ChunkMeta, "chunk record")
-            except CorruptData as exc:
-                out.append(Finding("bad-chunk-record", f"blob {bytes(key).hex()}", str(exc)))
-        packs: dict[str, PackMeta] = {}
-        for key, raw in txn.cursor(db=db["packs"]):
-            name = bytes(key).decode("utf-8", "replace")
-            try:
-                packs[name] = mf.decode(raw, PackMeta, f"pack record {name}")
-            except CorruptData as exc:
-                out.append(Finding("bad-pack-record", f"pack {name}", str(exc)))
-        total = store.index.meta_int(txn, b"total_bytes")
-    leased_objects = store._leased_objects()
-    for h, n in refs.items():
-        meta = chunks.get(h)
-        if meta is None:
-            out.append(Finding("refcount-drift", f"blob {h}", f"referenced by {n} snapshots but has no record",
-                               tuple(sorted(users.get(h, ())))))
-        elif meta.refs != n:
-            out.append(Finding("refcount-drift", f"blob {h}", f"refcount {meta.refs}, referenced by {n}"))
-    live = defaultdict(lambda: [0, 0])
-    for h, meta in chunks.items():
-        if h not in refs:
-            out.append(Finding("refcount-drift", f"blob {h}", f"refcount {meta.refs} but no snapshot references it"))
-        name, offset, length = keys.location(h, meta)
-        size = store.bytes.size(name)
-        if size is None:
-            out.append(Finding("missing-blob", f"blob {h}", f"its object {name} is missing",
-                               tuple(sorted(users.get(h, ())))))
-            continue
-        if meta.pack:
-            live[meta.pack][0] += 1
-            live[meta.pack][1] += meta.stored_bytes
-            if offset + meta.stored_bytes > size:
-                out.append(Finding("size-drift", f"blob {h}", f"lies past the end of {name} ({size} bytes)"))
-        elif size != meta.stored_bytes:
-            out.append(Finding("size-drift", f"blob {h}", f"file is {meta.encoding} {size} bytes, "
-                                                          f"index says {meta.stored_bytes}"))
-        if deep:
-            try:
-                with store.open_blob(h, verify=True) as reader:
-                    reader.read_into([None] * len(reader.tensors))
-            except (KvShelfError, ObjectMissing, OSError) as exc:
-                out.append(Finding("corrupt-blob", f"blob {h}", str(exc), tuple(sorted(users.get(h, ())))))
-    for name, pm in packs.items():
-        if (pm.live_chunks, pm.live_bytes, pm.manifests) == (0, 0, 0) and name not in live and \
-                name not in manifests_in:
-            continue  # emptied and unlinked; the next write transaction forgets the record
-        want = live.get(name, [0, 0])
-        if (pm.live_chunks, pm.live_bytes, pm.manifests) != (want[0], want[1], manifests_in.get(name, 0)):
-            out.append(Finding("pack-drift", f"pack {name}", f"record says {pm.live_chunks} chunks / "
-                                                              f"{pm.live_bytes} bytes / {pm.manifests} manifests, "
-                                                              f"the index implies {want[0]} / {want[1]} / "
-                                                              f"{manifests_in.get(name, 0)}"))
-    for name in set(live) | set(manifests_in):
-        if name not in packs:
-            out.append(Finding("pack-drift", f"pack {name}", "referenced but has no pack record"))
-    if total != sum(m.stored_bytes for m in chunks.values()):
-        out.append(Finding("total-drift", "meta", f"total_bytes {total}, chunk records sum to "
-                                                  f"{sum(m.stored_bytes for m in chunks.values())}"))
-    for name, kind in _orphans(store, leased_objects):
+        suspects = []
+        for sid, raw in rows:
+            found = _check_manifest(store, txn, prefix_cur, sid, raw, deep, tally)
+            if found:
+                suspects.append((sid, found))
+        for sid, found in suspects:  # after the batch's transaction: again from a fresh read of the snapshot
+            out.extend(_recheck_manifest(store, sid, deep, found))
+    for txn, rows in store.index.batches("sessions", verifying.VERIFY_BATCH):
+        for key, sid in rows:
+            if txn.get(sid, db=db["manifests"]) is None:
+                out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {sid.hex()}"))
+    for txn, rows in store.index.batches("heads", verifying.VERIFY_BATCH):  # one head per session, each indexed
+        tally.head_records += len(rows)
+        for lineage, sid in rows:
+            if txn.get(sid, db=db["manifests"]) is None:
+                out.append(Finding("prefix-drift", "prefix heads",
+                                   f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
+    verifying.check_counts(store, deep, tally, out)
+    for name, kind in _confirmed_orphans(store, residue):
         out.append(Finding(kind, f"{'manifest' if kind == 'orphan-manifest' else 'blob'} {name}",
                            "not indexed (crash residue: run gc)"))
+
+
+def _recheck_manifest(store, sid: bytes, deep: bool, found: list[Finding]) -> list[Finding]:
+    """The findings of one snapshot that hold again in a fresh read transaction (its pack may have been unlinked
+    after a delete committed, or its manifest rewritten by compaction, since the batch was read)."""
+    with store.index.read() as txn:
+        raw = txn.get(sid, db=store.index.db["manifests"])
+        again = [] if raw is None else _check_manifest(store, txn, txn.cursor(db=store.index.db["prefix"]), sid,
+                                                       raw, deep, None)
+    first = {(f.kind, f.where) for f in found}
+    return [f for f in again if (f.kind, f.where) in first]
+
+
+def _check_manifest(store, txn, prefix_cur, sid: bytes, raw: bytes, deep: bool, tally) -> list[Finding]:
+    """Every finding about one snapshot, read in ``txn``; counts it into ``tally`` (None: a re-check)."""
+    db = store.index.db
+    out: list[Finding] = []
+    try:
+        m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+    except (CorruptData, IncompatibleFormat) as exc:
+        try:
+            who = (mf.decode(txn.get(sid, db=db["summaries"]) or b"", Summary, "summary").session_id,)
+        except CorruptData:
+            who = ()
+        return [Finding("bad-manifest", f"snapshot {sid.hex()}" + (f" (session {who[0]!r})" if who else ""),
+                        str(exc), who)]
+    where = f"snapshot {sid.hex()} (session {m.session_id!r})"
+    idk, nsk, skey = keys.manifest_keys(m)
+    raw = txn.get(sid, db=db["summaries"])
+    if raw is None:
+        return [Finding("missing-summary", where, "no summary record", (m.session_id,))]
+    try:
+        s = mf.decode(raw, Summary, "summary")
+    except CorruptData as exc:
+        return [Finding("bad-summary", where, str(exc), (m.session_id,))]
+    if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
+        out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
+    toks = txn.get(sid, db=db["tokens"])
+    try:
+        same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"), np.asarray(m.tokens, "<i8"))
+    except CorruptData:
+        same = False
+    if not same:
+        out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest (or fail their checksum)"))
+    if txn.get(skey, db=db["sessions"]) != sid:
+        out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
+    if txn.get(keys.lru_key(idk, s.last_used_ns, sid), db=db["lru"]) is None:
+        out.append(Finding("lru-drift", where, "no LRU record"))
+    n_records = 0
+    if txn.get(skey, db=db["sessions"]) == sid:  # the session's head: its records are in the table (records.py)
+        n_records, problems = records.check_head(store.index, txn, prefix_cur, skey, sid, np.asarray(m.tokens, "<i8"),
+                                                 store.block)
+        out.extend(Finding("prefix-drift", where, p) for p in problems)
+    if tally is not None:
+        tally.count(m, s, n_records, head=txn.get(skey, db=db["sessions"]) == sid)
+    on_disk = _manifest_on_disk(store, sid.hex(), s)
+    if on_disk is None:
+        out.append(Finding("missing-manifest-file", where, "its manifest is on disk in no pack or file"))
+    else:
+        if not s.pack and not mf.is_sealed(on_disk):
+            out.append(Finding("unsealed-manifest-file", where, "its v1 manifest file carries no checksum (it "
+                                                                "disagreed with the index when the store was "
+                                                                "sealed): rebuild_index would leave it out"))
+        if deep:
+            try:
+                same = mf.decode(on_disk, Manifest, "manifest on disk") == m
+            except (CorruptData, IncompatibleFormat):
+                same = False
+            if not same:
+                out.append(Finding("manifest-file-drift", where, "the manifest on disk differs from the index"))
+    return [Finding(f.kind, f.where, f.detail, (m.session_id,)) for f in out]
+
+
+def _confirmed_orphans(store, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The orphans listed before verify's passes that are still dead, unleased and present after them, under the
+    exclusive save gate — where no save sits between writing its pack and committing it (a pack being saved is no
+    crash residue). An object that was dead at the listing only because a save or delete had just committed and
+    was about to unlink what it freed has been unlinked by then (the whole verify lies between the two looks):
+    what remains has no remover. A gate kept busy by saves for 10 s leaves them unconfirmed and unreported this
+    round (``gc`` skips its sweep the same way). Residue must survive ``ORPHAN_LOOKS`` such looks: a remover
+    stalled longer than the whole verify plus those looks would still be reported (what ``gc`` would reclaim)."""
+    for look in range(ORPHAN_LOOKS):
+        if not found:
+            return []
+        if look:
+            time.sleep(0.05 * look)  # a remover descheduled right after its commit gets a moment to unlink
+        try:
+            with store.save_gate(exclusive=True, timeout=10.0):
+                leased = store._leased_objects()
+                with store.index.read() as txn:
+                    kept = leased | quarantined_objects(store.index, txn)
+                    found = [(name, kind) for name, kind in found
+                             if (obj := _object_of(store, name, kind)) is not None and obj not in kept
+                             and not ledger.object_live(store.index, txn, obj) and store.bytes.exists(obj)]
+        except StoreBusy:
+            return []
+    return found
 
 
 def _orphans(store, leased: set[str]) -> list[tuple[str, str]]:
@@ -328,8 +317,9 @@ def _with_tombs(store, report: GcReport) -> GcReport:
 def rebuild_store_index(store, skipped: list[Finding] | None = None) -> int:
     """Replace the index by one built from the packs' trailers and v1 manifest files (offline: the store held
     ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise). Nothing that fails its
-    checksum or does not decode is indexed; each such object, and each manifest left out (a chunk missing, its
-    session tombstoned), is appended to ``skipped`` as a ``Finding`` saying why."""
+    checksum or does not decode is indexed, nor a v1 manifest file that is not sealed (no checksum to check); each
+    such object, and each manifest left out (a chunk missing, its session tombstoned), is appended to ``skipped``
+    as a ``Finding`` saying why."""
     skipped = [] if skipped is None else skipped
     with store.exclusive():
         store.replace_index(lambda path: shutil.rmtree(path, ignore_errors=True))
@@ -381,6 +371,9 @@ def _reindex(store, skipped: list[Finding]) -> int:
             except (KvShelfError, OSError) as exc:
                 skipped.append(Finding("rebuild-skipped-manifest", name, f"unreadable: {exc}"))
                 continue
+            if not mf.is_sealed(buf):  # no checksum: a flipped token would be indexed as a true one
+                skipped.append(_unsealed(name, bytes(buf)))
+                continue
             _consider(found, bytes(buf), 0, "", tombs, skipped, what=name)
     ordered = sorted(found.values(), key=lambda item: item[1].created_at)
     for _written, m, pack in ordered:  # oldest first: a session's newest snapshot replaces older ones
@@ -397,6 +390,17 @@ def _reindex(store, skipped: list[Finding]) -> int:
             store.index, txn, m, pack, sizes.get(pack, 0), placed))
     with store.index.read() as txn:
         return txn.stat(store.index.db["manifests"])["entries"]
+
+
+def _unsealed(name: str, raw: bytes) -> Finding:
+    """Why a v1 manifest file was left out: it carries no checksum (the sessions it names are only a hint)."""
+    try:
+        m = mf.decode(raw, Manifest, name)
+        who, where = (m.session_id,), f"{name} (snapshot {m.snapshot_id}, session {m.session_id!r})"
+    except (CorruptData, IncompatibleFormat):
+        who, where = (), name
+    return Finding("rebuild-skipped-manifest", where, "not indexed: an unsealed v1 manifest file (no checksum, so "
+                   "its tokens cannot be trusted; a v2 store seals those agreeing with its index when it opens)", who)
 
 
 def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[str], skipped: list[Finding],

@@ -1,7 +1,7 @@
 """What the index keeps about each snapshot and chunk: msgspec Structs, stored as msgpack.
 
-The full ``Manifest`` is also written next to the blobs (``blobs/manifests/<id>.msgpack``) so that the index can be
-rebuilt from the blob directory alone. ``Summary`` is the small per-snapshot record lookups and eviction read; the
+The full ``Manifest`` is also written beside the chunks (in its pack's trailer; layout v1: ``blobs/manifests/<id>.msgpack``,
+sealed by ``sealing.py`` when a v2 store opens it) so that the index can be rebuilt from the objects alone. ``Summary`` is the small per-snapshot record lookups and eviction read; the
 manifest proper (with every cache entry) is decoded only on restore.
 """
 
@@ -125,6 +125,11 @@ def encode(obj: Struct) -> bytes:
     return bytes([_SEALED]) + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
 
 
+def is_sealed(data: bytes | memoryview) -> bool:
+    """Whether a record carries the seal (tag byte + checksum); bare v1 msgpack does not."""
+    return len(data) > 0 and data[0] == _SEALED
+
+
 def unseal(data: bytes | memoryview, what: str) -> bytes | memoryview:
     """The msgpack body of a record: checksum checked for sealed (v2) records, v1 records passed as they are."""
     if len(data) and data[0] == _SEALED:
@@ -166,5 +171,5 @@ def decode(data: bytes | memoryview, kind: type, what: str):
     return obj
 
 
-__all__ = ["BlobRef", "Manifest", "Summary", "ChunkMeta", "PackMeta", "Lease", "unseal", "encode", "decode",
+__all__ = ["BlobRef", "Manifest", "Summary", "ChunkMeta", "PackMeta", "Lease", "unseal", "is_sealed", "encode", "decode",
            "seal_tokens", "tokens_of", "MANIFEST_VERSION"]

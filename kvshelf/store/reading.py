@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, SnapshotNotFound
 from . import inputs, restoring
-from .layout import BatchDestinations, fill_from_blob
+from .layout import BatchDestinations, fill_from_blob, slot_index
 from .leasing import Gone, Stale
 from .manifest import Manifest
 from .results import PrefixHit, Restored, RestoredBatch
@@ -112,11 +112,15 @@ class ReadingMixin:
             codecs.append(codec)
             plan_of = getattr(codec, "batch_plan", None)  # a foreign codec may have no direct path
             plans.append(plan_of(entries) if plan_of is not None else None)
-        dest = BatchDestinations(plans, [r.entries for r in reads])
         objects = restoring.Objects(self.bytes)
         try:
+            # every row's chunk headers first, each row checked as a single-row restore checks it (Σ bytes its
+            # chunks bring to each slot = the bytes the slot declares): a record whose shapes disagree with its
+            # chunks is CorruptData before the batch allocates a single destination (which could be huge)
+            readers = [self._open_chunks(read, objects, also=[r for r in reads if r is not read]) for read in reads]
+            dest = BatchDestinations(plans, [r.entries for r in reads])
             for b, read in enumerate(reads):
-                self._fill(read, dest.row(b), objects, also=[r for r in reads if r is not read])
+                self._fill(read, dest.row(b), readers[b], also=[r for r in reads if r is not read])
         finally:
             objects.close()
         caches = []
@@ -219,12 +223,28 @@ class ReadingMixin:
                 manifest = self.manifest(manifest.snapshot_id)
         raise AssertionError("unreachable")
 
-    def _fill(self, read: restoring.Read, dest, objects: restoring.Objects, also: Sequence = ()) -> None:
-        """Read every needed chunk into ``dest`` (the batched path); a chunk failing verification releases this
-        read's lease (and those of ``also``), quarantines the snapshot and raises ``CorruptData``."""
-        for ref in read.needed:
+    def _open_chunks(self, read: restoring.Read, objects: restoring.Objects, also: Sequence = ()) -> list:
+        """The readers of every chunk ``read`` needs (headers only: no tensor byte yet), after the single-row
+        path's own coverage check (``restoring.check_coverage``, reused as it is) on them. A missing or damaged
+        chunk, or a record whose slots its chunks do not exactly fill, releases the leases of ``read`` and
+        ``also``, quarantines the snapshot and raises ``CorruptData`` — as a single-row restore of it would."""
+        readers, ref = [], None
+        try:
+            for ref in read.needed:
+                readers.append(objects.chunk(ref, read.where[ref.hash], self.verify_reads))
+            ref = None
+            restoring.check_coverage(read, _coverage_slots(read, readers), readers)
+        except CorruptData as exc:
+            self._corrupt(read, exc, ref, also)
+        return readers
+
+    def _fill(self, read: restoring.Read, dest, readers: list, also: Sequence = ()) -> None:
+        """Read every needed chunk (``readers``, from ``_open_chunks``) into ``dest`` (the batched path); a chunk
+        failing verification releases this read's lease (and those of ``also``), quarantines the snapshot and
+        raises ``CorruptData``."""
+        for ref, reader in zip(read.needed, readers):
             try:
-                with objects.chunk(ref, read.where[ref.hash], self.verify_reads) as reader:
+                with reader:
                     self.counters["bytes_read"] += fill_from_blob(reader, ref, dest)
                     self.counters["blobs_read"] += 1
             except CorruptData as exc:
@@ -249,6 +269,19 @@ class ReadingMixin:
         if read.lease is not None:
             lease, read.lease = read.lease, None
             self._release(lease, bytes.fromhex(read.manifest.snapshot_id) if read.ok else None, read.needed)
+
+
+def _coverage_slots(read: restoring.Read, readers: list) -> list:
+    """Per layer and slot of ``read.entries`` the single-row path's destination record (``restoring._Slot``) with
+    the chunk tensors that fill it, which is what ``check_coverage`` compares; a tensor naming no slot is corrupt."""
+    slots = [[restoring._Slot(i, j, s) for j, s in enumerate(e.tensors)] for i, e in enumerate(read.entries)]
+    for c, (ref, reader) in enumerate(zip(read.needed, readers)):
+        for k, t in enumerate(reader.tensors):
+            i, j = slot_index(t.name)
+            if i >= len(slots) or j >= len(slots[i]):
+                raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} names no slot of this snapshot")
+            slots[i][j].pieces.append((c, ref, k))
+    return slots
 
 
 __all__ = ["ReadingMixin"]

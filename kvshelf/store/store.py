@@ -27,7 +27,7 @@ import msgspec
 from ..codecs import CodecProvider, default_provider
 from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
                       WrongArgumentType)
-from . import inputs, keys, ledger, objlocks, openlock, saving
+from . import inputs, keys, ledger, objlocks, openlock, saving, sealing
 from . import manifest as mf
 from .backend import put_unsynced
 from .budget import evict_to_budget
@@ -105,6 +105,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         self._closed = self._closing = False
         self.tier = None  # the shared tier (kvshelf.store.remote), attached by open_store(remote=...)
         self._init_fulldisk()  # sizes and takes the reserve (reserve.py) now that the index can say what it needs
+        sealing.seal_v1_manifests(self)  # once per index: v1 manifest files get the checksum rebuilds rely on
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Store":
