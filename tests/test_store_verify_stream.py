@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,12 +121,28 @@ def test_verify_invents_nothing_while_another_process_saves_and_deletes(tmp_path
         with sw.open_test_store(root) as store:
             while _progress(progress) < 3 and proc.poll() is None:  # the writer is running and committing
                 store.verify()
-            overlapped, before = 0, _progress(progress)
-            for _ in range(40):
+            overlapped = [0]
+
+            def a_commit_lands_now() -> None:  # between two of verify's batches: wait for the writer's next commit
+                if overlapped[0] >= n_verifies[0]:
+                    return  # once per verify (its first batch boundary)
                 start = _progress(progress)
-                assert store.verify(deep=True) == []
-                overlapped += _progress(progress) > start  # the writer committed while this verify ran
-            assert overlapped >= 5 and _progress(progress) > before, (overlapped, before, _progress(progress))
+                for _ in range(6000):
+                    if _progress(progress) > start or proc.poll() is not None:
+                        break
+                    time.sleep(0.01)
+                assert _progress(progress) > start, f"the writer made no commit in 60 s: {proc.poll()}"
+                overlapped[0] += 1
+
+            n_verifies = [0]
+            verifying.AFTER_BATCH.append(a_commit_lands_now)
+            try:
+                for _ in range(40):
+                    n_verifies[0] += 1
+                    assert store.verify(deep=True) == []
+            finally:
+                verifying.AFTER_BATCH.remove(a_commit_lands_now)
+            assert overlapped[0] == 40  # every verify had a commit land between two of its batches
             # real damage planted while the writer runs is still found, and only it: a chunk only f0-v-0 uses
             mine = store.manifest(next(s.snapshot_id for s in store.sessions() if s.session_id == "f0-v-0"))
             victim = mine.chunks[-1].hash

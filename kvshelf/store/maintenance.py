@@ -92,6 +92,7 @@ def _verify(store, deep: bool, out: list[Finding]) -> None:
                 suspects.append((sid, found))
         for sid, found in suspects:  # after the batch's transaction: again from a fresh read of the snapshot
             out.extend(_recheck_manifest(store, sid, deep, found))
+        verifying.after_batch()
     for txn, rows in store.index.batches("sessions", verifying.VERIFY_BATCH):
         for key, sid in rows:
             if txn.get(sid, db=db["manifests"]) is None:

@@ -37,6 +37,13 @@ from .results import Finding
 
 COUNT_LIMIT = 1 << 18  # chunk hashes counted per pass over the manifests (the refcount pass's memory bound)
 VERIFY_BATCH = 256  # records per read transaction
+AFTER_BATCH: list = []  # test seam: callables run between two manifest batches (none outside tests)
+
+
+def after_batch() -> None:
+    """Run the seam's hooks: lets a test make another process commit exactly between two of verify's batches."""
+    for hook in list(AFTER_BATCH):
+        hook()
 
 
 @dataclass
