@@ -1,4 +1,4 @@
-"""Pieces every cache class shares: the cache-wide reuse floor and row membership through row states.
+"""Pieces every cache class shares: the edit epoch, the cache-wide reuse floor and row membership through row states.
 
 ``merge_rows`` and ``extract_row`` are the same everywhere a cache can export and import one row
 (``row_state`` / ``merge_row_states``); only the checks on a source and what an empty source contributes differ.
@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,8 +14,33 @@ from ..errors import InvalidCacheState
 from .rows import non_negative
 
 
+_EPOCHS = itertools.count(1)
+
+
+class EditEpoch:
+    """``kvshelf_epoch``: a value that changes on every operation that may alter a stored position below the
+    current offset (trim, rollback, relayout, row filter/merge/adopt, setters, dispose...), and stays the same
+    across pure appends at the end (the ``EditEpoch`` protocol in ``contracts.py``).
+
+    Why: the store re-hashes only the chunks of a grown session that it cannot prove unchanged since the session's
+    last save, and this is the proof the cache gives. Epochs come from one process-wide counter, so a value is
+    never reused, by this cache or any other (``_take_contents_of`` copying another cache's dict stays safe).
+    A redundant bump costs one skipped reuse; a missing one would store stale bytes, so methods bump when in doubt.
+    """
+
+    _epoch = 0
+
+    @property
+    def kvshelf_epoch(self) -> int:
+        return self._epoch
+
+    def _edited(self) -> None:
+        self._epoch = next(_EPOCHS)
+
+
 class ReuseFloor:
-    """``minimum_reusable_offset`` held as one validated int in ``_minimum``."""
+    """``minimum_reusable_offset`` held as one validated int in ``_minimum`` (setting it is an edit for caches
+    with an epoch; ``PagedLatentCache``, ``RotatingKVCache`` and ``ArraysCache`` have none)."""
 
     _minimum: int
 
@@ -25,6 +51,9 @@ class ReuseFloor:
     @minimum_reusable_offset.setter
     def minimum_reusable_offset(self, value: int) -> None:
         self._minimum = non_negative(value, "minimum_reusable_offset")
+        edited = getattr(self, "_edited", None)
+        if edited is not None:
+            edited()
 
 
 def describe(source: object) -> str:
@@ -57,4 +86,4 @@ def extract_one_row(cache: Any, row: int) -> Any:
     return out
 
 
-__all__ = ["ReuseFloor", "describe", "extract_one_row", "source_row_states"]
+__all__ = ["EditEpoch", "ReuseFloor", "describe", "extract_one_row", "source_row_states"]

@@ -100,6 +100,37 @@ class BatchableCache(Cache, Protocol):
 
 
 @runtime_checkable
+class EditEpoch(Protocol):
+    """A cache that can say "nothing below my offset changed since you last looked".
+
+    ``kvshelf_epoch`` (an int) changes on EVERY operation that may alter a stored position below the current
+    offset — trim, speculative rollback, prefill padding, row filter / merge / extract into / adopt / restore,
+    ``extend``, assigning ``keys`` / ``values`` / ``minimum_reusable_offset``, an encoded row converting (its
+    shadow leaves), dispose — and stays the same across appends at the end. Values come from one process-wide
+    counter and are never reused. The store uses it to reuse a grown session's chunk hashes (``store/unchanged.py``),
+    so a missing bump would store stale bytes: when in doubt a method bumps.
+
+    Not covered: writes into arrays a cache hands out (``state``, ``keys``, ``values`` of ``KVCache`` are its
+    buffers) made by item assignment outside the cache. Writes must go through the cache's methods or setters.
+    Implemented by ``MLACache``, ``EncodedLatentCache`` and the token-axis key/value legos (``KVCache``,
+    ``QuantizedKVCache``, ``TurboQuantKVCache``). Paged, rotating and arrays caches store no token axis (the store
+    always hashes them whole) and do not implement it; neither do mlx-lm's classes.
+    """
+
+    @property
+    def kvshelf_epoch(self) -> int: ...
+
+
+def edit_epoch(cache: object) -> int | None:
+    """The cache's ``kvshelf_epoch``, or None when it does not implement the protocol (mlx-lm's classes, ...)."""
+    epoch = getattr(type(cache), "kvshelf_epoch", None)
+    if epoch is None:
+        return None
+    value = getattr(cache, "kvshelf_epoch")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@runtime_checkable
 class SpeculativeTransaction(Protocol):
     """A verify window appended after ``spec_round_begin`` keeps ``keep`` (int or per row) of its positions."""
 
@@ -129,6 +160,8 @@ __all__ = [
     "LatentAttentionState",
     "Cache",
     "BatchableCache",
+    "EditEpoch",
+    "edit_epoch",
     "SpeculativeTransaction",
     "PaddedPrefillCache",
     "LatentAttentionCache",

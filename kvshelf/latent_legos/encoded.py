@@ -106,6 +106,7 @@ class EncodedLatentCache(RightJustifiedRows):
         value = non_negative(value, "minimum_reusable_offset")
         self._minimum = [value] * len(self._minimum)
         self._unrowed_minimum = value
+        self._edited()
 
     def bytes_per_token(self) -> int:
         """Encoded bytes of one position (the shadow is transient and not counted)."""
@@ -120,6 +121,7 @@ class EncodedLatentCache(RightJustifiedRows):
         return [*self._planes.views(), *(self._shadow.views() if self._shadow is not None else [])]
 
     def _publish(self, arrays: list[mx.array]) -> None:
+        self._edited()
         count = self._codec.total_planes
         self._planes.adopt(arrays[:count])
         self._shadow = _held(arrays[count:]) if len(arrays) > count else None
@@ -137,12 +139,14 @@ class EncodedLatentCache(RightJustifiedRows):
         self._minimum = [self._unrowed_minimum] * batch
 
     def _select_rows(self, keep: list[int]) -> None:
+        self._edited()
         self._converted = [self._converted[k] for k in keep]
         self._minimum = [self._minimum[k] for k in keep]
         self._drop_shadow_if_converted()
 
     def _drop_shadow_if_converted(self) -> None:
         if self._shadow is not None and all(self._converted):
+            self._edited()  # the shadow slots leave the snapshot
             self._shadow = None
 
     # -- the latent contract ---------------------------------------------------------------------------------------
@@ -173,6 +177,7 @@ class EncodedLatentCache(RightJustifiedRows):
         self._offsets = new_offsets
         for row, offset in enumerate(new_offsets):
             if not self._converted[row] and transition_due(offset, self.start):
+                self._edited()  # the row now reads (and snapshots) its planes only
                 self._converted[row] = True
                 if self.start > 0:
                     self._minimum[row] = offset

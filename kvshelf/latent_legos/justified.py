@@ -4,7 +4,8 @@ Every held array is ``[B, width, w]``; row b occupies columns ``[width - row_off
 column before that is padding holding zeros. A subclass says which arrays it holds (``_stored``/``_publish``)
 and what per-row metadata follows a row (``_select_rows``); the row bookkeeping, trim, speculative rollback,
 prefill padding and filtering live here. Each operation validates, stages new arrays, then publishes, so a
-rejected call leaves the cache exactly as it was.
+rejected call leaves the cache exactly as it was. Every operation but an append bumps the edit epoch
+(``cache_parts.EditEpoch``): each may move or drop a stored position.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..errors import CacheRangeError, InvalidCacheState
-from .cache_parts import describe
+from .cache_parts import EditEpoch, describe
 from .contracts import PrefillPadding
 from .geometry import LatentGeometry
 from .rows import (
@@ -62,12 +63,13 @@ def padding_rows(padding: object, batch: int | None) -> int:
     return rows
 
 
-class RowBookkeeping:
+class RowBookkeeping(EditEpoch):
     """Per-row offsets of a right-justified layout (``RightJustifiedRows`` and the kv ``TokenRows``): every row
     ends at column ``_width`` and row b holds its last ``_offsets[b]`` columns. Prefill padding, speculative rounds
     and which rows stay are kept here; a subclass trims and lays its storage out again (``trim``/``_relayout``)."""
 
     def _reset_rows(self) -> None:
+        self._edited()
         self._batch: int | None = None
         self._offsets: list[int] = []
         self._width = 0
@@ -107,6 +109,7 @@ class RowBookkeeping:
         return True
 
     def _begin_rows(self, batch: int) -> None:
+        self._edited()
         self._batch, self._offsets, self._width = batch, [0] * batch, 0
         self._create_rows(batch)
 
@@ -125,6 +128,7 @@ class RowBookkeeping:
         """Keep ``keep`` (one count or one per row) of the positions each row appended since begin."""
         if self._round is None:
             raise InvalidCacheState("spec_round_rollback without spec_round_begin")
+        self._edited()
         before = self._round_before(self._round)
         counts = check_keep_counts(keep, [o - b for o, b in zip(self._offsets, before)])
         rejected = [o - b - k for o, b, k in zip(self._offsets, before, counts)]
@@ -142,6 +146,7 @@ class RowBookkeeping:
             raise InvalidCacheState("left padding can only be added to a cache with no stored positions")
         if self._batch is None:
             self._begin_rows(rows)
+        self._edited()
         self._offsets = [o - p for o, p in zip(self._offsets, left)]
         right = padding.right_padding
         self._ends = [o + n for o, n in zip(self._offsets, padding.lengths)] if right and any(right) else None
@@ -151,6 +156,7 @@ class RowBookkeeping:
         """Trailing padding rolls to the front (as zeros) and padding common to every row is dropped."""
         if not self._prefill_pending:
             return
+        self._edited()
         ends = self._ends
         shifts = [max(0, o - e) for o, e in zip(self._offsets, ends)] if ends else [0] * len(self._offsets)
         self._relayout(shifts)
@@ -159,6 +165,7 @@ class RowBookkeeping:
     # -- rows leaving --------------------------------------------------------------------------------------------
     def _keep_row_bookkeeping(self, keep: list[int], width: int) -> None:
         """After ``filter_rows`` restaged the storage: rows ``keep`` remain, ``width`` columns wide."""
+        self._edited()
         self._batch, self._width = len(keep), width
         self._offsets = [self._offsets[k] for k in keep]
         if self._ends is not None:
@@ -224,6 +231,7 @@ class RightJustifiedRows(RowBookkeeping):
         if n > shortest:
             raise CacheRangeError(f"cannot trim {n} positions: the shortest row holds {shortest}")
         keep = self._width - n
+        self._edited()
         self._truncate(keep)
         self._width = keep
         self._offsets = [o - n for o in self._offsets]
@@ -233,6 +241,7 @@ class RightJustifiedRows(RowBookkeeping):
         return round_start(round_offsets, len(self._offsets))
 
     def _relayout(self, shifts: Sequence[int]) -> None:
+        self._edited()
         offsets = [o - s for o, s in zip(self._offsets, shifts)]
         pads = [self._width - o for o in offsets]
         drop = min(max(0, min(pads, default=0)), self._width)
@@ -276,6 +285,7 @@ class RightJustifiedRows(RowBookkeeping):
         """``merge_row_states``'s checked rows (at least one; this cache must be empty)."""
         if self._batch is not None:
             raise InvalidCacheState("merge_row_states needs an empty destination cache")
+        self._edited()
         states = list(states)
         if not states:
             raise InvalidCacheState("merge needs at least one row")

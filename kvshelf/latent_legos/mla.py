@@ -72,6 +72,7 @@ class MLACache(ReuseFloor, RightJustifiedRows):
         return self._columns.views()
 
     def _publish(self, arrays: list[mx.array]) -> None:
+        self._edited()
         self._columns.adopt(arrays)
 
     def _truncate(self, width: int) -> None:

@@ -93,9 +93,10 @@ def descriptor(items) -> bytes:
     return msgspec.msgpack.encode([[t.name, t.dtype, list(t.shape)] for t in items])
 
 
-def content_hash(pieces: list[Piece]) -> str:
-    """The blob's name: xxh3-128 over the descriptor and then every tensor's bytes, in order."""
-    h = RunHash(descriptor(pieces))  # GIL released per run: the save's writer thread is never kept waiting
+def content_hash(pieces: list[Piece], desc: bytes | None = None) -> str:
+    """The blob's name: xxh3-128 over the descriptor (``desc``, when the caller has it already) and then every
+    tensor's bytes, in order."""
+    h = RunHash(descriptor(pieces) if desc is None else desc)  # GIL released per run: the writer never waits
     for p in pieces:
         for seg in p.segments:
             h.update(seg)

@@ -2,7 +2,9 @@
 
 Writing: every tensor with a ``token_axis`` is cut at multiples of ``chunk_tokens``; the pieces of all caches for one
 token range form one blob (tensor names ``"<cache>.<slot>.<slot name>"``). Tensors without a token axis form one more
-blob. Pieces are zero-copy numpy views of the evaluated MLX arrays (bf16 through a uint16 view).
+blob. Pieces are zero-copy numpy views of the evaluated MLX arrays (bf16 through a uint16 view), cut into their
+contiguous runs only when a blob is hashed or written (a grown session's save reuses most hashes and writes few
+blobs, and the run views of a 512 MiB cache cost more than its reused hashes).
 
 Reading: each destination MLX array is allocated once (``mx.zeros`` evaluated, then checked to own a full C-contiguous
 buffer), a writable numpy view of it is taken, and blob tensors are ``preadv``-ed straight into the right slices; the
@@ -22,7 +24,7 @@ from msgspec.structs import replace
 from ..codecs.batch_plan import BatchPlan
 from ..codecs.header import CacheEntry, TensorSlot
 from ..errors import CorruptData, KvShelfError
-from .blobfile import Piece
+from .blobfile import Piece, descriptor
 from .manifest import BlobRef
 
 _MX_STORAGE = {"bfloat16": mx.uint16}
@@ -61,13 +63,40 @@ def _as_piece(name: str, dtype: str, region: np.ndarray) -> Piece:
     return Piece(name, dtype, tuple(region.shape), segs[0] if len(segs) == 1 else segs)
 
 
-@dataclass
-class BlobPlan:
-    """One blob to write: its pieces and the token range it covers ([0, 0) for the untokened blob)."""
+@dataclass(frozen=True)
+class Region:
+    """One tensor of a blob before it is cut into runs: its name, mlx dtype name and numpy view."""
 
-    start: int
-    stop: int
-    pieces: list[Piece]
+    name: str
+    dtype: str
+    host: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.host.shape)
+
+
+class BlobPlan:
+    """One blob to write: the token range it covers ([0, 0) for the untokened blob) and its tensors' regions; the
+    pieces (zero-copy runs) are made on first use."""
+
+    def __init__(self, start: int, stop: int, regions: list[Region]):
+        self.start, self.stop, self.regions = start, stop, regions
+        self._pieces: list[Piece] | None = None
+
+    @property
+    def pieces(self) -> list[Piece]:
+        if self._pieces is None:
+            self._pieces = [_as_piece(r.name, r.dtype, r.host) for r in self.regions]
+        return self._pieces
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.host.nbytes for r in self.regions)
+
+    def descriptor(self) -> bytes:
+        """What the content hash starts with (``blobfile.descriptor`` of the pieces), without making them."""
+        return descriptor(self.regions)
 
 
 def plan_blobs(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_tokens: int) -> list[BlobPlan]:
@@ -87,10 +116,10 @@ def plan_blobs(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_to
                 if slot.token_axis is None or host.shape[slot.token_axis] <= start:
                     continue
                 region = _region(host, slot.token_axis, start, min(stop, host.shape[slot.token_axis]))
-                pieces.append(_as_piece(f"{i}.{j}.{slot.name}", slot.dtype, region))
+                pieces.append(Region(f"{i}.{j}.{slot.name}", slot.dtype, region))
         plans.append(BlobPlan(start, stop, pieces))
     own = [
-        _as_piece(f"{i}.{j}.{slot.name}", slot.dtype, host)
+        Region(f"{i}.{j}.{slot.name}", slot.dtype, host)
         for i, (entry, row) in enumerate(zip(entries, hosts))
         for j, (slot, host) in enumerate(zip(entry.tensors, row))
         if slot.token_axis is None

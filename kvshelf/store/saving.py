@@ -6,9 +6,11 @@ directory fsync (the byte store's ``put``), and one LMDB commit. The pack's trai
 no manifest file to sync. Chunks are content-addressed (xxh3-128 over the logical content, hashed from the same
 buffers that are written) and deduplicated against every indexed chunk, v1 blobs included.
 
-Every chunk is hashed on every save (xxh3 runs near memory speed; skipping "unchanged" chunks would need an exact
-cheap test that a changed prefix cannot pass, which only the cache itself could give): what a grown session's save
-saves is the *write* of the chunks already stored.
+A grown session's save skips the *write* of the chunks already stored and, for kvshelf's own caches, their
+*hashing* too: the handle remembers each session's last save, and a token window the cache's edit epoch proves
+unchanged since then reuses its old hash (``unchanged.py`` says exactly when). Everything else — mlx-lm's caches,
+a cache trimmed, rolled back or replaced since, the window straddling the old offset, the untokened chunk — is
+hashed, from the very buffers that are written.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 from ..errors import InvalidCacheState, KvShelfError, StoreFull
 from . import ledger
 from . import manifest as mf
-from .blobfile import content_hash, raw_buffers
+from . import unchanged
+from .blobfile import raw_buffers
 from .layout import BlobPlan, plan_blobs
 from .manifest import BlobRef, Manifest
 from .pack import PACK_MAGIC, PackBuilder, new_pack_name
@@ -41,6 +44,7 @@ class Capture:
     entries: list
     arrays: list[list[mx.array]]
     nbytes: int
+    marks: tuple = ()  # unchanged.LayerMark per layer: which hashes the next write may reuse
 
 
 def capture(store, session_id: str, tokens, caches, namespace: str) -> Capture:
@@ -48,8 +52,9 @@ def capture(store, session_id: str, tokens, caches, namespace: str) -> Capture:
     toks = tokens_array(tokens)
     if isinstance(caches, (str, bytes)) or not hasattr(caches, "__len__") or not caches:
         raise InvalidCacheState("caches must be a non-empty sequence of caches (one per layer)")
-    entries, arrays = [], []
+    entries, arrays, before = [], [], []
     for i, cache in enumerate(caches):
+        before.append(unchanged.epoch_before(cache))
         entry, arrs = store.provider.snapshot(cache, checksums=False, length=len(toks))  # chunks are hashed
         if entry.offset != len(toks):
             raise InvalidCacheState(f"cache {i} holds {entry.offset} positions but {len(toks)} tokens were given")
@@ -57,7 +62,8 @@ def capture(store, session_id: str, tokens, caches, namespace: str) -> Capture:
         arrays.append(list(arrs))
     mx.eval([a for row in arrays for a in row])
     nbytes = sum(a.nbytes for row in arrays for a in row)
-    return Capture(session_id, namespace, toks, entries, arrays, nbytes)
+    marks = tuple(unchanged.mark(c, b, e) for c, b, e in zip(caches, before, entries))
+    return Capture(session_id, namespace, toks, entries, arrays, nbytes, marks)
 
 
 def chunk_metadata(ref: BlobRef) -> dict[str, str]:
@@ -68,7 +74,7 @@ def chunk_metadata(ref: BlobRef) -> dict[str, str]:
 def _manifest(store, cap: Capture, sid: str, plans: list[BlobPlan], hashes: list[str]) -> Manifest:
     chunks, own = [], []
     for plan, h in zip(plans, hashes):
-        ref = BlobRef(h, plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
+        ref = BlobRef(h, plan.start, plan.stop, plan.nbytes)
         (own if plan.stop == 0 else chunks).append(ref)
     ident = store.identity
     return Manifest(
@@ -80,7 +86,8 @@ def _manifest(store, cap: Capture, sid: str, plans: list[BlobPlan], hashes: list
         trimmable=all(store.provider.for_entry(e).header_trimmable(e) for e in cap.entries))
 
 
-def _stream_pack(store, cap: Capture, plans: list[BlobPlan], sid: str, hashes: list[str]):
+def _stream_pack(store, cap: Capture, plans: list[BlobPlan], sid: str, hashes: list[str],
+                 hasher: unchanged.ChunkHasher):
     """The save's pack written while its chunks are hashed: chunk k+1 is hashed (and checked against the index)
     while chunk k is being written (``put_stream``). Returns (manifest, pack, size, placed)."""
     builder = PackBuilder()
@@ -90,14 +97,15 @@ def _stream_pack(store, cap: Capture, plans: list[BlobPlan], sid: str, hashes: l
         yield [PACK_MAGIC]
         seen: set[str] = set()
         with store.index.read() as txn:
+            hasher.bind(txn)
             for plan in plans:
-                h = content_hash(plan.pieces)
+                h = hasher(plan)
                 hashes.append(h)
                 if h in seen or txn.get(bytes.fromhex(h), db=store.index.db["chunks"]) is not None:
                     seen.add(h)
                     continue
                 seen.add(h)
-                ref = BlobRef(h, plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
+                ref = BlobRef(h, plan.start, plan.stop, plan.nbytes)
                 frame = raw_buffers(plan.pieces, chunk_metadata(ref))
                 builder.add(h, frame, keep=False)
                 yield frame
@@ -115,8 +123,11 @@ def write(store, cap: Capture) -> SnapshotInfo:
     sid = uuid.uuid4().hex
     stream = store.max_bytes is None and getattr(store.bytes, "put_stream", None) is not None
     hashes: list[str] = []
+    hasher = unchanged.ChunkHasher(store, cap)
     if not stream:  # hash first: a budget must refuse a snapshot before anything is written
-        hashes = [content_hash(plan.pieces) for plan in plans]
+        with store.index.read() as txn:
+            hasher.bind(txn)
+        hashes = [hasher(plan) for plan in plans]
         manifest = _manifest(store, cap, sid, plans, hashes)
         need = sum(r.nbytes for r in {r.hash: r for r in manifest.blobs}.values())
         if store.max_bytes is not None and need > store.max_bytes:
@@ -130,7 +141,7 @@ def write(store, cap: Capture) -> SnapshotInfo:
             placed: ledger.Placed = {}
             pack = None
             if stream:
-                manifest, pack, pack_size, placed = _stream_pack(store, cap, plans, sid, hashes)
+                manifest, pack, pack_size, placed = _stream_pack(store, cap, plans, sid, hashes, hasher)
                 packs.append(pack)
                 todo = []
             else:
@@ -165,6 +176,7 @@ def write(store, cap: Capture) -> SnapshotInfo:
             if not committed:  # a failed save leaves nothing behind (what it wrote is unreferenced)
                 store._reclaim(packs)
     store._reclaim(packs[1:] + freed)  # a retry's pack is dead if a concurrent save indexed its chunks first
+    hasher.remember(sid, plans, hashes)
     need = sum(r.nbytes for r in unique.values())
     reused = need - written
     store.counters["blobs_written"] += n_written

@@ -45,6 +45,7 @@ from .results import PrefixHit, SessionInfo, SnapshotInfo
 from .quarantining import QuarantineMixin
 from .reading import ReadingMixin
 from .surface import ToolsSurface
+from .unchanged import UnchangedBook
 from .writer import BackgroundWriter
 
 
@@ -101,7 +102,9 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         self._writer = BackgroundWriter(max_pending_bytes)
         self.counters = {"blobs_read": 0, "bytes_read": 0, "blobs_written": 0, "bytes_written": 0,
                          "bytes_reused": 0, "lookups": 0, "hits": 0, "quarantined": 0, "evicted": 0,
-                         "batch_layers_direct": 0, "batch_layers_fallback": 0}
+                         "batch_layers_direct": 0, "batch_layers_fallback": 0, "chunks_hashed": 0,
+                         "bytes_hashed": 0, "chunks_hash_reused": 0, "bytes_hash_reused": 0}
+        self._unchanged = UnchangedBook()  # each session's last save here: hashes a grown save may reuse
         self._closed = self._closing = False
         self.tier = None  # the shared tier (kvshelf.store.remote), attached by open_store(remote=...)
         self._init_fulldisk()  # sizes and takes the reserve (reserve.py) now that the index can say what it needs

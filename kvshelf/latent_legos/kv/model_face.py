@@ -94,6 +94,9 @@ class MlxLmBatchFace:
 
     def _take_contents_of(self, other: Any) -> None:
         self.__dict__.update(other.__dict__)
+        edited = getattr(self, "_edited", None)
+        if edited is not None:  # other's epoch is unique already; bump so this cache's is its own again
+            edited()
 
     def filter(self, batch_indices: Any) -> None:
         """Keep the rows ``batch_indices`` in that order (mlx-lm's ``filter``)."""

@@ -50,6 +50,7 @@ class KVCache(TokenRows):
         if not isinstance(value, mx.array) or value.shape != plane.shape or value.dtype != plane.dtype:
             got = f"{list(value.shape)} {value.dtype}" if isinstance(value, mx.array) else type(value).__name__
             raise InvalidCacheState(f"{name} must be replaced by a {list(plane.shape)} {plane.dtype} array (got {got})")
+        self._edited()  # the new buffer may differ anywhere below the offset
         self._planes[index] = value
 
     @property

@@ -5,7 +5,8 @@ This is mlx-lm's ``BatchKVCache`` geometry: every row ends at the write head ``o
 (grow in 256-token steps, slice-write at the head), so one row with no padding is exactly mlx-lm's cache. A
 subclass says how an append becomes planes (``_encode``) and what a read returns (``_fetch``); trim, speculative
 rounds, prefill padding and row membership live here. Every operation validates, then stages, then publishes, so a
-rejected call changes nothing.
+rejected call changes nothing. An
+append keeps the edit epoch (``cache_parts.EditEpoch``); everything else that may touch stored columns bumps it.
 
 mlx-lm model code reading ``offset`` of a batch gets per-row positions, as from mlx-lm's ``BatchKVCache``; every
 other reader gets the width (see ``model_face``). ``BatchGenerator``'s names (``merge``, ``extend``, ``filter``,
@@ -203,11 +204,13 @@ class TokenRows(ReuseFloor, RowBookkeeping, MlxLmBatchFace):
         """Drop the last ``n`` positions of every row (clamped to the shortest row, as mlx-lm); returns the count."""
         n = min(non_negative(n, "trim count"), min(self._offsets, default=0))
         if n:
+            self._edited()
             self._width -= n
             self._offsets = [o - n for o in self._offsets]
         return n
 
     def _relayout(self, shifts: Sequence[int]) -> None:
+        self._edited()
         offsets = [o - s for o, s in zip(self._offsets, shifts)]
         pads = [self._width - o for o in offsets]
         drop = min(max(0, min(pads, default=0)), self._width)
@@ -358,6 +361,7 @@ class TokenRows(ReuseFloor, RowBookkeeping, MlxLmBatchFace):
 
     def _adopt_rows_of(self, source: TokenRows, planes: list[mx.array]) -> None:
         """Take ``source``'s row bookkeeping with new ``planes`` (conversions between storage kinds)."""
+        self._edited()
         self._planes = planes
         self._batch, self._offsets, self._width = source._batch, list(source._offsets), source._width
         self._ends = None if source._ends is None else list(source._ends)
@@ -365,6 +369,7 @@ class TokenRows(ReuseFloor, RowBookkeeping, MlxLmBatchFace):
         self._round = None if source._round is None else list(source._round)
 
     def dispose(self) -> None:
+        self._edited()
         self._planes = []
         self._reset_rows()
 
