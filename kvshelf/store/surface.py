@@ -168,7 +168,7 @@ class ToolsSurface:
         """Rebuild the LMDB index from the packs' trailers (and v1 manifest files); returns snapshots indexed.
         What it left out and why (a damaged pack trailer, an undecodable manifest, a snapshot whose chunks are
         gone) is ``rebuild_report()``."""
-        from .maintenance import rebuild_store_index
+        from .rebuilding import rebuild_store_index
 
         self._check_open()
         self._rebuild_skipped = []

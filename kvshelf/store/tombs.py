@@ -4,7 +4,7 @@ Why tombstones exist: ``rebuild_index`` rebuilds the index from the manifests it
 manifest files). A dropped snapshot's pack outlives it while other snapshots still reference chunks in it, and a
 session's older snapshots (replaced by later saves, never tombstoned themselves) may survive the same way. The
 tombstone ``tomb/<sid>`` — ``[session key, created_at, reason]`` — keeps a rebuild from bringing back that snapshot
-or any snapshot of its session created at or before it (``maintenance._tombs``).
+or any snapshot of its session created at or before it (``rebuilding._tombs``).
 
 So a tombstone is needed exactly while some manifest-bearing object that the index does not hold (a *dead
 manifest*) belongs to its snapshot or to its session. Manifest-bearing objects are named after their snapshot
