@@ -4,24 +4,12 @@ current code; new saves into it work; compaction rewrites its v1 chunks and it r
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "data"))
-
-from make_v1_store import state_checksum  # noqa: E402
-
-from kvshelf import Identity, open_store  # noqa: E402
-
-FIXTURE = os.path.join(HERE, "data", "v1_store")
-with open(os.path.join(HERE, "data", "v1_store.expected.json")) as _f:
-    EXPECTED = json.load(_f)
-IDENTITY = Identity(*EXPECTED["identity"])
+from v1_fixture import EXPECTED, FIXTURE, IDENTITY, state_checksum
+from kvshelf import open_store  # noqa: E402
 
 
 @pytest.fixture

@@ -4,29 +4,18 @@ every other one — so a flipped token in a manifest file never becomes an index
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import sys
 
 import msgspec
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "data"))
-
-from make_v1_store import state_checksum  # noqa: E402
-
-from kvshelf import Identity, open_store  # noqa: E402
+from v1_fixture import EXPECTED, FIXTURE, IDENTITY, state_checksum
+from kvshelf import open_store  # noqa: E402
 from kvshelf.errors import SnapshotNotFound  # noqa: E402
 from kvshelf.store import manifest as mf  # noqa: E402
 from kvshelf.store.manifest import Manifest  # noqa: E402
 from kvshelf.store.sealing import SEALED_KEY  # noqa: E402
-
-FIXTURE = os.path.join(HERE, "data", "v1_store")
-with open(os.path.join(HERE, "data", "v1_store.expected.json")) as _f:
-    EXPECTED = json.load(_f)
-IDENTITY = Identity(*EXPECTED["identity"])
 VICTIM = "share-b"
 
 

@@ -30,10 +30,6 @@ never per record a lookup visits.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 
 from ..errors import CorruptData, IncompatibleFormat
@@ -41,9 +37,9 @@ from . import manifest as mf
 from .keys import lineage_id
 from .manifest import Manifest
 from .prefix import BLOCK_TOKENS, boundaries_after, common_prefix
+from .tally import ThreadTally
 
 _EMPTY = np.zeros(0, dtype="<i8")
-_local = threading.local()
 Record = tuple[bytes, bytes]  # (boundary hash, continuation + lineage id)
 
 
@@ -64,23 +60,9 @@ def changed(nsk: bytes, lineage: bytes, old: np.ndarray, new: np.ndarray,
 
 
 # --- the counting seam ----------------------------------------------------------------------------------------------
-@contextmanager
-def counting() -> Iterator[dict[str, int]]:
-    """Counts this thread's prefix-record ``put``s and ``delete``s (and ``head`` moves) while the block runs."""
-    sink = {"put": 0, "delete": 0, "head": 0}
-    sinks = getattr(_local, "sinks", None)
-    if sinks is None:
-        sinks = _local.sinks = []
-    sinks.append(sink)
-    try:
-        yield sink
-    finally:
-        sinks.remove(sink)
-
-
-def _count(kind: str, n: int = 1) -> None:
-    for sink in getattr(_local, "sinks", ()):
-        sink[kind] += n
+_TALLY = ThreadTally("put", "delete", "head")
+counting = _TALLY.counting  # counts this thread's prefix-record puts and deletes (and head moves) while a block runs
+_count = _TALLY.count
 
 
 def _put(index, txn, records: list[Record]) -> None:

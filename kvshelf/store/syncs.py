@@ -8,18 +8,17 @@ counted by ``index.Index.write`` with ``note_commit``).
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-_local = threading.local()
+from .tally import ThreadTally
+
 TOTALS = {"fsync": 0, "fsync_dir": 0, "index_commit": 0}
+_TALLY = ThreadTally()
+counting = _TALLY.counting
 
 
 def _count(kind: str) -> None:
     TOTALS[kind] += 1
-    for sink in getattr(_local, "sinks", ()):
-        sink[kind] = sink.get(kind, 0) + 1
+    _TALLY.count(kind)
 
 
 def fsync(fd: int) -> None:
@@ -40,19 +39,6 @@ def fsync_dir(directory: str) -> None:
 def note_commit() -> None:
     """One synced LMDB commit (LMDB fdatasyncs inside ``commit``)."""
     _count("index_commit")
-
-
-@contextmanager
-def counting() -> Iterator[dict[str, int]]:
-    sink: dict[str, int] = {}
-    sinks = getattr(_local, "sinks", None)
-    if sinks is None:
-        sinks = _local.sinks = []
-    sinks.append(sink)
-    try:
-        yield sink
-    finally:
-        sinks.remove(sink)
 
 
 def total(sink: dict[str, int]) -> int:
