@@ -161,3 +161,57 @@ def test_verify_invents_nothing_while_another_process_saves_and_deletes(tmp_path
 
 if __name__ == "__main__" and sys.argv[1:2] == ["churn"]:
     sys.exit(churn(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])))
+
+
+def slow_remover(store_dir: str, committed: str, go: str) -> int:
+    """Delete one session, stopping between the commit and the unlink of what it freed until ``go`` exists."""
+    from kvshelf.store import removers
+
+    def pause() -> None:
+        Path(committed).write_text("")
+        for _ in range(12000):  # waits on the test's file (up to 120 s), never on a guess
+            if os.path.exists(go):
+                return
+            time.sleep(0.01)
+
+    removers.BEFORE_UNLINK.append(pause)
+    with sw.open_test_store(store_dir) as store:
+        store.delete("f1-v-1")
+    return 0
+
+
+def test_a_remover_between_its_commit_and_its_unlink_is_not_residue(tmp_path):
+    """A delete in another process has committed and not yet unlinked what it freed: those packs are dead in the
+    index and still on disk, like crash residue. verify must wait for the remover (the removers' lock), not guess:
+    the remover is released only at the moment verify starts confirming, so a verify that does not wait would see
+    them and report them."""
+    root = tmp_path / "s"
+    with sw.open_test_store(root) as store:
+        _fill(store, 3)
+    committed, go = tmp_path / "committed", tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, __file__, "slow-remover", str(root), str(committed), str(go)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(12000):
+            if committed.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        assert committed.exists(), proc.stderr.read() if proc.poll() is not None else "the remover never committed"
+        released = []
+        verifying.BEFORE_CONFIRM.append(lambda: (go.write_text(""), released.append(1)))
+        try:
+            with sw.open_test_store(root) as store:
+                assert [s.session_id for s in store.sessions() if s.session_id == "f1-v-1"] == []  # committed
+                assert store.verify(deep=True) == []
+                assert released == [1]  # there were residue candidates (the remover's packs), and they were waited for
+                assert store.verify(deep=True) == []
+        finally:
+            verifying.BEFORE_CONFIRM.clear()
+    finally:
+        go.write_text("")
+        _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["slow-remover"]:
+    sys.exit(slow_remover(sys.argv[2], sys.argv[3], sys.argv[4]))

@@ -29,10 +29,11 @@ def evict_to_budget(store, protect: bytes | None = None) -> int:
                 return store._remove(txn, sid, "evicted")
             return None
 
-        victim = store._txn(pick)
-        if victim is None:
-            return evicted
-        store._after_drop(*victim)
+        with store.removers.removing():  # from the commit to the unlink (removers.py)
+            victim = store._txn(pick)
+            if victim is None:
+                return evicted
+            store._after_drop(*victim)
         evicted += 1
         store.counters["evicted"] += 1
 

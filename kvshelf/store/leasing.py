@@ -202,6 +202,10 @@ class LeasingMixin:
     def _release(self, key: bytes, touch: bytes | None, refs: Sequence[BlobRef | str]) -> None:
         """Drop a lease (no commit). A use (``touch``) is remembered for the next write transaction. Objects of the
         lease that lost their last reference while it was held are unlinked now (only then is there a commit)."""
+        with self.removers.removing():  # from the lease's end to the unlink of what it kept alive (removers.py)
+            self._release_held(key, touch, refs)
+
+    def _release_held(self, key: bytes, touch: bytes | None, refs: Sequence[BlobRef | str]) -> None:
         lease = self._drop_lease(key)  # locks go before the reclaim below, which must not see our own
         hashes = [r if isinstance(r, str) else r.hash for r in refs]
         if touch is not None:

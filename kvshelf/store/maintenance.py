@@ -14,7 +14,6 @@ Nothing here imports ``Store``: these functions take the handle and use its room
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import msgspec
 import numpy as np
@@ -30,7 +29,6 @@ from .pack import is_pack, read_trailer
 from .results import Finding, GcReport
 from .tombs import removable_tombs
 
-ORPHAN_LOOKS = 3  # looks at a crash-residue candidate under the save gate before verify reports it
 
 
 def _manifest_on_disk(store, sid_hex: str, summary: Summary) -> bytes | None:
@@ -180,29 +178,27 @@ def _check_manifest(store, txn, prefix_cur, sid: bytes, raw: bytes, deep: bool, 
 
 
 def _confirmed_orphans(store, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The orphans listed before verify's passes that are still dead, unleased and present after them, under the
-    exclusive save gate — where no save sits between writing its pack and committing it (a pack being saved is no
-    crash residue). An object that was dead at the listing only because a save or delete had just committed and
-    was about to unlink what it freed has been unlinked by then (the whole verify lies between the two looks):
-    what remains has no remover. A gate kept busy by saves for 10 s leaves them unconfirmed and unreported this
-    round (``gc`` skips its sweep the same way). Residue must survive ``ORPHAN_LOOKS`` such looks: a remover
-    stalled longer than the whole verify plus those looks would still be reported (what ``gc`` would reclaim)."""
-    for look in range(ORPHAN_LOOKS):
-        if not found:
+    """The orphans listed before verify's passes that are still dead, unleased and present after them, looked at
+    with the removers' lock and the save gate held exclusively: no delete, eviction or lease release is then between
+    its commit and the unlink of what it freed (``removers.py``), and no save between writing its pack and committing
+    it — so what is still dead and present has no remover: crash residue. Removers or saves keeping the locks busy
+    for 10 s leave them unconfirmed and unreported this round (``gc`` skips its sweep the same way)."""
+    if not found:
+        return []
+    verifying.before_confirm()
+    with store.removers.quiescent(timeout=10.0) as quiet:
+        if not quiet:
             return []
-        if look:
-            time.sleep(0.05 * look)  # a remover descheduled right after its commit gets a moment to unlink
         try:
             with store.save_gate(exclusive=True, timeout=10.0):
                 leased = store._leased_objects()
                 with store.index.read() as txn:
                     kept = leased | quarantined_objects(store.index, txn)
-                    found = [(name, kind) for name, kind in found
-                             if (obj := _object_of(store, name, kind)) is not None and obj not in kept
-                             and not ledger.object_live(store.index, txn, obj) and store.bytes.exists(obj)]
+                    return [(name, kind) for name, kind in found
+                            if (obj := _object_of(store, name, kind)) is not None and obj not in kept
+                            and not ledger.object_live(store.index, txn, obj) and store.bytes.exists(obj)]
         except StoreBusy:
             return []
-    return found
 
 
 def _orphans(store, leased: set[str]) -> list[tuple[str, str]]:

@@ -25,35 +25,36 @@ def repack_store(store, min_live_ratio: float = 0.5) -> dict[str, int]:
     sparse = {name for name, pm in store.iter_packs() if pm.size and pm.live_bytes / pm.size < min_live_ratio}
     moved = moved_bytes = 0
     left: list[str] = []
-    with store.save_gate():
-        leased = store.leased_hashes()
-        todo = [(h, m) for h, m in store.iter_chunks()
-                if (not m.pack or m.pack in sparse) and h not in leased]
-        batch, size = [], 0
-        for h, m in todo + [(None, None)]:
-            if h is not None:
-                batch.append((h, m))
-                size += m.stored_bytes
-            if batch and (h is None or size >= PACK_TARGET):
-                n, nb, gone = _move_batch(store, batch)
-                moved, moved_bytes, left = moved + n, moved_bytes + nb, left + gone
-                batch, size = [], 0
-        with store.index.read() as txn:
-            summaries = [(bytes(k), mf.decode(v, Summary, "summary"))
-                         for k, v in txn.cursor(db=store.index.db["summaries"])]
-        for sid, s in summaries:
-            if s.pack and s.pack not in sparse:
-                continue
-            raw = store.manifest(sid.hex())
-            pack = new_pack_name(sid.hex(), rewrite=True)
-            psize = store.bytes.put(pack, PackBuilder().finish(mf.encode(raw)))
-            gone = store._txn(lambda txn, sid=sid, pack=pack, psize=psize: ledger.move_manifest(
-                store.index, txn, sid, pack, psize))
-            if gone:
-                left += gone
-            else:
-                store._reclaim([pack])
-    store._reclaim(left)
+    with store.removers.removing():  # held to the unlink of what the moves emptied (removers.py)
+        with store.save_gate():
+            leased = store.leased_hashes()
+            todo = [(h, m) for h, m in store.iter_chunks()
+                    if (not m.pack or m.pack in sparse) and h not in leased]
+            batch, size = [], 0
+            for h, m in todo + [(None, None)]:
+                if h is not None:
+                    batch.append((h, m))
+                    size += m.stored_bytes
+                if batch and (h is None or size >= PACK_TARGET):
+                    n, nb, gone = _move_batch(store, batch)
+                    moved, moved_bytes, left = moved + n, moved_bytes + nb, left + gone
+                    batch, size = [], 0
+            with store.index.read() as txn:
+                summaries = [(bytes(k), mf.decode(v, Summary, "summary"))
+                             for k, v in txn.cursor(db=store.index.db["summaries"])]
+            for sid, s in summaries:
+                if s.pack and s.pack not in sparse:
+                    continue
+                raw = store.manifest(sid.hex())
+                pack = new_pack_name(sid.hex(), rewrite=True)
+                psize = store.bytes.put(pack, PackBuilder().finish(mf.encode(raw)))
+                gone = store._txn(lambda txn, sid=sid, pack=pack, psize=psize: ledger.move_manifest(
+                    store.index, txn, sid, pack, psize))
+                if gone:
+                    left += gone
+                else:
+                    store._reclaim([pack])
+        store._reclaim(left)
     return {"chunks_moved": moved, "bytes_moved": moved_bytes, "objects_emptied": len(set(left))}
 
 

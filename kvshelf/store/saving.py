@@ -175,7 +175,9 @@ def write(store, cap: Capture) -> SnapshotInfo:
         finally:
             if not committed:  # a failed save leaves nothing behind (what it wrote is unreferenced)
                 store._reclaim(packs)
-    store._reclaim(packs[1:] + freed)  # a retry's pack is dead if a concurrent save indexed its chunks first
+        # still inside the gate (verify's residue check takes it exclusively): a retry's pack is dead if a concurrent
+        # save indexed its chunks first; ``freed`` is what the replaced snapshot alone used
+        store._reclaim(packs[1:] + freed)
     hasher.remember(sid, plans, hashes)
     need = sum(r.nbytes for r in unique.values())
     reused = need - written

@@ -27,10 +27,11 @@ import msgspec
 from ..codecs import CodecProvider, default_provider
 from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
                       WrongArgumentType)
-from . import inputs, keys, ledger, objlocks, openlock, saving, sealing
+from . import inputs, keys, ledger, objlocks, openlock, removers, saving, sealing
 from . import manifest as mf
 from .backend import put_unsynced
 from .budget import evict_to_budget
+from .removers import RemoversLock
 from .fulldisk import FullDiskMixin
 from .identity import Identity, namespace_key
 from .index import Index
@@ -84,6 +85,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         ensure_dir(lock_dir)
         self._gate_path = os.path.join(lock_dir, "save.lock")
         os.close(os.open(self._gate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        self.removers = RemoversLock(os.path.join(lock_dir, "removers.lock"))  # removers.py
         objlocks.make_sentinel(self.root)
         self._lock_key = os.path.realpath(self.root)
         openlock.acquire(self._lock_key)  # before LMDB maps the index: "open" is exact (openlock.py)
@@ -232,7 +234,9 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
     def _after_drop(self, dropped: bytes, freed: list[str], tomb: bytes, quarantined: bool = False) -> None:
         """After a delete / eviction / quarantine: leave a tombstone (the session and its creation time, so
         ``rebuild_index`` never brings back this snapshot or an older one of its session from a pack that outlives
-        it; not synced: it only matters if the index is lost) and unlink what is dead."""
+        it; not synced: it only matters if the index is lost) and unlink what is dead (the caller holds
+        ``removers.removing()`` from before its commit)."""
+        removers.before_unlink()
         self._reclaim(freed)
         try:
             put_unsynced(self.bytes, keys.tomb(dropped.hex(), quarantined=quarantined), [tomb])
@@ -330,12 +334,13 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
                 return "quarantine" if had_quarantine else None
             return self._remove(txn, bytes(sid))
 
-        result = self._freeing_txn(drop)
-        if result == "quarantine":
-            return
-        if result is None:
-            raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to delete")
-        self._after_drop(*result)
+        with self.removers.removing():  # from the commit to the unlink (verify tells residue from this)
+            result = self._freeing_txn(drop)
+            if result == "quarantine":
+                return
+            if result is None:
+                raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to delete")
+            self._after_drop(*result)
         self._keep_reserve()  # space was freed: hold back again what the next delete may need
 
     def sessions(self, namespace: str | None = None) -> list[SessionInfo]:

@@ -232,7 +232,7 @@ class ToolsSurface:
             raise ValueError(f"encoding must be 'raw' or 'zstd', got {encoding!r}")
         if not isinstance(level, int) or not 1 <= level <= 22:
             raise ValueError(f"zstd level must be an int in 1..22, got {level!r}")
-        with self.save_gate():
+        with self.removers.removing(), self.save_gate():  # the move frees the old copy (removers.py)
             info = self.chunk_info(hash_)
             if info is None or info.encoding == encoding or hash_ in self.leased_hashes():
                 return None
@@ -285,29 +285,30 @@ class ToolsSurface:
             raise InvalidCacheState("replace_manifest keeps the session, namespace and identity of the snapshot")
         skey = keys.manifest_keys(base)[2]
         db = self.index.db
-        with self.save_gate():
-            pack = new_pack_name(snapshot_id, rewrite=True)
-            size = self.bytes.put(pack, PackBuilder().finish(mf.encode(new)))
+        with self.removers.removing():  # the swap frees the old chunks: hold it to their unlink (removers.py)
+            with self.save_gate():
+                pack = new_pack_name(snapshot_id, rewrite=True)
+                size = self.bytes.put(pack, PackBuilder().finish(mf.encode(new)))
+                with self._lock:
+                    placed = dict(self._placed)
+
+                def swap(txn):
+                    current = txn.get(sid, db=db["manifests"])
+                    if current is None or txn.get(skey, db=db["sessions"]) != sid or (
+                            expected is not None and mf.unseal(bytes(current), "manifest") != mf.unseal(
+                                mf.encode(expected), "manifest")):
+                        return None
+                    return ledger.commit(self.index, txn, new, pack, size, placed, replaces=sid)
+
+                result = self._txn(swap)
+            if result is None:
+                self._reclaim([pack])
+                return False
             with self._lock:
-                placed = dict(self._placed)
-
-            def swap(txn):
-                current = txn.get(sid, db=db["manifests"])
-                if current is None or txn.get(skey, db=db["sessions"]) != sid or (
-                        expected is not None and mf.unseal(bytes(current), "manifest") != mf.unseal(
-                            mf.encode(expected), "manifest")):
-                    return None
-                return ledger.commit(self.index, txn, new, pack, size, placed, replaces=sid)
-
-            result = self._txn(swap)
-        if result is None:
-            self._reclaim([pack])
-            return False
-        with self._lock:
-            for r in new.blobs:
-                self._placed.pop(r.hash, None)
-        self._reclaim(result[1])
-        return True
+                for r in new.blobs:
+                    self._placed.pop(r.hash, None)
+            self._reclaim(result[1])
+            return True
 
     def replace_snapshot(self, old: Manifest, new: Manifest,
                          blobs: Mapping[str, list[Piece]] | Sequence[tuple[BlobRef, list[Piece]]] = ()) -> bool:
@@ -320,7 +321,7 @@ class ToolsSurface:
             items = [(refs[h], pieces) for h, pieces in blobs.items()]
         else:
             items = list(blobs)
-        with self.lease(old):
+        with self.lease(old), self.removers.removing():  # removers' lock before the gate (removers.py)
             with self.save_gate():
                 for _attempt in range(5):
                     self.put_blobs(items)
