@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptData
+from . import hugepages
 from .backend import ObjectMissing
 from .blobfile import BlobReader, storage_dtype
 from .layout import slot_index
@@ -152,6 +153,7 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
         jobs: list[list[PieceJob]] = [[] for _ in readers]
 
         def allocated(slot: _Slot, dest: memoryview) -> None:  # inside mx.load: uninitialised, nothing read yet
+            hugepages.advise(dest)  # before the first touch: faulted in 2 MiB pages where the kernel offers them
             _plan_slot(slot, _detached(dest), readers, jobs)
 
         vf = VirtualFile(flat, allocated)
