@@ -9,6 +9,7 @@ store's pages here with ``struct`` (not with ``kvshelf.store.lmdbpages``, the co
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import struct
@@ -169,3 +170,25 @@ def test_many_flips_in_every_page_never_kill_the_process(pristine, seed) -> None
     data = _pages(pristine)
     flips = _sweep(data, random.Random(1000 + seed), per_page=6)
     _judge(flips, run_flips(pristine, flips, pristine.parent))
+
+
+def test_rebuild_index_repairs_a_page_damaged_index(pristine, tmp_path) -> None:
+    """The way back the error names: ``kvshelf rebuild-index`` sets the damaged index aside and rebuilds it from the
+    packs; every session is back."""
+    from tests.tools_data import run_cli, run_json
+
+    store = tmp_path / "store"
+    shutil.copytree(pristine, store, ignore=shutil.ignore_patterns("*.walked"))
+    data = bytearray(_pages(store))
+    root = _named_roots(bytes(data))[b"tokens"]
+    data[root * PSIZE + 12] ^= _page(bytes(data), root)[1] ^ 18  # a branch page of one key (liblmdb: SIGABRT)
+    (store / "index" / "data.mdb").write_bytes(bytes(data))
+    listing = run_cli("ls", "--store", str(store))
+    assert listing.returncode != 0 and listing.returncode > 0, listing  # an error exit, not a signal
+    assert "CorruptData" in listing.stderr + listing.stdout and "rebuild-index" in listing.stderr + listing.stdout
+    doc = run_json("rebuild-index", "--store", str(store))
+    assert doc["damaged_index_kept_at"] and Path(doc["damaged_index_kept_at"], "data.mdb").exists()
+    sessions = json.loads((pristine.parent / f"{pristine.name}.json").read_text())["sessions"]
+    assert doc["snapshots"] == len(sessions)
+    assert len(run_json("ls", "--store", str(store))["sessions"]) == len(sessions)
+    assert run_json("verify", "--deep", "--store", str(store))["problems"] == []

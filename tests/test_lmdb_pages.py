@@ -86,6 +86,27 @@ def test_every_healthy_lmdb_file_passes_the_walk(tmp_path_factory, seed) -> None
                 pass
 
 
+def test_large_value_sets_of_every_dupsort_kind_pass_the_walk(tmp_path) -> None:
+    """Value sets big enough to leave their sub-page for nested trees of two levels: leaf2 pages (dupfixed, integer
+    values), plain leaves of values; and each shrunk again below a sub-page by deletes."""
+    env = lmdb.open(str(tmp_path), map_size=1 << 30, max_dbs=8)
+    dbs = [env.open_db(b"fixed", dupsort=True, dupfixed=True), env.open_db(b"int", dupsort=True, dupfixed=True,
+                                                                          integerdup=True),
+           env.open_db(b"plain", dupsort=True)]
+    with env.begin(write=True) as txn:
+        for i in range(3000):
+            txn.put(b"k", i.to_bytes(8, "little"), db=dbs[0])
+            txn.put(b"k", i.to_bytes(8, "little"), db=dbs[1])
+            txn.put(b"k%d" % (i % 3), b"v%06d" % i * 3, db=dbs[2])
+    assert lmdbcheck.check_data_file(str(tmp_path)) == 1
+    with env.begin(write=True) as txn:
+        for i in range(2990):
+            txn.delete(b"k", i.to_bytes(8, "little"), db=dbs[0])
+            txn.delete(b"k%d" % (i % 3), b"v%06d" % i * 3, db=dbs[2])
+    env.close()
+    assert lmdbcheck.check_data_file(str(tmp_path)) == 1
+
+
 def test_a_healthy_file_shorter_than_its_last_page_number_opens(tmp_path) -> None:
     """LMDB counts pages it allocated and freed within one transaction without writing them, so a file may end
     before page ``mm_last_pg``. The old open-time rule ("the file holds ``mm_last_pg + 1`` pages") refused it."""

@@ -10,7 +10,8 @@ value set (``F_DUPDATA`` sub-pages inside leaf nodes, or ``F_DUPDATA|F_SUBDATA``
 page what liblmdb relies on without checking:
 
 * the page number field equals the page's position, no page is reached twice (no cycles, no shared pages), and every
-  page number lies in ``[2, mm_last_pg]`` (page 0 and 1 are the metas);
+  page number lies in ``[2, mm_last_pg]`` (page 0 and 1 are the metas) and inside the file (which may end before
+  ``mm_last_pg``: LMDB counts pages it allocated and freed again unwritten);
 * the flags are exactly a page kind liblmdb writes to disk (branch, leaf, leaf2 of a dupfixed value set, overflow;
   ``P_DIRTY`` on disk would make a writer modify the read-only map in place);
 * ``16 <= mp_lower <= mp_upper <= page size``, ``mp_lower`` even, at least one key (two on a branch page outside the
@@ -40,9 +41,11 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from ..errors import CorruptData
+
 P_BRANCH, P_LEAF, P_OVERFLOW, P_META, P_DIRTY, P_LEAF2, P_SUBP = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40
 F_BIGDATA, F_SUBDATA, F_DUPDATA = 0x01, 0x02, 0x04
-MDB_INTEGERKEY, MDB_DUPSORT, MDB_DUPFIXED = 0x08, 0x04, 0x10
+MDB_REVERSEKEY, MDB_DUPSORT, MDB_INTEGERKEY, MDB_DUPFIXED = 0x02, 0x04, 0x08, 0x10
 PAGEHDRSZ, NODESIZE, DB_SIZE = 16, 8, 48
 P_INVALID = (1 << 64) - 1
 CURSOR_STACK = 32  # liblmdb's deepest cursor: a deeper tree is not one it wrote
@@ -56,8 +59,8 @@ MAIN, NAMED, DUPS, FREE = "main", "named", "dups", "free"
 _LEAF_FLAGS = {MAIN: (0, F_BIGDATA, F_SUBDATA), NAMED: (0, F_BIGDATA), DUPS: (0,), FREE: (0, F_BIGDATA)}
 
 
-class PageDamage(Exception):
-    """What the walk found wrong (internal: ``lmdbcheck`` words it as ``CorruptData``)."""
+class PageDamage(CorruptData):
+    """What the walk found wrong, in the walk's words (``lmdbcheck`` adds the file and the way back)."""
 
 
 class Db:
@@ -107,7 +110,7 @@ class Walk:
             return
         if not 1 <= db.depth <= CURSOR_STACK:
             raise PageDamage(f"{what} has depth {db.depth}")
-        if kind == DUPS and db.flags & ~(MDB_DUPFIXED | MDB_INTEGERKEY | 0x02):
+        if kind == DUPS and db.flags & ~(MDB_DUPFIXED | MDB_INTEGERKEY | MDB_REVERSEKEY):
             raise PageDamage(f"{what} has flags {db.flags:#x}, not those of a dupsort value set")
         leaf2 = kind == DUPS and bool(db.flags & MDB_DUPFIXED)
         entries = 0
