@@ -3,14 +3,15 @@
 LMDB trusts its pages: a damaged one can kill the reading process (SIGBUS through the map, SIGSEGV, an assertion's
 SIGABRT) before Python sees anything, so the only honest test of "never a dead process" runs the damaged open in a
 child and looks at how the child ended. ``run_flips(pristine, flips, workdir)`` sends ``(offset, xor mask)`` pairs
-to a child (``python -m tests.lmdb_flips STORE``); for each one the child copies the pristine ``data.mdb`` over its
-own copy of the store, flips the byte, opens the store and lists, restores (whole and by prefix) and deep-verifies
-every session (restores and prefix restores of some), and answers one JSON line: ``ok``, ``detected: <KvShelfError class>: ...`` or ``raised: ...`` (any
-other exception). A child that dies answers nothing; the harness records ``signal <NAME>`` for that flip and starts a
-new child for the rest — so a batch of hundreds of flips costs a handful of interpreter starts, not hundreds.
+to a child (``python -m tests.lmdb_flips STORE WORKDIR``); for each one the child copies the pristine ``data.mdb``
+over its own copy of the store, flips the byte, opens the store, lists it, looks up every session, restores (whole
+and by prefix) some and deep-verifies, and answers one JSON line: ``ok``, ``detected: <KvShelfError class>: ...``
+or ``raised: ...`` (any other exception). A child that dies answers nothing; the harness records ``signal <NAME>``
+for that flip and starts a new child for the rest — so a batch of hundreds of flips costs a handful of interpreter
+starts, not hundreds.
 
 Only ``index/data.mdb`` is replaced per flip: the packs are shared by the trials (nothing here deletes or rewrites a
-pack: no gc, no repack), so a trial costs one 200 KiB copy.
+pack: no gc, no repack), so a trial costs one copy of a ~1.4 MiB file.
 """
 
 from __future__ import annotations

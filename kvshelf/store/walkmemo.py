@@ -26,6 +26,7 @@ import xxhash
 NAME = "data.mdb.walked"
 _MAGIC = b"KVSHWLK1"
 _KEY = struct.Struct("<QQQqqQ")
+ROOM = 8 << 20  # free bytes below which no record is written (nor its file created)
 
 
 def key_of(fd: int, metas: tuple[bytes, bytes]) -> bytes:
@@ -50,12 +51,16 @@ def remembered(index_dir: str, key: bytes) -> bool:
 class Pending:
     """A record in the making: ``Pending(index_dir)`` before the file is stat-ed (it stamps the side file with the
     file system's "now"), ``keep(before, after)`` after a walk that passed, ``close()`` in any case. Every failure
-    to write (a read-only directory, a full disk) only means the next open walks again. Two processes recording at
-    once each write a whole record of a walk that passed; a torn mix of the two fails its checksum."""
+    to write (a read-only directory) and a disk with less than ``ROOM`` free only mean the next open walks again.
+    Two processes recording at once each write a whole record of a walk that passed; a torn mix fails its
+    checksum."""
 
     def __init__(self, index_dir: str) -> None:
         self.fd, self.tick = None, None
         try:
+            st = os.statvfs(index_dir)
+            if st.f_bavail * st.f_frsize < ROOM:
+                return  # a nearly full disk: its last blocks are for leases and LMDB, not for a cache
             self.fd = os.open(os.path.join(index_dir, NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             os.utime(self.fd)
             self.tick = os.fstat(self.fd).st_mtime_ns
