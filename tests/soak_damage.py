@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 GROUP_LABEL = {"blob": "blob files", "manifest": "manifest files", "lmdb": "LMDB data.mdb"}
+SKIP = ("lock.mdb", "data.mdb.walked")  # LMDB's lock table; the page walk's memo (damage to it only means a walk)
 
 
 def build_bases(workdir: Path) -> list[tuple[Path, list, dict]]:
@@ -44,11 +45,12 @@ def build_bases(workdir: Path) -> list[tuple[Path, list, dict]]:
 
 
 def store_files(root: Path) -> dict[str, list[Path]]:
-    """The store's files by what they hold (judged by name only, so any layout works); locks and tmp excluded."""
+    """The store's files by what they hold (judged by name only, so any layout works); locks, tmp and the page walk's
+    memo excluded (``test_lmdb_pages`` covers a damaged memo)."""
     out: dict[str, list[Path]] = {"lmdb": [], "manifest": [], "blob": []}
     for path in sorted(root.rglob("*")):
         rel = str(path.relative_to(root))
-        if not path.is_file() or path.name == "lock.mdb" or rel.startswith(("locks", "tmp")) or path.stat().st_size == 0:
+        if not path.is_file() or path.name in SKIP or rel.startswith(("locks", "tmp")) or path.stat().st_size == 0:
             continue
         kind = "lmdb" if path.name.endswith(".mdb") else "manifest" if "manifest" in rel else "blob"
         out[kind].append(path)

@@ -1,11 +1,18 @@
 """LMDB's own file, checked before it is mapped, and LMDB's errors in kvshelf's words.
 
-LMDB maps ``data.mdb`` and trusts it: a file shorter than the pages its meta page claims makes the first read past
-the end a SIGBUS that kills the process, and damaged pages surface as ``lmdb.CorruptedError`` /
-``PageNotFoundError`` / ``InvalidError`` / ``BadValsizeError`` from any call. ``check_data_file`` reads the two meta
-pages with plain ``pread`` (magic, version, page size, last page number, transaction id), picks the newer one as
-LMDB does, and refuses a file shorter than ``(last_pgno + 1) * page_size`` as ``CorruptData`` — so a truncated index
-is an error at open, never a dead process. ``translate`` turns the damaged-record family into ``CorruptData``.
+LMDB maps ``data.mdb`` and trusts it: a live page past the end of the file makes the first read of it a SIGBUS,
+and a damaged page (a node offset or size past the page, a bad flag, a branch of one key) kills the reading
+process inside liblmdb — SIGBUS, SIGSEGV or an assertion's SIGABRT — before any Python runs. Damage LMDB does
+notice surfaces as ``lmdb.CorruptedError`` / ``PageNotFoundError`` / ``InvalidError`` / ``BadValsizeError`` from any
+call. ``check_data_file`` runs before ``lmdb.open``: it reads the two meta pages with plain ``pread`` (magic,
+version, page size, last page number, transaction id), picks the newer one as LMDB does, and walks every live
+page from it (``lmdbpages``), so a truncated or damaged index is ``CorruptData`` at open, never a dead process;
+``walkmemo`` spares the walk when the file is unchanged since one passed. The check covers the file as it is at
+open. ``translate`` turns the damaged-record family into ``CorruptData``.
+
+A file may legitimately end before page ``mm_last_pg``: LMDB counts pages it allocated and freed again within one
+transaction without ever writing them. Only live pages have to lie in the file (an older rule here, "the file
+holds ``(last_pg + 1) * page_size`` bytes", refused such healthy files).
 
 Meta page layout (64-bit LMDB 0.9, little-endian here): a 16-byte page header (``mp_pgno`` u64, pad u16, flags u16
 with ``P_META = 0x08``, lower/upper u16), then ``MDB_meta``: magic u32 ``0xBEEFC0DE`` at 16, version u32 at 20,
@@ -21,55 +28,95 @@ import struct
 import lmdb
 
 from ..errors import CorruptData
+from . import lmdbpages, walkmemo
 
 MAGIC = 0xBEEFC0DE
 P_META = 0x08
 _META_END = 152
+WALKS = 3  # walks of a file another process keeps committing to before it is left to LMDB
+_REPAIR = ("`kvshelf rebuild-index STORE` sets the damaged index aside (index.damaged-<ns>) and rebuilds it from the "
+           "packs while no process has the store open, or restore the index directory from a backup")
 _DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.BadValsizeError,
            lmdb.PageFullError, lmdb.VersionMismatchError, lmdb.BadTxnError, lmdb.BadRslotError)
 
 
-def _meta(fd: int, offset: int) -> tuple[int, int, int] | None:
-    """(page size, last page number, txnid) of the meta page at ``offset``, or None when it is not one."""
-    raw = os.pread(fd, _META_END, offset)
+def _meta(raw: bytes) -> tuple[int, int, int] | None:
+    """(page size, last page number, txnid) of a meta page's first bytes, or None when they are not one."""
     if len(raw) < _META_END:
         return None
-    _pgno, _pad, flags = struct.unpack_from("<QHH", raw, 0)
+    _pgno, _pad, flags = struct.unpack_from("<QHHH", raw, 0)[:3]
     magic, version = struct.unpack_from("<II", raw, 16)
     psize = struct.unpack_from("<I", raw, 40)[0]
     last_pg, txnid = struct.unpack_from("<QQ", raw, 136)
-    if magic != MAGIC or version != 1 or not flags & P_META or psize < 512 or psize & (psize - 1):
+    if magic != MAGIC or version != 1 or not flags & P_META or not 512 <= psize <= 1 << 16 or psize & (psize - 1):
         return None
     return psize, last_pg, txnid
 
 
-def check_data_file(index_dir: str) -> None:
+def _metas(fd: int) -> tuple[bytes, bytes]:
+    """The raw first bytes of both meta pages (the second one's place read from the first's page size)."""
+    first = os.pread(fd, _META_END, 0)
+    meta = _meta(first)
+    return first, (os.pread(fd, _META_END, meta[0]) if meta is not None else b"")
+
+
+def check_data_file(index_dir: str) -> int:
     """``CorruptData`` unless ``index_dir/data.mdb`` is absent (a new index) or carries a valid meta page whose
-    pages all lie inside the file."""
+    trees pass ``lmdbpages``' walk (every live page inside the file and well formed). Returns how many walks it
+    made: 0 when ``walkmemo`` remembers this very file passing, 1 normally.
+
+    The walk sees the file as it is at open: damage made later (by another program, or the disk) is met by LMDB
+    itself. Another process may commit while the walk runs; a walk that fails while the meta pages moved under it
+    is walked again (up to ``WALKS`` times), and a file that never holds still that long is left to LMDB — the
+    process committing to it is reading those pages without trouble."""
     path = os.path.join(index_dir, "data.mdb")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return
+        return 0
+    memo = None
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return  # created but never initialised (a crash between create and first commit): LMDB formats it
-        first = _meta(fd, 0)
-        metas = [first] if first is not None else []
-        if first is not None:
-            second = _meta(fd, first[0])
-            if second is not None and second[0] == first[0]:
-                metas.append(second)
-        if not metas:
-            raise CorruptData(f"the index file {path} is not an LMDB file this kvshelf reads (no valid meta page; "
-                              f"{size} bytes): restore it from a backup or run `kvshelf rebuild-index`")
-        psize, last_pg, _txnid = max(metas, key=lambda m: m[2])
-        if last_pg > (1 << 48) or size < (last_pg + 1) * psize:
-            raise CorruptData(f"the index file {path} is truncated: {size} bytes, its meta page needs "
-                              f"{(last_pg + 1) * psize} ({last_pg + 1} pages of {psize}); run `kvshelf rebuild-index`")
+        if os.fstat(fd).st_size == 0:
+            return 0  # created but never initialised (a crash between create and first commit): LMDB formats it
+        if walkmemo.remembered(index_dir, walkmemo.key_of(fd, _metas(fd))):
+            return 0  # walked, and not written since
+        memo = walkmemo.Pending(index_dir)
+        for walks in range(1, WALKS + 1):
+            raw = _metas(fd)
+            before = walkmemo.key_of(fd, raw)
+            try:
+                _judge(fd, raw, path)
+            except CorruptData:
+                if _metas(fd) == raw:
+                    raise  # the file held still: the damage is in it
+                continue
+            memo.keep(before, walkmemo.key_of(fd, _metas(fd)))
+            return walks
+        return WALKS
     finally:
+        if memo is not None:
+            memo.close()
         os.close(fd)
+
+
+def _judge(fd: int, raw: tuple[bytes, bytes], path: str) -> None:
+    """``CorruptData`` when the meta pages ``raw`` (read from ``fd``) or the pages they lead to are damaged."""
+    size = os.fstat(fd).st_size
+    metas = [m for m in (_meta(raw[0]), _meta(raw[1])) if m is not None]
+    if len(metas) == 2 and metas[0][0] != metas[1][0]:
+        metas = metas[:1]
+    if not metas:
+        raise CorruptData(f"the index file {path} is not an LMDB file this kvshelf reads (no valid meta page; "
+                          f"{size} bytes): {_REPAIR}")
+    at = max(range(len(metas)), key=lambda i: metas[i][2])
+    psize, last_pg, _txnid = metas[at]
+    # the file may end before page last_pg (pages allocated and freed unwritten): only live pages must be in it
+    walk = lmdbpages.Walk(lambda pgno, count: os.pread(fd, count * psize, pgno * psize), psize, last_pg + 1,
+                          size // psize)
+    try:
+        walk.run(lmdbpages.Db(raw[at], 40), lmdbpages.Db(raw[at], 88))
+    except lmdbpages.PageDamage as exc:
+        raise CorruptData(f"the index file {path} is damaged: {exc}; {_REPAIR}") from None
 
 
 def is_damage(exc: BaseException) -> bool:
