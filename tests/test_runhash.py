@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import xxhash
 from hypothesis import given, settings
@@ -35,12 +36,14 @@ def test_read_only_and_large_buffers():
 
 def _ticks_during(update, runs) -> int:
     """How often another Python thread ran while ``update`` was fed ``runs``, with the switch interval at 1 s so the
-    only chance it gets is the GIL being released by the update itself."""
+    only chance it gets is the GIL being released by the update itself (it hands the GIL back at once after each
+    tick, so the update is never kept waiting)."""
     ticks, stop = [0], threading.Event()
 
     def count():
         while not stop.is_set():
             ticks[0] += 1
+            time.sleep(0)  # hands the GIL straight back: the hashing thread never waits for the switch interval
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(1.0)
