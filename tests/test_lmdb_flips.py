@@ -192,3 +192,37 @@ def test_rebuild_index_repairs_a_page_damaged_index(pristine, tmp_path) -> None:
     assert doc["snapshots"] == len(sessions)
     assert len(run_json("ls", "--store", str(store))["sessions"]) == len(sessions)
     assert run_json("verify", "--deep", "--store", str(store))["problems"] == []
+
+
+def test_an_empty_manifest_key_is_a_finding_not_a_raw_lmdb_error(pristine) -> None:
+    """A leaf node of the manifests table whose key size is flipped to 0: a structurally valid page (the walk lets it
+    through), but a 0-byte key that LMDB refuses as an argument (``BadValsizeError``) when verify looks the snapshot
+    up in the other tables — found by the per-page sweep. verify reports it; nothing raw leaves."""
+    data = _pages(pristine)
+    leaf = _leaves(data, _named_roots(data)[b"manifests"])[0]
+    node = _page(data, leaf)[3][0]
+    ksize_at = leaf * PSIZE + node + 6
+    assert struct.unpack_from("<H", data, ksize_at)[0] == 16  # a snapshot id
+    [outcome] = run_flips(pristine, [(ksize_at, 16)], pristine.parent)  # 16 ^ 16 = 0
+    assert outcome.startswith(("ok", "detected:")), outcome
+
+
+def test_a_short_meta_record_is_corrupt_data_not_a_struct_error(tmp_path) -> None:
+    """``total_bytes`` (an int64 the ledger reads on every save and delete) cut to 3 bytes."""
+    import lmdb
+
+    from kvshelf.errors import CorruptData
+    from tests.store_workers import build_caches, open_test_store, session_tokens
+
+    root = tmp_path / "s"
+    with open_test_store(root) as store:
+        store.save("f0-a", session_tokens("f0-a", 100), build_caches("f0-a", 100))
+    env = lmdb.open(str(root / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"total_bytes", b"abc", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with open_test_store(root) as store:
+        with pytest.raises(CorruptData, match="total_bytes"):
+            store.save("f0-b", session_tokens("f0-b", 100), build_caches("f0-b", 100))
+        found = store.verify()
+        assert found and all(f.kind for f in found)

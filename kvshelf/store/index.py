@@ -30,7 +30,7 @@ from typing import TypeVar
 
 import lmdb
 
-from ..errors import IncompatibleFormat, KvShelfError, StoreFull
+from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreFull
 from . import lmdbcheck, records, syncs
 from .localbytes import ensure_dir
 
@@ -104,14 +104,21 @@ class Index:
             self.close()
             raise
 
+    def _format(self, raw) -> int | None:
+        if raw is None:
+            return None
+        if len(raw) != 8:
+            raise CorruptData(f"the index at {self.path}: its format record is {len(raw)} bytes, not 8 (damaged)")
+        return struct.unpack("<Q", raw)[0]
+
     def _check_format(self) -> None:
         with self.read() as txn:
             raw = txn.get(b"format", db=self.db["meta"])
-        if raw is not None and struct.unpack("<Q", raw)[0] == INDEX_FORMAT:
+        if self._format(raw) == INDEX_FORMAT:
             return  # the common case: no write transaction (no fsync) at open
         def mark(txn):  # re-read inside the write transaction: of two processes opening together, one migrates
             raw = txn.get(b"format", db=self.db["meta"])
-            found = None if raw is None else struct.unpack("<Q", raw)[0]
+            found = self._format(raw)
             if found is None or found in READS_FORMATS:
                 if found != INDEX_FORMAT:
                     txn.put(b"format", struct.pack("<Q", INDEX_FORMAT), db=self.db["meta"])
@@ -119,7 +126,7 @@ class Index:
                         txn.drop(self.env.open_db(b"leases", txn=txn), delete=True)  # v1 leases: gone with commits
                     records.rebuild_table(self, txn)  # formats 1, 2: prefix records tagged by snapshot, re-tagged
             else:
-                raise IncompatibleFormat(f"index at {self.path} has format {struct.unpack('<Q', raw)[0]}, "
+                raise IncompatibleFormat(f"index at {self.path} has format {found}, "
                                          f"this kvshelf reads format {INDEX_FORMAT}")
 
         self.write(mark)
@@ -237,7 +244,12 @@ class Index:
 
     def meta_int(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
         raw = txn.get(name, db=self.db["meta"])
-        return default if raw is None else struct.unpack("<q", raw)[0]
+        if raw is None:
+            return default
+        if len(raw) != 8:  # a damaged record: say so, never a struct.error
+            raise CorruptData(f"the index at {self.path}: meta record {name.decode(errors='replace')!r} is "
+                              f"{len(raw)} bytes, not 8 (damaged)")
+        return struct.unpack("<q", raw)[0]
 
     def set_meta_int(self, txn: lmdb.Transaction, name: bytes, value: int) -> None:
         txn.put(name, struct.pack("<q", value), db=self.db["meta"])

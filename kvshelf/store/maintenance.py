@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import lmdb
 import msgspec
 import numpy as np
 
@@ -54,6 +55,9 @@ def verify_store(store, deep: bool = False) -> list[Finding]:
         _verify(store, deep, out)
     except (KvShelfError, ObjectMissing, OSError) as exc:
         out.append(Finding("unreadable-index", "index", f"verify stopped: {type(exc).__name__}: {exc}"))
+    except lmdb.Error as exc:  # raised in a loop over a streamed batch (outside the read's own translation)
+        damage = store.index._error(exc)
+        out.append(Finding("unreadable-index", "index", f"verify stopped: {type(damage).__name__}: {damage}"))
     return out
 
 
@@ -121,6 +125,9 @@ def _check_manifest(store, txn, prefix_cur, sid: bytes, raw: bytes, deep: bool, 
     """Every finding about one snapshot, read in ``txn``; counts it into ``tally`` (None: a re-check)."""
     db = store.index.db
     out: list[Finding] = []
+    if len(sid) != 16:  # a damaged key: it names no snapshot, and LMDB refuses some lengths as keys
+        return [Finding("bad-manifest", f"manifest record under key {sid.hex()!r}", f"its key is {len(sid)} bytes, "
+                        f"not a 16-byte snapshot id (damaged)")]
     try:
         m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
     except (CorruptData, IncompatibleFormat) as exc:
