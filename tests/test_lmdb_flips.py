@@ -165,10 +165,11 @@ def test_flips_in_every_page_never_kill_the_process(pristine) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_many_flips_in_every_page_never_kill_the_process(pristine, seed) -> None:
+    """Three more flips per page, twice (the soak's data.mdb rows flip thousands more at random)."""
     data = _pages(pristine)
-    flips = _sweep(data, random.Random(1000 + seed), per_page=6)
+    flips = _sweep(data, random.Random(1000 + seed), per_page=3)
     _judge(flips, run_flips(pristine, flips, pristine.parent))
 
 
