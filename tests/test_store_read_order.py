@@ -16,6 +16,8 @@ from pathlib import Path
 
 from test_store_syncs import _strace
 
+from kvshelf.store.piecereads import BATCH_BYTES
+
 SCRIPT = """
 import os, sys
 sys.path[:0] = [{tests!r}, {repo!r}]
@@ -59,9 +61,10 @@ def test_a_restore_reads_the_pack_forward_in_few_large_reads(tmp_path):
             reads.append((tid, iovcnt, offset))
     assert phase >= 2 and reads, trace.read_text()[-2000:]
     data = [(tid, offset) for tid, iovcnt, offset in reads if iovcnt > 1]  # headers are single-buffer reads
-    # 4 chunks of 1 MiB (8 layers x K and V x 256 tokens x 2 heads x 64 x f16): two header reads and a couple of
-    # data reads each — layer by layer was 16 data reads per chunk
-    assert len(data) <= 4 * 3 and len(reads) <= 4 * 5, reads
+    # 4 chunks of 1 MiB (8 layers x K and V x 256 tokens x 2 heads x 64 x f16): two header reads and
+    # ceil(1 MiB / BATCH_BYTES) data reads each (4 at 256 KiB) — layer by layer was 16 data reads per chunk
+    per_chunk = -(-(1 << 20) // BATCH_BYTES)
+    assert len(data) <= 4 * per_chunk and len(reads) <= 4 * (per_chunk + 2), reads
     by_thread: dict[int, list[int]] = {}
     for tid, offset in data:
         by_thread.setdefault(tid, []).append(offset)

@@ -69,7 +69,10 @@ class PieceJob:
     straddle: tuple[int, int] | None = None  # (run bytes in the piece, kept bytes per run)
 
 
-BATCH_BYTES = 1 << 20  # bytes per preadv before hashing them: still in this core's cache when hashed
+BATCH_BYTES = 256 << 10  # bytes per preadv before hashing them: still in this core's cache when hashed
+RAW_BATCH_BYTES = 4 << 20  # bytes per preadv when nothing is hashed (fewer calls; measured 120 -> 108 ms, 512 MiB)
+# (measured at 512 MiB, verification on: 256 KiB batches 168 ms, 1 MiB 182 ms, 4 MiB 199 ms — the hash's re-read
+# misses the cache once a batch outgrows what the core keeps)
 
 
 def fill_chunks(jobs: list[list[PieceJob]], readers: list[BlobReader], hashes: list[ChunkHash]) -> None:
@@ -107,6 +110,7 @@ def _fill_chunk(reader: BlobReader, jobs: list[PieceJob], h: ChunkHash) -> None:
     batch: list[PieceJob] = []
     start = end = size = 0
     decompressed: dict = {}
+    limit = BATCH_BYTES if h.h is not None else RAW_BATCH_BYTES
 
     def flush() -> None:
         nonlocal batch, size
@@ -135,7 +139,7 @@ def _fill_chunk(reader: BlobReader, jobs: list[PieceJob], h: ChunkHash) -> None:
                 v[:] = tmp[o * run:o * run + kept]
             continue
         at = reader.data_start + t.start
-        if batch and (at != end or size >= BATCH_BYTES):
+        if batch and (at != end or size >= limit):
             flush()
         if not batch:
             start = at
@@ -170,4 +174,4 @@ def read_piece(reader: BlobReader, c: int, k: int, views: list[memoryview], deco
 
 
 
-__all__ = ["BATCH_BYTES", "ChunkHash", "PieceJob", "READ_THREADS", "fill_chunks", "read_piece"]
+__all__ = ["BATCH_BYTES", "RAW_BATCH_BYTES", "ChunkHash", "PieceJob", "READ_THREADS", "fill_chunks", "read_piece"]
