@@ -69,3 +69,27 @@ def test_small_runs_release_the_gil():
     runs = [data[i:i + (64 << 10)] for i in range(0, len(data), 64 << 10)]
     assert _ticks_during(RunHash().update, runs) > 0
     # (xxhash.xxh3_128().update over the same runs gives 0 on xxhash 3.x: it keeps the GIL under ~100 KiB)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 70_000), min_size=1, max_size=6))
+def test_content_hash_is_the_same_through_either_hasher(sizes):
+    """``blobfile.content_hash`` picks the xxhash object for chunks of small runs and RunHash for large ones: a
+    chunk's name must not depend on that choice."""
+    import numpy as np
+
+    from kvshelf.store import blobfile
+    from kvshelf.store.blobfile import Piece
+
+    rng = np.random.default_rng(sum(sizes))
+    pieces = [Piece(f"0.{i}.t", "uint8", (n,), memoryview(rng.integers(0, 255, n, dtype=np.uint8)))
+              for i, n in enumerate(sizes)]
+    saved = blobfile.SMALL_RUNS
+    try:
+        blobfile.SMALL_RUNS = 0  # never "small": RunHash
+        a = blobfile.content_hash(pieces)
+        blobfile.SMALL_RUNS = 1 << 40  # always "small": the xxhash object
+        b = blobfile.content_hash(pieces)
+    finally:
+        blobfile.SMALL_RUNS = saved
+    assert a == b
