@@ -29,7 +29,7 @@ import numpy as np
 
 from . import manifest as mf
 from .manifest import Summary
-from .prefix import boundary_hash, common_prefix, continuation, tokens_array
+from .prefix import boundary_hash, common_prefix, continuation, level_bound, tokens_array
 
 
 TIE_CANDIDATES = 32   # equal-length usable candidates compared for recency
@@ -160,9 +160,7 @@ class _Lookup:
         return lo
 
     def _bound(self, level: int) -> int:
-        """The longest usable prefix a snapshot first met at ``level`` can give."""
-        deeper = self.pos[level + 1] - 1 if level + 1 < len(self.pos) else self.n
-        return min(deeper, self.n - 1)
+        return level_bound(self.pos, level, self.n)
 
     # --- the search -----------------------------------------------------------------------------------------------
     def run(self):

@@ -148,24 +148,25 @@ def _check_manifest(store, txn, prefix_cur, sid: bytes, raw: bytes, deep: bool, 
         return [Finding("bad-summary", where, str(exc), (m.session_id,))]
     if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
         out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
+    tokens = np.asarray(m.tokens, "<i8")
     toks = txn.get(sid, db=db["tokens"])
     try:
-        same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"), np.asarray(m.tokens, "<i8"))
+        same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"), tokens)
     except CorruptData:
         same = False
     if not same:
         out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest (or fail their checksum)"))
-    if txn.get(skey, db=db["sessions"]) != sid:
+    head = txn.get(skey, db=db["sessions"]) == sid  # the session's current snapshot (else a stale one)
+    if not head:
         out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
     if txn.get(keys.lru_key(idk, s.last_used_ns, sid), db=db["lru"]) is None:
         out.append(Finding("lru-drift", where, "no LRU record"))
     n_records = 0
-    if txn.get(skey, db=db["sessions"]) == sid:  # the session's head: its records are in the table (records.py)
-        n_records, problems = records.check_head(store.index, txn, prefix_cur, skey, sid, np.asarray(m.tokens, "<i8"),
-                                                 store.block)
+    if head:  # its records are in the prefix table (records.py); a stale snapshot's are not
+        n_records, problems = records.check_head(store.index, txn, prefix_cur, skey, sid, tokens, store.block)
         out.extend(Finding("prefix-drift", where, p) for p in problems)
     if tally is not None:
-        tally.count(m, s, n_records, head=txn.get(skey, db=db["sessions"]) == sid)
+        tally.count(m, s, n_records, head=head)
     on_disk = _manifest_on_disk(store, sid.hex(), s)
     if on_disk is None:
         out.append(Finding("missing-manifest-file", where, "its manifest is on disk in no pack or file"))

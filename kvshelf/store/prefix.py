@@ -44,6 +44,13 @@ def positions(n: int, block: int = BLOCK_TOKENS) -> list[int]:
     return [*range(1, min(n, block - 1) + 1), *range(block, n + 1, block)]
 
 
+def level_bound(pos, level: int, n: int) -> int:
+    """The longest usable prefix (of a prompt of ``n`` tokens, boundary positions ``pos``) that a snapshot first met
+    at boundary index ``level`` can give: it shares no boundary deeper than ``level``, and a hit leaves one token."""
+    deeper = pos[level + 1] - 1 if level + 1 < len(pos) else n
+    return min(deeper, n - 1)
+
+
 def boundary_hash(nsk: bytes, tokens: np.ndarray, position: int) -> bytes:
     """The key of the boundary after the first ``position`` tokens."""
     h = xxhash.xxh3_128(nsk)
@@ -89,5 +96,5 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-__all__ = ["BLOCK_TOKENS", "positions", "tokens_array", "boundary_hash", "all_boundaries", "boundaries_after",
+__all__ = ["BLOCK_TOKENS", "level_bound", "positions", "tokens_array", "boundary_hash", "all_boundaries", "boundaries_after",
            "continuation", "common_prefix"]

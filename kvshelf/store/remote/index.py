@@ -29,6 +29,7 @@ from ..prefix import (
     all_boundaries,
     common_prefix,
     continuation,
+    level_bound,
 )
 from .keys import Keys
 from .records import RemoteSummary, decode_summary, decode_tokens
@@ -122,8 +123,7 @@ class RemoteLookup:
         return self._search(lo, hi, lambda i: self.counts[i] > 0)
 
     def _bound(self, level: int) -> int:
-        deeper = self.pos[level + 1] - 1 if level + 1 < len(self.pos) else self.n
-        return min(deeper, self.n - 1)
+        return level_bound(self.pos, level, self.n)
 
     def run(self):
         if self.n < 2:
