@@ -16,10 +16,9 @@ from kvshelf.store.records import lineage_id
 
 def actual(store) -> tuple[Counter, dict[bytes, bytes]]:
     """(every (key, value) of ``prefix``, duplicates counted; ``heads`` as a dict)."""
-    db = store.index.db
     with store.index.read() as txn:
-        recs = Counter((bytes(k), bytes(v)) for k, v in txn.cursor(db=db["prefix"]))
-        heads = {bytes(k): bytes(v) for k, v in txn.cursor(db=db["heads"])}
+        recs = Counter((bytes(k), bytes(v)) for k, v in txn.dup_items("prefix"))
+        heads = {bytes(k): bytes(v) for k, v in txn.range("heads")}
     return recs, heads
 
 

@@ -9,16 +9,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvshelf.errors import KvShelfError
 from kvshelf.store.index import Index
-from kvshelf.store.indexstore import IndexStore, LmdbIndexStore, MemoryIndexStore
+from kvshelf.store.indexstore import IndexStore, IndexTxn, MemoryIndexStore
 
-T = "chunks"  # any plain table of the store's index; the memory store takes any name
+T = "chunks"  # any plain table of the store's index
 U = "packs"
+D = "prefix"  # the duplicate table
 
 
 def _lmdb(tmp_path):
     index = Index(str(tmp_path / "index"))
-    return LmdbIndexStore(index), index.close
+    return index, index.close
 
 
 INDEX_STORES = {
@@ -36,6 +38,8 @@ def store(request, tmp_path) -> IndexStore:
 
 def test_is_an_index_store(store):
     assert isinstance(store, IndexStore)
+    with store.read() as t:
+        assert isinstance(t, IndexTxn)
 
 
 def test_put_get_delete_count(store):
@@ -115,3 +119,96 @@ def test_ranges_are_ordered_and_bounded(store, keys, lo, hi):
     with store.read() as t:
         got = list(t.range(T, lo, hi))
     assert [k for k, _ in got] == want and all(v == k[::-1] for k, v in got)
+
+
+def test_unknown_tables_and_kinds_are_refused(store):
+    with store.read() as t:
+        for call in (lambda: t.get("nope", b"k"), lambda: t.get(D, b"k"), lambda: t.dup_count(T, b"k")):
+            with pytest.raises(KvShelfError):
+                call()
+
+
+def test_clear_and_ids(store):
+    store.write(lambda t: (t.put(T, b"a", b"1"), t.dup_add(D, b"k", b"v"), t.put(U, b"x", b"y")))
+    with store.read() as first:
+        before = first.id()
+    store.write(lambda t: (t.clear(T), t.clear(D)))
+    with store.read() as t, store.read() as again:
+        assert t.id() == again.id() != before  # one id, one committed state
+        assert t.count(T) == 0 and t.count(D) == 0 and t.get(U, b"x") == b"y"
+        assert list(t.range(T)) == [] and list(t.dup_items(D)) == []
+
+
+def test_duplicate_values_are_sorted_sets_per_key(store):
+    def fill(t):
+        for v in (b"c", b"a", b"b", b"a"):  # a repeated pair is kept once
+            t.dup_add(D, b"k", v)
+        t.dup_add(D, b"j", b"z")
+        assert t.dup_count(D, b"k") == 3  # a write sees its own changes
+
+    store.write(fill)
+    with store.read() as t:
+        assert t.dup_count(D, b"k") == 3 and t.dup_count(D, b"j") == 1 and t.dup_count(D, b"none") == 0
+        assert t.count(D) == 4
+        assert list(t.dup_from(D, b"k", b"b")) == [b"b", b"c"] and list(t.dup_from(D, b"k", b"bb")) == [b"c"]
+        assert list(t.dup_from(D, b"k", b"d")) == [] and list(t.dup_from(D, b"none", b"")) == []
+        assert list(t.dup_below(D, b"k", b"b")) == [b"a"] and list(t.dup_below(D, b"k", b"zz")) == [b"c", b"b", b"a"]
+        assert list(t.dup_below(D, b"k")) == [b"c", b"b", b"a"] and list(t.dup_below(D, b"none", b"x")) == []
+        assert t.dup_has(D, b"k", b"b") and not t.dup_has(D, b"k", b"d") and not t.dup_has(D, b"j", b"a")
+        assert list(t.dup_items(D)) == [(b"j", b"z"), (b"k", b"a"), (b"k", b"b"), (b"k", b"c")]
+    assert store.write(lambda t: t.dup_remove(D, b"k", b"b")) is True
+    assert store.write(lambda t: t.dup_remove(D, b"k", b"b")) is False
+    assert store.write(lambda t: t.dup_remove(D, b"j", b"z")) is True
+    with store.read() as t:
+        assert list(t.dup_items(D)) == [(b"k", b"a"), (b"k", b"c")] and t.dup_count(D, b"j") == 0
+
+
+def test_a_read_keeps_its_duplicates_while_a_writer_changes_them(store):
+    store.write(lambda t: (t.dup_add(D, b"k", b"a"), t.dup_add(D, b"k", b"b")))
+    with store.read() as t:
+        store.write(lambda w: (w.dup_remove(D, b"k", b"a"), w.dup_add(D, b"k", b"c")))
+        assert list(t.dup_from(D, b"k", b"")) == [b"a", b"b"]
+    with store.read() as t:
+        assert list(t.dup_from(D, b"k", b"")) == [b"b", b"c"]
+
+
+_pair = st.tuples(st.sampled_from([b"k1", b"k2", b"k3"]), st.binary(min_size=1, max_size=3))
+
+
+@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.booleans(), _pair), max_size=40), probe=_pair)
+def test_duplicates_agree_with_a_sorted_oracle(store, ops, probe):
+    oracle: set[tuple[bytes, bytes]] = set()
+
+    def apply(t):
+        t.clear(D)
+        for add, (k, v) in ops:
+            if add:
+                t.dup_add(D, k, v)
+                oracle.add((k, v))
+            else:
+                assert t.dup_remove(D, k, v) == ((k, v) in oracle)
+                oracle.discard((k, v))
+
+    store.write(apply)
+    key, value = probe
+    mine = sorted(v for k, v in oracle if k == key)
+    with store.read() as t:
+        assert list(t.dup_items(D)) == sorted(oracle) and t.count(D) == len(oracle)
+        assert t.dup_count(D, key) == len(mine) and t.dup_has(D, key, value) == ((key, value) in oracle)
+        assert list(t.dup_from(D, key, value)) == [v for v in mine if v >= value]
+        assert list(t.dup_below(D, key, value)) == [v for v in reversed(mine) if v < value]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 512])
+def test_scan_and_batches_see_every_key_once_in_order(store, batch):
+    keys = [bytes([i]) * 2 for i in range(1, 11)]
+    store.write(lambda t: [t.put(T, k, k) for k in keys])
+    ids: set[int] = set()
+    assert [k for k, _ in store.scan(T, batch, ids=ids)] == keys and len(ids) == 1
+    assert [k for k, _ in store.scan(T, batch, start=keys[2], stop=keys[7])] == keys[2:7]
+    seen = []
+    for txn, rows in store.batches(T, batch, start=keys[1]):
+        assert len(rows) <= batch and all(txn.get(T, k) == v for k, v in rows)  # the batch's snapshot is open
+        seen += [k for k, _ in rows]
+    assert seen == keys[1:]

@@ -21,8 +21,7 @@ def _craft(store, snapshot_id: str, change) -> None:
     """Replace the indexed manifest by ``change(manifest)``, sealed like a real record (its checksum is valid)."""
     m = store.manifest(snapshot_id)
     new = change(m)
-    store.index.write(lambda txn: txn.put(bytes.fromhex(snapshot_id), mf.encode(new),
-                                          db=store.index.db["manifests"]))
+    store.index.write(lambda txn: txn.put("manifests", bytes.fromhex(snapshot_id), mf.encode(new)))
 
 
 def _with_slot(m, **fields):

@@ -202,13 +202,12 @@ def test_verify_reports_a_record_failing_its_checksum_and_never_raises(tmp_path:
     with open_store(root, identity=MODEL, chunk_tokens=8) as s:
         info = s.save("a", list(range(N)), caches)
         s.save("b", list(range(500, 500 + N)), make_caches("mla", N, 4, layers=1))
-        db = s.index.db[table]
         with s.index.read() as txn:
             key = bytes.fromhex(info.snapshot_id) if table in ("manifests", "summaries", "tokens") else \
-                next(bytes(k) for k, _v in txn.cursor(db=db))
-            raw = bytearray(txn.get(key, db=db))
+                next(bytes(k) for k, _v in txn.range(table))
+            raw = bytearray(txn.get(table, key))
         raw[len(raw) // 2] ^= 0x04
-        s.index.write(lambda txn: txn.put(key, bytes(raw), db=db))
+        s.index.write(lambda txn: txn.put(table, key, bytes(raw)))
         found = s.verify(deep=True)
         assert found, "a damaged record must be a finding"
         if table in ("manifests", "summaries", "tokens"):

@@ -113,12 +113,13 @@ def test_candidates_are_confirmed_token_by_token(tmp_path):
         unrelated = token_ids(100, seed=77)
         diverging = tokens[:20] + token_ids(80, seed=78)
         nsk = store._ns_key("")
-        with store.index.env.begin(write=True) as txn:  # collisions at every boundary of both prompts
+        def forge(txn):  # collisions at every boundary of both prompts
             for prompt in (unrelated, diverging):
                 arr = tokens_array(prompt)
                 for pos in positions(len(arr)):
-                    txn.put(boundary_hash(nsk, arr, pos), continuation(arr, pos) + tag, db=store.index.db["prefix"],
-                            dupdata=True)
+                    txn.dup_add("prefix", boundary_hash(nsk, arr, pos), continuation(arr, pos) + tag)
+
+        store.index.write(forge)
         assert store.lookup(unrelated) is None
         hit = store.lookup(diverging)
         assert (hit.session_id, hit.length) == ("a", 20)

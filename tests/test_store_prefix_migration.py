@@ -137,29 +137,27 @@ def test_verify_sees_a_prefix_record_or_head_out_of_place(tmp_path):
     ``prefix-drift`` finding, and ``rebuild_index`` repairs them."""
     root = copy(V2, tmp_path)
     with open_fixture(root, V2_EXPECTED) as store:
-        db = store.index.db
         recs, heads = actual(store)
         key, value = next(iter(recs))
         lineage, sid = next(iter(heads.items()))
         stray = (b"\x01" * 16, b"\x02" * 128 + lineage)
 
         def findings(change):
-            with store.index.env.begin(write=True) as txn:
-                change(txn)
+            store.index.write(change)
             return sorted((f.kind, f.where.split(" (")[0].split(" ")[0], f.detail) for f in store.verify())
 
-        got = findings(lambda txn: txn.put(*stray, db=db["prefix"], dupdata=True))
+        got = findings(lambda txn: txn.dup_add("prefix", *stray))
         assert got == [("prefix-drift", "prefix", f"{len(recs) + 1} records, manifests imply {len(recs)}")]
-        got = findings(lambda txn: (txn.delete(*stray, db=db["prefix"]), txn.delete(key, value, db=db["prefix"])))
+        got = findings(lambda txn: (txn.dup_remove("prefix", *stray), txn.dup_remove("prefix", key, value)))
         assert [(k, w) for k, w, _d in got] == [("prefix-drift", "prefix"), ("prefix-drift", "snapshot")]
         assert "1 of " in got[1][2] and "prefix records missing" in got[1][2]
-        got = findings(lambda txn: (txn.put(key, value, db=db["prefix"], dupdata=True),
-                                    txn.put(lineage, b"\x03" * 16, db=db["heads"])))
+        got = findings(lambda txn: (txn.dup_add("prefix", key, value),
+                                    txn.put("heads", lineage, b"\x03" * 16)))
         assert [(k, w) for k, w, _d in got] == [("prefix-drift", "prefix"), ("prefix-drift", "snapshot")]
         assert "names no indexed snapshot" in got[0][2] and "head points elsewhere" in got[1][2]
-        findings(lambda txn: txn.put(lineage, sid, db=db["heads"]))
+        findings(lambda txn: txn.put("heads", lineage, sid))
         assert store.verify() == []
-        findings(lambda txn: txn.put(*stray, db=db["prefix"], dupdata=True))
+        findings(lambda txn: txn.dup_add("prefix", *stray))
     with open_store(root, admin=True) as store:
         store.rebuild_index()
         assert store.verify() == []

@@ -65,7 +65,7 @@ def test_opening_a_v1_store_seals_every_manifest_file_once(v1_store):
     assert not any(mf.is_sealed(raw) for raw in originals.values())  # the fixture as v1 wrote it
     with open_own(v1_store) as store:
         with store.index.read() as txn:
-            assert txn.get(SEALED_KEY, db=store.index.db["meta"]) is not None
+            assert txn.get("meta", SEALED_KEY) is not None
         check_sessions(store, EXPECTED["sessions"])
         assert store.verify(deep=True) == []
     inodes = {}

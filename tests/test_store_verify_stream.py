@@ -64,9 +64,9 @@ def test_tiny_batches_and_partitions_find_exactly_the_crafted_drift(tmp_path, ti
         meta = store.chunk_info(victim)
 
         def bump(txn):
-            txn.put(bytes.fromhex(victim), mf.encode(ChunkMeta(meta.refs + 2, meta.nbytes, meta.stored_bytes,
+            txn.put("chunks", bytes.fromhex(victim), mf.encode(ChunkMeta(meta.refs + 2, meta.nbytes, meta.stored_bytes,
                                                                meta.encoding, meta.last_used_ns, meta.pack,
-                                                               meta.offset)), db=store.index.db["chunks"])
+                                                               meta.offset)))
 
         store.index.write(bump)
         found = store.verify()
@@ -147,9 +147,9 @@ def test_verify_invents_nothing_while_another_process_saves_and_deletes(tmp_path
             mine = store.manifest(next(s.snapshot_id for s in store.sessions() if s.session_id == "f0-v-0"))
             victim = mine.chunks[-1].hash
             meta = store.chunk_info(victim)
-            store.index.write(lambda txn: txn.put(bytes.fromhex(victim), mf.encode(ChunkMeta(
+            store.index.write(lambda txn: txn.put("chunks", bytes.fromhex(victim), mf.encode(ChunkMeta(
                 meta.refs + 2, meta.nbytes, meta.stored_bytes, meta.encoding, meta.last_used_ns, meta.pack,
-                meta.offset)), db=store.index.db["chunks"]))
+                meta.offset))))
             found = store.verify()
             assert [(f.kind, f.where) for f in found] == [("refcount-drift", f"blob {victim}")]
             assert proc.poll() is None, proc.stderr.read()

@@ -4,6 +4,7 @@ each save until the store's stored bytes (all identities) fit. Other identities'
 from __future__ import annotations
 
 from . import keys
+from .indexstore import meta_int
 
 
 def evict_to_budget(store, protect: bytes | None = None) -> int:
@@ -15,14 +16,10 @@ def evict_to_budget(store, protect: bytes | None = None) -> int:
         leased = store._live_leases()[0]  # a lease taken after this is safe: unlinking re-reads the leases
 
         def pick(txn):
-            if store.index.meta_int(txn, b"total_bytes") <= store.max_bytes:
+            if meta_int(txn, b"total_bytes") <= store.max_bytes:
                 return None
-            cur = txn.cursor(db=store.index.db["lru"])
-            if not cur.set_range(store.id_key):
-                return None
-            for key in cur.iternext(keys=True, values=False):  # the handle's pending uses were applied first
-                if not key.startswith(store.id_key):
-                    break
+            for key, _ in txn.range("lru", store.id_key, keys.after_prefix(store.id_key)):
+                # the handle's pending uses were applied first
                 sid = keys.lru_sid(key)
                 if sid == protect or sid.hex() in leased:
                     continue

@@ -14,7 +14,7 @@ import msgspec
 def quarantined_objects(index, txn) -> set[str]:
     """Object names every quarantine record of ``index`` keeps (a record that does not decode keeps nothing)."""
     out: set[str] = set()
-    for _key, raw in txn.cursor(db=index.db["quarantine"]):
+    for _key, raw in txn.range("quarantine"):
         try:
             rec = msgspec.msgpack.decode(raw)
             out.update(str(o) for o in (rec[2] if len(rec) > 2 else ()))

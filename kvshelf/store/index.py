@@ -32,13 +32,14 @@ import lmdb
 
 from ..errors import CorruptData, IncompatibleFormat, KvShelfError, StoreFull
 from . import lmdbcheck, records, syncs
+from .indexstore import DUP_TABLES, PLAIN_TABLES, Batching
+from .lmdbtxn import LmdbTxn
 from .localbytes import ensure_dir
 
 INDEX_FORMAT = 3  # 2: layout v2 (packs, sealed records); 3: prefix records tagged by session lineage (records.py)
 READS_FORMATS = (1, 2, 3)  # 1 and 2 are migrated at open, in one write transaction (``Index._check_format``)
 _T = TypeVar("_T")
-SCAN_BATCH = 512  # records per read transaction of a streaming listing (Index.scan)
-DB_NAMES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine", "heads")
+DB_NAMES = PLAIN_TABLES
 
 
 def _disk_nearly_full(path: str, reserve: int = 8 << 20) -> bool:
@@ -67,8 +68,8 @@ class _Shared:
             if os.path.exists(p):
                 os.chmod(p, 0o600)
         try:
-            self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
-            self.db["prefix"] = self.env.open_db(b"prefix", dupsort=True)
+            self.db = {name: self.env.open_db(name.encode()) for name in PLAIN_TABLES}
+            self.db.update({name: self.env.open_db(name.encode(), dupsort=True) for name in DUP_TABLES})
         except lmdb.Error as exc:
             self.env.close()
             raise (lmdbcheck.translate(exc, path) if lmdbcheck.is_damage(exc) else
@@ -81,8 +82,9 @@ _OPEN: dict[str, _Shared] = {}
 _OPEN_LOCK = threading.Lock()
 
 
-class Index:
-    """An LMDB environment with the store's sub-databases; ``write(fn)`` retries after growing a full map."""
+class Index(Batching):
+    """The LMDB implementation of ``indexstore.IndexStore``: one environment with the store's tables; transactions
+    are ``lmdbtxn.LmdbTxn``; ``write(fn)`` retries after growing a full map."""
 
     def __init__(self, path: str, map_size: int = 64 << 30):
         ensure_dir(path)
@@ -113,18 +115,18 @@ class Index:
 
     def _check_format(self) -> None:
         with self.read() as txn:
-            raw = txn.get(b"format", db=self.db["meta"])
+            raw = txn.get("meta", b"format")
         if self._format(raw) == INDEX_FORMAT:
             return  # the common case: no write transaction (no fsync) at open
         def mark(txn):  # re-read inside the write transaction: of two processes opening together, one migrates
-            raw = txn.get(b"format", db=self.db["meta"])
+            raw = txn.get("meta", b"format")
             found = self._format(raw)
             if found is None or found in READS_FORMATS:
                 if found != INDEX_FORMAT:
-                    txn.put(b"format", struct.pack("<Q", INDEX_FORMAT), db=self.db["meta"])
-                    if found is None or found < 2:
-                        txn.drop(self.env.open_db(b"leases", txn=txn), delete=True)  # v1 leases: gone with commits
-                    records.rebuild_table(self, txn)  # formats 1, 2: prefix records tagged by snapshot, re-tagged
+                    txn.put("meta", b"format", struct.pack("<Q", INDEX_FORMAT))
+                    if found is None or found < 2:  # v1 leases: gone with commits
+                        txn.raw.drop(self.env.open_db(b"leases", txn=txn.raw), delete=True)
+                    records.rebuild_table(txn)  # formats 1, 2: prefix records tagged by snapshot, re-tagged
             else:
                 raise IncompatibleFormat(f"index at {self.path} has format {found}, "
                                          f"this kvshelf reads format {INDEX_FORMAT}")
@@ -169,7 +171,7 @@ class Index:
             while True:
                 try:
                     with self.env.begin(write=True) as txn:
-                        result = fn(txn)
+                        result = fn(LmdbTxn(txn, self.db))
                     syncs.note_commit()
                     return result
                 except lmdb.MapFullError:
@@ -182,51 +184,6 @@ class Index:
                                         f"the transaction was rolled back and nothing was committed") from exc
                     raise self._error(exc) from exc
 
-    def scan(self, name: str, batch: int = SCAN_BATCH, *, start: bytes | None = None, stop: bytes | None = None,
-             ids: set[int] | None = None):
-        """Every (key, value) of sub-database ``name`` (not dupsort) with ``start <= key < stop``, read in short
-        transactions of ``batch`` records each: memory and reader-slot time stay bounded however large the index
-        (a listing sees each key once, in key order; records committed meanwhile may or may not be seen). Each
-        batch's transaction id is added to ``ids``: one id for a whole listing means nothing was committed
-        between its batches, so it saw one consistent snapshot."""
-        for _txn, txn_id, rows in self._batches(name, batch, start, stop, hold=False):
-            if ids is not None:
-                ids.add(txn_id)
-            yield from rows
-
-    def batches(self, name: str, batch: int = SCAN_BATCH, *, start: bytes | None = None,
-                stop: bytes | None = None):
-        """``scan``'s batches as ``(txn, rows)``, each yielded while its read transaction is still open, so the
-        caller checks the rows against other tables in that same consistent snapshot (``txn.id()`` names it);
-        the transaction ends when the caller asks for the next batch."""
-        for txn, _txn_id, rows in self._batches(name, batch, start, stop, hold=True):
-            yield txn, rows
-
-    def _batches(self, name: str, batch: int, start: bytes | None, stop: bytes | None, hold: bool):
-        after: bytes | None = None
-        while True:
-            with self.read() as txn:
-                cur = txn.cursor(db=self.db[name])
-                seek = after if after is not None else start
-                ok = cur.set_range(seek) if seek else cur.first()
-                rows = []
-                while ok and len(rows) < batch:
-                    key = bytes(cur.key())
-                    if stop is not None and key >= stop:
-                        ok = False
-                        break
-                    if key != after:
-                        rows.append((key, bytes(cur.value())))
-                    ok = cur.next()
-                txn_id = txn.id()
-                if hold and rows:
-                    yield txn, txn_id, rows
-            if not hold and rows:
-                yield None, txn_id, rows
-            if not ok or not rows:
-                return
-            after = rows[-1][0]
-
     @property
     def users(self) -> int:
         """Open ``Index`` objects of this process on this environment (Store handles share one)."""
@@ -236,23 +193,25 @@ class Index:
         """The process-wide lock every write transaction of this environment runs under (a context manager)."""
         return self._lock
 
-    def table(self, name: str):
-        """The handle of a plain (not dupsort) named table, for ``indexstore.LmdbIndexStore``."""
-        if name not in DB_NAMES:
-            raise KvShelfError(f"index table {name!r} does not exist (tables: {', '.join(DB_NAMES)})")
-        return self.db[name]
+    def page_stats(self) -> tuple[int, dict[str, dict]]:
+        """LMDB's page size and every table's page statistics (``reserve.needed_bytes`` sizes a full disk's
+        reserve from them): a read transaction, no data read."""
+        with self.env.begin() as txn:
+            return self.env.stat()["psize"], {name: txn.stat(db) for name, db in self.db.items()}
 
-    def meta_int(self, txn: lmdb.Transaction, name: bytes, default: int = 0) -> int:
-        raw = txn.get(name, db=self.db["meta"])
-        if raw is None:
-            return default
-        if len(raw) != 8:  # a damaged record: say so, never a struct.error
-            raise CorruptData(f"the index at {self.path}: meta record {name.decode(errors='replace')!r} is "
-                              f"{len(raw)} bytes, not 8 (damaged)")
-        return struct.unpack("<q", raw)[0]
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
 
-    def set_meta_int(self, txn: lmdb.Transaction, name: bytes, value: int) -> None:
-        txn.put(name, struct.pack("<q", value), db=self.db["meta"])
+    def copy_to(self, target: str) -> None:
+        """A compacting copy of the environment into directory ``target`` (``rebuild`` / ``compact`` swap it in);
+        a full disk is ``StoreFull`` and leaves the index unchanged."""
+        try:
+            self.env.copy(target, compact=True)
+        except lmdb.Error as exc:  # a full disk is lmdb.DiskError (ENOSPC): say so, as every other write does
+            if "No space" in str(exc) or isinstance(exc, lmdb.DiskError):
+                raise StoreFull(f"copying the index into {target} failed: the disk is full ({exc}); the store is "
+                                f"unchanged") from exc
+            raise KvShelfError(f"copying the index into {target} failed: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         if self._closed:
@@ -275,16 +234,16 @@ class _Read:
     def __init__(self, txn: lmdb.Transaction, index: Index):
         self.txn, self.index = txn, index
 
-    def __enter__(self) -> lmdb.Transaction:
-        return self.txn
+    def __enter__(self) -> LmdbTxn:
+        return LmdbTxn(self.txn, self.index.db)
 
     def __exit__(self, typ, exc, tb) -> None:
         self.txn.abort()
         if exc is not None and isinstance(exc, lmdb.Error):
             raise self.index._error(exc) from exc
 
-    def __getattr__(self, name):  # a caller that keeps the object instead of entering it
-        return getattr(self.txn, name)
 
 
-__all__ = ["Index", "INDEX_FORMAT", "DB_NAMES"]
+LmdbIndexStore = Index  # the protocol's name for it (``indexstore``)
+
+__all__ = ["DB_NAMES", "Index", "INDEX_FORMAT", "LmdbIndexStore"]

@@ -28,6 +28,12 @@ def be64(n: int) -> bytes:
     return struct.pack(">Q", n)
 
 
+def after_prefix(prefix: bytes) -> bytes | None:
+    """The first key past every key that starts with ``prefix`` (a range's stop; None: no such key)."""
+    head = prefix.rstrip(b"\xff")
+    return head[:-1] + bytes([head[-1] + 1]) if head else None
+
+
 def session_key(idk: bytes, nsk: bytes, session_id: str) -> bytes:
     return idk + nsk + session_id.encode("utf-8", "surrogatepass")
 
@@ -99,5 +105,5 @@ def parse_legacy_blob(name: str) -> tuple[str, str] | None:
     return stem, encoding
 
 
-__all__ = ["be64", "identity_key_of", "is_pack", "legacy_blob", "legacy_manifest", "lineage_id", "location", "lru_key",
+__all__ = ["after_prefix", "be64", "identity_key_of", "is_pack", "legacy_blob", "legacy_manifest", "lineage_id", "location", "lru_key",
            "lru_sid", "manifest_keys", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key", "tomb"]

@@ -133,11 +133,11 @@ class LeasingMixin:
 
     # ------------------------------------------------------------------ leases
     def _locate(self, txn, manifest: Manifest, refs: list[BlobRef]) -> dict[str, tuple[str, int, int | None]]:
-        if txn.get(bytes.fromhex(manifest.snapshot_id), db=self.index.db["manifests"]) is None:
+        if txn.get("manifests", bytes.fromhex(manifest.snapshot_id)) is None:
             raise Gone
         where = {}
         for r in refs:
-            raw = txn.get(bytes.fromhex(r.hash), db=self.index.db["chunks"])
+            raw = txn.get("chunks", bytes.fromhex(r.hash))
             if raw is None:  # unreferenced: maybe already unlinked (the manifest in hand was rewritten since)
                 raise Stale(f"snapshot {manifest.snapshot_id} of session {manifest.session_id!r} was rewritten "
                             f"(compacted) after its manifest was read")
@@ -238,23 +238,21 @@ class LeasingMixin:
                 pass
 
     def _apply_touch(self, txn, sid: bytes, now: int, hashes: list[str]) -> None:
-        db = self.index.db
-        raw = txn.get(sid, db=db["summaries"])
+        raw = txn.get("summaries", sid)
         if raw is None:
             return
         s = mf.decode(raw, Summary, "summary")
-        txn.delete(keys.lru_key(s.id_key, s.last_used_ns, sid), db=db["lru"])
-        txn.put(keys.lru_key(s.id_key, now, sid), b"", db=db["lru"])
-        txn.put(sid, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
-                                       s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, now, s.pack)),
-                db=db["summaries"])
+        txn.delete("lru", keys.lru_key(s.id_key, s.last_used_ns, sid))
+        txn.put("lru", keys.lru_key(s.id_key, now, sid), b"")
+        txn.put("summaries", sid, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
+                                       s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, now, s.pack)))
         for h in hashes:
             k = bytes.fromhex(h)
-            raw = txn.get(k, db=db["chunks"])
+            raw = txn.get("chunks", k)
             if raw is not None:
                 m = mf.decode(raw, ChunkMeta, "chunk record")
-                txn.put(k, mf.encode(ChunkMeta(m.refs, m.nbytes, m.stored_bytes, m.encoding, now, m.pack,
-                                               m.offset)), db=db["chunks"])
+                txn.put("chunks", k, mf.encode(ChunkMeta(m.refs, m.nbytes, m.stored_bytes, m.encoding, now, m.pack,
+                                               m.offset)))
 
 
 __all__ = ["Gone", "LeasingMixin", "Stale", "TOUCH_FLUSH_SECONDS"]

@@ -20,6 +20,7 @@ import numpy as np
 from . import keys, records
 from . import manifest as mf
 from .manifest import ChunkMeta, Manifest, PackMeta, Summary
+from .indexstore import meta_int, set_meta_int
 
 
 class MissingChunks(Exception):
@@ -34,32 +35,30 @@ Placed = dict[str, tuple[str, int, int, str, int]]  # hash -> (pack, offset, len
 
 
 def _pack_meta(index, txn, pack: str) -> PackMeta | None:
-    raw = txn.get(pack.encode(), db=index.db["packs"])
+    raw = txn.get("packs", pack.encode())
     return None if raw is None else mf.decode(raw, PackMeta, f"pack record {pack}")
 
 
 def _bump_pack(index, txn, pack: str, chunks: int = 0, nbytes: int = 0, manifests: int = 0,
                size: int | None = None) -> None:
     m = _pack_meta(index, txn, pack) or PackMeta(0, 0, size or 0, 0)
-    txn.put(pack.encode(), mf.encode(PackMeta(m.live_chunks + chunks, m.live_bytes + nbytes,
-                                              size if size is not None else m.size, m.manifests + manifests)),
-            db=index.db["packs"])
+    txn.put("packs", pack.encode(), mf.encode(PackMeta(m.live_chunks + chunks, m.live_bytes + nbytes,
+                                              size if size is not None else m.size, m.manifests + manifests)))
 
 
 def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Placed,
            replaces: bytes | None = None, now: int | None = None) -> tuple[bytes | None, list[str]]:
     """Index ``manifest`` (its manifest lies in ``pack``, "" for a v1 manifest file), replacing the session's
     previous snapshot (or ``replaces``). Returns (dropped sid, objects that may now be unreferenced)."""
-    db = index.db
     now = time.time_ns() if now is None else now
     unique = {r.hash: r for r in manifest.blobs}
-    chunk_records = {h: txn.get(bytes.fromhex(h), db=db["chunks"]) for h in unique}
+    chunk_records = {h: txn.get("chunks", bytes.fromhex(h)) for h in unique}
     missing = [h for h, raw in chunk_records.items() if raw is None and h not in placed]
     if missing:
         raise MissingChunks(missing)
     idk, nsk, skey = keys.manifest_keys(manifest)
     sid = bytes.fromhex(manifest.snapshot_id)
-    total = index.meta_int(txn, b"total_bytes")
+    total = meta_int(txn, b"total_bytes")
     if pack and _pack_meta(index, txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
     for h, ref in unique.items():
@@ -77,25 +76,25 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
         else:
             m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
             meta = ChunkMeta(m.refs + 1, m.nbytes, m.stored_bytes, m.encoding, now, m.pack, m.offset)
-        txn.put(bytes.fromhex(h), mf.encode(meta), db=db["chunks"])
-    index.set_meta_int(txn, b"total_bytes", total)
+        txn.put("chunks", bytes.fromhex(h), mf.encode(meta))
+    set_meta_int(txn, b"total_bytes", total)
     if pack:
         _bump_pack(index, txn, pack, manifests=1)
-    old = replaces if replaces is not None else txn.get(skey, db=db["sessions"])
+    old = replaces if replaces is not None else txn.get("sessions", skey)
     tokens = np.asarray(manifest.tokens, dtype="<i8")
-    records.move_head(index, txn, skey, sid, tokens)
+    records.move_head(txn, skey, sid, tokens)
     freed: list[str] = []
     if old is not None:
         freed = drop(index, txn, bytes(old), prefix_records=False)
     summary = Summary(idk, nsk, manifest.session_id, manifest.namespace, manifest.length,
                       manifest.minimum_reusable_offset, manifest.trimmable, manifest.nbytes, manifest.created_at, now,
                       pack)
-    txn.put(sid, mf.encode(manifest), db=db["manifests"])
-    txn.put(sid, mf.encode(summary), db=db["summaries"])
-    txn.put(sid, mf.seal_tokens(tokens), db=db["tokens"])
-    txn.put(skey, sid, db=db["sessions"])
-    txn.put(keys.lru_key(idk, now, sid), b"", db=db["lru"])
-    txn.delete(skey, db=db["quarantine"])
+    txn.put("manifests", sid, mf.encode(manifest))
+    txn.put("summaries", sid, mf.encode(summary))
+    txn.put("tokens", sid, mf.seal_tokens(tokens))
+    txn.put("sessions", skey, sid)
+    txn.put("lru", keys.lru_key(idk, now, sid), b"")
+    txn.delete("quarantine", skey)
     return (bytes(old) if old is not None else None), freed
 
 
@@ -103,39 +102,38 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
     """Remove a snapshot from the index; returns the objects (packs, v1 blobs, its v1 manifest file) that may have
     lost their last use. Its session's prefix records and head go with it (if it is the head) unless
     ``prefix_records`` is False: ``commit`` has already moved them to the snapshot replacing it."""
-    db = index.db
-    raw = txn.get(sid, db=db["manifests"])
+    raw = txn.get("manifests", sid)
     if raw is None:
         return []
     manifest = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
-    summary = mf.decode(txn.get(sid, db=db["summaries"]), Summary, f"summary {sid.hex()}")
+    summary = mf.decode(txn.get("summaries", sid), Summary, f"summary {sid.hex()}")
     for name in ("manifests", "summaries", "tokens"):
-        txn.delete(sid, db=db[name])
+        txn.delete(name, sid)
     skey = keys.summary_session_key(summary)
     if prefix_records:
-        records.drop_head(index, txn, skey, sid, np.asarray(manifest.tokens, dtype="<i8"))
-    if txn.get(skey, db=db["sessions"]) == sid:
-        txn.delete(skey, db=db["sessions"])
-    txn.delete(keys.lru_key(summary.id_key, summary.last_used_ns, sid), db=db["lru"])
+        records.drop_head(txn, skey, sid, np.asarray(manifest.tokens, dtype="<i8"))
+    if txn.get("sessions", skey) == sid:
+        txn.delete("sessions", skey)
+    txn.delete("lru", keys.lru_key(summary.id_key, summary.last_used_ns, sid))
     candidates: list[str] = []
-    total = index.meta_int(txn, b"total_bytes")
+    total = meta_int(txn, b"total_bytes")
     for h in {r.hash for r in manifest.blobs}:
         key = bytes.fromhex(h)
-        raw = txn.get(key, db=db["chunks"])
+        raw = txn.get("chunks", key)
         if raw is None:
             continue
         m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
         if m.refs <= 1:
-            txn.delete(key, db=db["chunks"])
+            txn.delete("chunks", key)
             total -= m.stored_bytes
             where = keys.location(h, m)[0]
             if keys.is_pack(where):
                 _bump_pack(index, txn, where, chunks=-1, nbytes=-m.stored_bytes)
             candidates.append(where)
         else:
-            txn.put(key, mf.encode(ChunkMeta(m.refs - 1, m.nbytes, m.stored_bytes, m.encoding, m.last_used_ns,
-                                             m.pack, m.offset)), db=db["chunks"])
-    index.set_meta_int(txn, b"total_bytes", total)
+            txn.put("chunks", key, mf.encode(ChunkMeta(m.refs - 1, m.nbytes, m.stored_bytes, m.encoding, m.last_used_ns,
+                                             m.pack, m.offset)))
+    set_meta_int(txn, b"total_bytes", total)
     if summary.pack:
         _bump_pack(index, txn, summary.pack, manifests=-1)
         candidates.append(summary.pack)
@@ -147,9 +145,8 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
 def move_chunk(index, txn, hash_: str, pack: str, offset: int, length: int, encoding: str,
                pack_size: int) -> list[str]:
     """Point an indexed chunk at a new copy (recompression, repacking); returns the object it left."""
-    db = index.db
     key = bytes.fromhex(hash_)
-    raw = txn.get(key, db=db["chunks"])
+    raw = txn.get("chunks", key)
     if raw is None:
         return []
     m = mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
@@ -161,17 +158,15 @@ def move_chunk(index, txn, hash_: str, pack: str, offset: int, length: int, enco
     if _pack_meta(index, txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
     _bump_pack(index, txn, pack, chunks=1, nbytes=length)
-    total = index.meta_int(txn, b"total_bytes") - m.stored_bytes + length
-    index.set_meta_int(txn, b"total_bytes", total)
-    txn.put(key, mf.encode(ChunkMeta(m.refs, m.nbytes, length, encoding, m.last_used_ns, pack, offset)),
-            db=db["chunks"])
+    total = meta_int(txn, b"total_bytes") - m.stored_bytes + length
+    set_meta_int(txn, b"total_bytes", total)
+    txn.put("chunks", key, mf.encode(ChunkMeta(m.refs, m.nbytes, length, encoding, m.last_used_ns, pack, offset)))
     return [old]
 
 
 def move_manifest(index, txn, sid: bytes, pack: str, pack_size: int) -> list[str]:
     """The snapshot's manifest now lies in ``pack`` too (an in-place rewrite): returns the object it left."""
-    db = index.db
-    raw = txn.get(sid, db=db["summaries"])
+    raw = txn.get("summaries", sid)
     if raw is None:
         return []
     s = mf.decode(raw, Summary, f"summary {sid.hex()}")
@@ -183,23 +178,22 @@ def move_manifest(index, txn, sid: bytes, pack: str, pack_size: int) -> list[str
     if _pack_meta(index, txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
     _bump_pack(index, txn, pack, manifests=1)
-    txn.put(sid, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
+    txn.put("summaries", sid, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
                                    s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, s.last_used_ns,
-                                   pack)), db=db["summaries"])
+                                   pack)))
     return [old]
 
 
 def object_live(index, txn, name: str) -> bool:
     """Whether an object is still needed by the index: a pack with live chunks or a live manifest, a v1 blob whose
     chunk record still points at it, a v1 manifest file of an indexed snapshot."""
-    db = index.db
     if keys.is_pack(name):
         m = _pack_meta(index, txn, name)
         return m is not None and (m.live_chunks > 0 or m.manifests > 0)
     legacy = keys.parse_legacy_blob(name)
     if legacy is not None:
         h, encoding = legacy
-        raw = txn.get(bytes.fromhex(h), db=db["chunks"])
+        raw = txn.get("chunks", bytes.fromhex(h))
         if raw is None:
             return False
         m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
@@ -207,7 +201,7 @@ def object_live(index, txn, name: str) -> bool:
     if name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
         sid_hex = name[len(keys.LEGACY_MANIFESTS):-len(".msgpack")]
         try:
-            raw = txn.get(bytes.fromhex(sid_hex), db=db["summaries"])
+            raw = txn.get("summaries", bytes.fromhex(sid_hex))
         except ValueError:
             return False
         return raw is not None and not mf.decode(raw, Summary, f"summary {sid_hex}").pack  # not moved into a pack
@@ -216,7 +210,7 @@ def object_live(index, txn, name: str) -> bool:
 
 def forget_pack(index, txn, name: str) -> None:
     if keys.is_pack(name):
-        txn.delete(name.encode(), db=index.db["packs"])
+        txn.delete("packs", name.encode())
 
 
 __all__ = ["MissingChunks", "Placed", "commit", "drop", "forget_pack", "move_chunk", "move_manifest", "object_live"]

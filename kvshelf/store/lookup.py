@@ -101,14 +101,12 @@ class _Lookup:
 
     def __init__(self, store, txn, nsk: bytes, prompt: LazyTokens):
         self.store, self.txn, self.nsk, self.prompt = store, txn, nsk, prompt
-        self.db = store.index.db
         self.block = store.block
         self.touched = store._touched()  # uses this handle remembers but has not written yet
         self.n = prompt.n
         self.pos = _Positions(self.n, self.block)
         self.keys: dict[int, bytes] = {}
         self.counts: dict[int, int] = {}
-        self.cur = txn.cursor(db=self.db["prefix"])
         self.best: tuple | None = None   # (p, summary, sid, rank)
         self.seen: set[bytes] = set()
         self.examined = self.steps = self.ties = 0
@@ -123,7 +121,7 @@ class _Lookup:
     def _count(self, i: int) -> int:
         count = self.counts.get(i)
         if count is None:
-            count = self.counts[i] = self.cur.count() if self.cur.set_key(self._key(i)) else 0
+            count = self.counts[i] = self.txn.dup_count("prefix", self._key(i))
         return count
 
     def _deepest(self) -> int:
@@ -183,15 +181,9 @@ class _Lookup:
         """Visit the records at ``level`` outward from the prompt's continuation. False: the work budget is spent."""
         key, at = self._key(level), self.pos[level]
         query = continuation(self.prompt.head(min(self.n, at + self.block)), at, self.block)
-        right = self.txn.cursor(db=self.db["prefix"])
-        left = self.txn.cursor(db=self.db["prefix"])
-        r = right.value() if right.set_range_dup(key, query + _BIG if skip_equal else query) else None
-        if left.set_range_dup(key, query):
-            l_ = left.value() if left.prev_dup() else None
-        elif left.set_key(key) and left.last_dup():
-            l_ = left.value()
-        else:
-            l_ = None
+        right = self.txn.dup_from("prefix", key, query + _BIG if skip_equal else query)
+        left = self.txn.dup_below("prefix", key, query)
+        r, l_ = next(right, None), next(left, None)
         rm = _matching(r, query) if r is not None else -1
         lm = _matching(l_, query) if l_ is not None else -1
         while r is not None or l_ is not None:
@@ -200,11 +192,11 @@ class _Lookup:
                 return False
             if rm >= lm:
                 record, matched = r, rm
-                r = right.value() if right.next_dup() else None
+                r = next(right, None)
                 rm = _matching(r, query) if r is not None else -1
             else:
                 record, matched = l_, lm
-                l_ = left.value() if left.prev_dup() else None
+                l_ = next(left, None)
                 lm = _matching(l_, query) if l_ is not None else -1
             predicted = min(at + matched, self.n - 1)
             if self.best is not None and (predicted < self.best[0] or
@@ -217,19 +209,19 @@ class _Lookup:
             self.examined += 1
             if self.examined > MAX_EXAMINED:
                 return False
-            sid = self.txn.get(lineage, db=self.db["heads"])  # the session's current snapshot (records.py)
+            sid = self.txn.get("heads", lineage)  # the session's current snapshot (records.py)
             if sid is not None:
                 self._consider(bytes(sid), predicted, at + self.block + 1)
         return True
 
     def _consider(self, sid: bytes, predicted: int, reach: int) -> None:
-        raw = self.txn.get(sid, db=self.db["summaries"])
+        raw = self.txn.get("summaries", sid)
         if raw is None:
             return
         s = mf.decode(raw, Summary, f"summary {sid.hex()}")
         if not _usable(predicted, s):
             return
-        toks = self.txn.get(sid, db=self.db["tokens"])
+        toks = self.txn.get("tokens", sid)
         if toks is None:
             return
         stored = mf.tokens_of(toks, f"tokens record of snapshot {sid.hex()} (session {s.session_id!r})")

@@ -78,17 +78,15 @@ def _verify(store, deep: bool, out: list[Finding]) -> None:
     manifests in batches, each checked against its other records inside its batch's read transaction and any
     finding re-checked in a fresh one; then session pointers; then the counts (``verifying.check_counts``); then
     crash residue, confirmed under the exclusive save gate."""
-    db = store.index.db
     residue = _orphans(store, store._leased_objects())  # listed first, confirmed last (_confirmed_orphans)
     _quarantine_findings(store, out)
     tally = verifying.Tally(verifying.partitions(store.index))
     for txn, rows in store.index.batches("manifests", verifying.VERIFY_BATCH):
         tally.txn_ids.add(txn.id())
         tally.manifests += len(rows)
-        prefix_cur = txn.cursor(db=db["prefix"])
         suspects = []
         for sid, raw in rows:
-            found = _check_manifest(store, txn, prefix_cur, sid, raw, deep, tally)
+            found = _check_manifest(store, txn, sid, raw, deep, tally)
             if found:
                 suspects.append((sid, found))
         for sid, found in suspects:  # after the batch's transaction: again from a fresh read of the snapshot
@@ -96,12 +94,12 @@ def _verify(store, deep: bool, out: list[Finding]) -> None:
         verifying.after_batch()
     for txn, rows in store.index.batches("sessions", verifying.VERIFY_BATCH):
         for key, sid in rows:
-            if txn.get(sid, db=db["manifests"]) is None:
+            if txn.get("manifests", sid) is None:
                 out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {sid.hex()}"))
     for txn, rows in store.index.batches("heads", verifying.VERIFY_BATCH):  # one head per session, each indexed
         tally.head_records += len(rows)
         for lineage, sid in rows:
-            if txn.get(sid, db=db["manifests"]) is None:
+            if txn.get("manifests", sid) is None:
                 out.append(Finding("prefix-drift", "prefix heads",
                                    f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
     verifying.check_counts(store, deep, tally, out)
@@ -114,16 +112,14 @@ def _recheck_manifest(store, sid: bytes, deep: bool, found: list[Finding]) -> li
     """The findings of one snapshot that hold again in a fresh read transaction (its pack may have been unlinked
     after a delete committed, or its manifest rewritten by compaction, since the batch was read)."""
     with store.index.read() as txn:
-        raw = txn.get(sid, db=store.index.db["manifests"])
-        again = [] if raw is None else _check_manifest(store, txn, txn.cursor(db=store.index.db["prefix"]), sid,
-                                                       raw, deep, None)
+        raw = txn.get("manifests", sid)
+        again = [] if raw is None else _check_manifest(store, txn, sid, raw, deep, None)
     first = {(f.kind, f.where) for f in found}
     return [f for f in again if (f.kind, f.where) in first]
 
 
-def _check_manifest(store, txn, prefix_cur, sid: bytes, raw: bytes, deep: bool, tally) -> list[Finding]:
+def _check_manifest(store, txn, sid: bytes, raw: bytes, deep: bool, tally) -> list[Finding]:
     """Every finding about one snapshot, read in ``txn``; counts it into ``tally`` (None: a re-check)."""
-    db = store.index.db
     out: list[Finding] = []
     if len(sid) != 16:  # a damaged key: it names no snapshot, and LMDB refuses some lengths as keys
         return [Finding("bad-manifest", f"manifest record under key {sid.hex()!r}", f"its key is {len(sid)} bytes, "
@@ -132,14 +128,14 @@ def _check_manifest(store, txn, prefix_cur, sid: bytes, raw: bytes, deep: bool, 
         m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
     except (CorruptData, IncompatibleFormat) as exc:
         try:
-            who = (mf.decode(txn.get(sid, db=db["summaries"]) or b"", Summary, "summary").session_id,)
+            who = (mf.decode(txn.get("summaries", sid) or b"", Summary, "summary").session_id,)
         except CorruptData:
             who = ()
         return [Finding("bad-manifest", f"snapshot {sid.hex()}" + (f" (session {who[0]!r})" if who else ""),
                         str(exc), who)]
     where = f"snapshot {sid.hex()} (session {m.session_id!r})"
     idk, nsk, skey = keys.manifest_keys(m)
-    raw = txn.get(sid, db=db["summaries"])
+    raw = txn.get("summaries", sid)
     if raw is None:
         return [Finding("missing-summary", where, "no summary record", (m.session_id,))]
     try:
@@ -149,21 +145,21 @@ def _check_manifest(store, txn, prefix_cur, sid: bytes, raw: bytes, deep: bool, 
     if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
         out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
     tokens = np.asarray(m.tokens, "<i8")
-    toks = txn.get(sid, db=db["tokens"])
+    toks = txn.get("tokens", sid)
     try:
         same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"), tokens)
     except CorruptData:
         same = False
     if not same:
         out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest (or fail their checksum)"))
-    head = txn.get(skey, db=db["sessions"]) == sid  # the session's current snapshot (else a stale one)
+    head = txn.get("sessions", skey) == sid  # the session's current snapshot (else a stale one)
     if not head:
         out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
-    if txn.get(keys.lru_key(idk, s.last_used_ns, sid), db=db["lru"]) is None:
+    if txn.get("lru", keys.lru_key(idk, s.last_used_ns, sid)) is None:
         out.append(Finding("lru-drift", where, "no LRU record"))
     n_records = 0
     if head:  # its records are in the prefix table (records.py); a stale snapshot's are not
-        n_records, problems = records.check_head(store.index, txn, prefix_cur, skey, sid, tokens, store.block)
+        n_records, problems = records.check_head(txn, skey, sid, tokens, store.block)
         out.extend(Finding("prefix-drift", where, p) for p in problems)
     if tally is not None:
         tally.count(m, s, n_records, head=head)

@@ -27,18 +27,18 @@ class QuarantineMixin:
         sid = bytes.fromhex(snapshot_id)
 
         def drop(txn):
-            raw = txn.get(sid, db=self.index.db["summaries"])
+            raw = txn.get("summaries", sid)
             if raw is None:
                 return None
             s = mf.decode(raw, mf.Summary, "summary")
-            mraw = txn.get(sid, db=self.index.db["manifests"])
+            mraw = txn.get("manifests", sid)
             objects = {s.pack} if s.pack else set()
             try:
                 m = mf.decode(mraw, Manifest, "manifest") if mraw is not None else None
             except KvShelfError:
                 m = None
             for ref in (m.blobs if m is not None else ()):
-                meta_raw = txn.get(bytes.fromhex(ref.hash), db=self.index.db["chunks"])
+                meta_raw = txn.get("chunks", bytes.fromhex(ref.hash))
                 try:
                     meta = mf.decode(meta_raw, mf.ChunkMeta, "chunk record") if meta_raw is not None else None
                 except KvShelfError:
@@ -47,9 +47,8 @@ class QuarantineMixin:
                     objects.add(keys.location(ref.hash, meta)[0])
             removed = self._remove(txn, sid, reason[:2000])
             skey = keys.summary_session_key(s)
-            if txn.get(skey, db=self.index.db["sessions"]) is None:
-                txn.put(skey, msgspec.msgpack.encode([snapshot_id, reason[:2000], sorted(o for o in objects if o)]),
-                        db=self.index.db["quarantine"])
+            if txn.get("sessions", skey) is None:
+                txn.put("quarantine", skey, msgspec.msgpack.encode([snapshot_id, reason[:2000], sorted(o for o in objects if o)]))
             return s, removed
 
         result = self._freeing_txn(drop)
@@ -69,11 +68,9 @@ class QuarantineMixin:
         objects it kept). Identity-blind (works on an admin handle). True when a record was dropped."""
         snapshot_id = inputs.check_snapshot_id(snapshot_id)
         self._check_open()
-        db = self.index.db["quarantine"]
-
         def drop(txn):
             hits = []
-            for key, raw in txn.cursor(db=db):
+            for key, raw in txn.range("quarantine"):
                 try:
                     rec = msgspec.msgpack.decode(raw)
                     match = str(rec[0]) == snapshot_id
@@ -82,7 +79,7 @@ class QuarantineMixin:
                 if match:
                     hits.append(bytes(key))
             for key in hits:
-                txn.delete(key, db=db)
+                txn.delete("quarantine", key)
             return bool(hits)
 
         return self._txn(drop)

@@ -65,28 +65,28 @@ counting = _TALLY.counting  # counts this thread's prefix-record puts and delete
 _count = _TALLY.count
 
 
-def _put(index, txn, records: list[Record]) -> None:
+def _put(txn, records: list[Record]) -> None:
     _count("put", len(records))
     for key, value in records:
-        txn.put(key, value, db=index.db["prefix"], dupdata=True)
+        txn.dup_add("prefix", key, value)
 
 
-def _delete(index, txn, records: list[Record]) -> None:
+def _delete(txn, records: list[Record]) -> None:
     _count("delete", len(records))
     for key, value in records:
-        txn.delete(key, value, db=index.db["prefix"])
+        txn.dup_remove("prefix", key, value)
 
 
 # --- the table operations the ledger uses ---------------------------------------------------------------------------
-def snapshot_tokens(index, txn, sid: bytes) -> np.ndarray | None:
+def snapshot_tokens(txn, sid: bytes) -> np.ndarray | None:
     """A snapshot's tokens: its tokens record (checksum checked), else its manifest's; None when neither reads."""
-    raw = txn.get(sid, db=index.db["tokens"])
+    raw = txn.get("tokens", sid)
     if raw is not None:
         try:
             return mf.tokens_of(raw, f"tokens record of snapshot {sid.hex()}")
         except CorruptData:
             pass
-    raw = txn.get(sid, db=index.db["manifests"])
+    raw = txn.get("manifests", sid)
     if raw is None:
         return None
     try:
@@ -95,75 +95,75 @@ def snapshot_tokens(index, txn, sid: bytes) -> np.ndarray | None:
         return None
 
 
-def move_head(index, txn, session_key: bytes, sid: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> None:
+def move_head(txn, session_key: bytes, sid: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> None:
     """The session's current snapshot becomes ``sid`` (tokens ``tokens``): only the records that differ from the
     previous head's are deleted / written. Runs before the previous snapshot's tokens record is dropped. A previous
     head whose tokens no longer read leaves its records behind (``verify`` reports them; ``rebuild_index`` clears)."""
     lineage, nsk = lineage_id(session_key), session_key[16:32]
-    old = txn.get(lineage, db=index.db["heads"])
-    old_tokens = _EMPTY if old is None else snapshot_tokens(index, txn, bytes(old))
+    old = txn.get("heads", lineage)
+    old_tokens = _EMPTY if old is None else snapshot_tokens(txn, bytes(old))
     gone, new = changed(nsk, lineage, _EMPTY if old_tokens is None else old_tokens, tokens, block)
-    _delete(index, txn, gone)
-    _put(index, txn, new)
+    _delete(txn, gone)
+    _put(txn, new)
     if old is None or bytes(old) != sid:
         _count("head")
-        txn.put(lineage, sid, db=index.db["heads"])
+        txn.put("heads", lineage, sid)
 
 
-def drop_head(index, txn, session_key: bytes, sid: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> None:
+def drop_head(txn, session_key: bytes, sid: bytes, tokens: np.ndarray, block: int = BLOCK_TOKENS) -> None:
     """``sid`` leaves the index for good (delete, eviction, quarantine): if it is its session's head, its records and
     the head go (a snapshot that is not the head has no records)."""
     lineage = lineage_id(session_key)
-    if txn.get(lineage, db=index.db["heads"]) != sid:
+    if txn.get("heads", lineage) != sid:
         return
-    _delete(index, txn, records_after(session_key[16:32], lineage, tokens, 0, block))
+    _delete(txn, records_after(session_key[16:32], lineage, tokens, 0, block))
     _count("head")
-    txn.delete(lineage, db=index.db["heads"])
+    txn.delete("heads", lineage)
 
 
-def rebuild_table(index, txn, block: int = BLOCK_TOKENS) -> int:
+def rebuild_table(txn, block: int = BLOCK_TOKENS) -> int:
     """Refill ``prefix`` and ``heads`` from ``sessions`` and ``tokens`` (an older index format, migrated in the
     caller's one write transaction). A session whose tokens do not read gets no records (``verify`` reports it).
     Returns the records written."""
-    txn.drop(index.db["prefix"], delete=False)
-    txn.drop(index.db["heads"], delete=False)
+    txn.clear("prefix")
+    txn.clear("heads")
     written = 0
-    for skey, sid in txn.cursor(db=index.db["sessions"]):
+    for skey, sid in txn.range("sessions"):
         skey, sid = bytes(skey), bytes(sid)
-        tokens = snapshot_tokens(index, txn, sid)
+        tokens = snapshot_tokens(txn, sid)
         if tokens is None:
             continue
         lineage = lineage_id(skey)
         recs = records_after(skey[16:32], lineage, tokens, 0, block)
-        _put(index, txn, recs)
-        txn.put(lineage, sid, db=index.db["heads"])
+        _put(txn, recs)
+        txn.put("heads", lineage, sid)
         written += len(recs)
     return written
 
 
 # --- what verify checks ---------------------------------------------------------------------------------------------
-def check_head(index, txn, cursor, session_key: bytes, sid: bytes, tokens: np.ndarray,
+def check_head(txn, session_key: bytes, sid: bytes, tokens: np.ndarray,
                block: int = BLOCK_TOKENS) -> tuple[int, list[str]]:
     """For a session's current snapshot: (records it implies, what is wrong with its head or its records)."""
     lineage = lineage_id(session_key)
     problems = []
-    if txn.get(lineage, db=index.db["heads"]) != sid:
+    if txn.get("heads", lineage) != sid:
         problems.append("its session's prefix head points elsewhere")
     recs = records_after(session_key[16:32], lineage, tokens, 0, block)
-    missing = sum(1 for key, value in recs if not cursor.set_key_dup(key, value))
+    missing = sum(1 for key, value in recs if not txn.dup_has("prefix", key, value))
     if missing:
         problems.append(f"{missing} of {len(recs)} prefix records missing")
     return len(recs), problems
 
 
-def check_heads(index, txn, heads_expected: int, manifests: set[bytes]) -> list[str]:
+def check_heads(txn, heads_expected: int, manifests: set[bytes]) -> list[str]:
     """The ``heads`` table against the sessions verify walked: one head per session, each naming an indexed
     snapshot."""
     problems = []
-    n = txn.stat(index.db["heads"])["entries"]
+    n = txn.count("heads")
     if n != heads_expected:
         problems.append(f"{n} prefix heads for {heads_expected} sessions")
-    for lineage, sid in txn.cursor(db=index.db["heads"]):
+    for lineage, sid in txn.range("heads"):
         if bytes(sid) not in manifests:
             problems.append(f"head {bytes(lineage).hex()} names no indexed snapshot ({bytes(sid).hex()})")
     return problems

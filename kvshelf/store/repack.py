@@ -41,7 +41,7 @@ def repack_store(store, min_live_ratio: float = 0.5) -> dict[str, int]:
                     batch, size = [], 0
             with store.index.read() as txn:
                 summaries = [(bytes(k), mf.decode(v, Summary, "summary"))
-                             for k, v in txn.cursor(db=store.index.db["summaries"])]
+                             for k, v in txn.range("summaries")]
             for sid, s in summaries:
                 if s.pack and s.pack not in sparse:
                     continue
@@ -77,7 +77,7 @@ def _move_batch(store, batch: list[tuple[str, ChunkMeta]]) -> tuple[int, int, li
         leased = store.leased_hashes()
         gone, n, nb = [], 0, 0
         for h, (off, length, enc) in builder.where.items():
-            raw = txn.get(bytes.fromhex(h), db=store.index.db["chunks"])
+            raw = txn.get("chunks", bytes.fromhex(h))
             if raw is None or h in leased:
                 continue
             now = mf.decode(raw, ChunkMeta, f"chunk record {h}")

@@ -41,16 +41,17 @@ def path_of(root: str) -> str:
 def needed_bytes(index, longest_tokens: int, block: int = 16) -> int:
     """Bytes the index commit of deleting a snapshot of ``longest_tokens`` tokens can allocate (see the module
     docstring), from the sub-databases' page counts and depths (a read transaction, no data read)."""
-    psize = index.env.stat()["psize"]
+    page_stats = getattr(index, "page_stats", None)
+    if page_stats is None:  # an index that is not LMDB pages (memory): a delete allocates nothing on this disk
+        return RESERVE_BYTES
+    psize, tables = page_stats()
     touched = min(block, longest_tokens) + longest_tokens // max(block, 1) + 64  # its boundaries; chunks alike
     records = {"prefix": touched, "chunks": touched, "packs": touched}
     pages = overflow = 0
-    with index.read() as txn:
-        for name, db in index.db.items():
-            st = txn.stat(db)
-            tree = st["branch_pages"] + st["leaf_pages"] + 1
-            pages += min(tree, records.get(name, 4) * (st["depth"] + 1))
-            overflow += st["overflow_pages"]
+    for name, st in tables.items():
+        tree = st["branch_pages"] + st["leaf_pages"] + 1
+        pages += min(tree, records.get(name, 4) * (st["depth"] + 1))
+        overflow += st["overflow_pages"]
     own_overflow = math.ceil(longest_tokens * 16 / psize) + 2  # its tokens and manifest records, freed
     freed = pages + min(overflow, own_overflow)
     free_list = math.ceil(freed / (psize // 8 - 1)) + 4

@@ -101,7 +101,7 @@ def _stream_pack(store, cap: Capture, plans: list[BlobPlan], sid: str, hashes: l
             for plan in plans:
                 h = hasher(plan)
                 hashes.append(h)
-                if h in seen or txn.get(bytes.fromhex(h), db=store.index.db["chunks"]) is not None:
+                if h in seen or txn.get("chunks", bytes.fromhex(h)) is not None:
                     seen.add(h)
                     continue
                 seen.add(h)
@@ -147,7 +147,7 @@ def write(store, cap: Capture) -> SnapshotInfo:
             else:
                 with store.index.read() as txn:
                     todo = [r for r in {r.hash: r for r in manifest.blobs}.values()
-                            if txn.get(bytes.fromhex(r.hash), db=store.index.db["chunks"]) is None]
+                            if txn.get("chunks", bytes.fromhex(r.hash)) is None]
             by_hash = dict(zip(hashes, plans))
             unique = {r.hash: r for r in manifest.blobs}
             written = sum(unique[h].nbytes for h in placed)

@@ -63,13 +63,13 @@ def seal_v1_manifests(store) -> int:
     Never raises on damaged data or a failing disk: what it could not do is left for the next open."""
     try:
         with store.index.read() as txn:
-            if txn.get(SEALED_KEY, db=store.index.db["meta"]) is not None:
+            if txn.get("meta", SEALED_KEY) is not None:
                 return 0
         names = v1_manifest_names(store.bytes)
         if not names:
             return 0
         sealed = sum(_seal_one(store, name) for name in names)
-        store.index.write(lambda txn: txn.put(SEALED_KEY, b"\x01", db=store.index.db["meta"]))
+        store.index.write(lambda txn: txn.put("meta", SEALED_KEY, b"\x01"))
         return sealed
     except (KvShelfError, OSError):
         return 0
@@ -84,7 +84,7 @@ def _seal_one(store, name: str) -> bool:
         on_disk = mf.decode(raw, Manifest, name)
         sid = bytes.fromhex(sid_hex)
         with store.index.read() as txn:
-            record, summary = txn.get(sid, db=store.index.db["manifests"]), txn.get(sid, db=store.index.db["summaries"])
+            record, summary = txn.get("manifests", sid), txn.get("summaries", sid)
         if record is None or summary is None or mf.decode(summary, Summary, f"summary {sid_hex}").pack:
             return False  # not indexed, or its manifest lives in a pack now: the file is dead (gc's)
         if mf.decode(record, Manifest, f"manifest {sid_hex}") != on_disk or on_disk.snapshot_id != sid_hex:

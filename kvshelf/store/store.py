@@ -35,6 +35,7 @@ from .removers import RemoversLock
 from .fulldisk import FullDiskMixin
 from .identity import Identity, namespace_key
 from .index import Index
+from .indexstore import IndexStore
 from .leases import LeaseBook
 from .leasing import LeasingMixin
 from .localbytes import LocalByteStore, ensure_dir
@@ -55,13 +56,17 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
 
     ``admin=True`` (with no identity) opens it identity-blind for offline tools: the tools surface works on every
     identity's snapshots, while the identity-scoped calls (save, restore, lookup, sessions, delete) refuse.
-    ``byte_store`` replaces the local directory of packs by any ``ByteStore`` (the index stays local).
+    ``byte_store`` replaces the local directory of packs by any ``backend.ByteStore`` and ``index_store`` the LMDB
+    index by any ``indexstore.IndexStore`` (``MemoryIndexStore``: a throwaway store); the store speaks only those
+    two protocols. The directory still holds the locks (and, by default, both of them).
     """
 
     def __init__(self, path: str | os.PathLike, identity: Identity | None, *, max_bytes: int | None = None,
                  chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
                  map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
-                 admin: bool = False, byte_store=None):
+                 admin: bool = False, byte_store=None, index_store=None):
+        if index_store is not None and not isinstance(index_store, IndexStore):
+            raise WrongArgumentType(f"index_store must be a kvshelf IndexStore, got {type(index_store).__name__}")
         if admin and identity is not None:
             raise InvalidCacheState("an admin handle is identity-blind: pass identity=None with admin=True")
         if not admin and not isinstance(identity, Identity):
@@ -93,7 +98,8 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
             reap = getattr(self.bytes, "reap_tmp", None)
             if reap is not None:
                 reap()
-            self.index = Index(os.path.join(self.root, "index"), map_size=map_size)
+            self.index = (index_store if index_store is not None else
+                          Index(os.path.join(self.root, "index"), map_size=map_size))
         except BaseException:
             openlock.release(self._lock_key)
             raise
@@ -224,7 +230,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
 
     def _remove(self, txn, sid: bytes, reason: str = "") -> tuple[bytes, list[str], bytes] | None:
         """Drop a snapshot for good (delete, eviction, quarantine) in ``txn``: (sid, objects freed, tombstone)."""
-        raw = txn.get(sid, db=self.index.db["summaries"])
+        raw = txn.get("summaries", sid)
         if raw is None:
             return None
         s = mf.decode(raw, mf.Summary, f"summary {sid.hex()}")
@@ -266,7 +272,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
 
     def _has(self, snapshot_id: str) -> bool:
         with self.index.read() as txn:
-            return txn.get(bytes.fromhex(snapshot_id), db=self.index.db["manifests"]) is not None
+            return txn.get("manifests", bytes.fromhex(snapshot_id)) is not None
 
     def stats(self) -> dict[str, Any]:
         doc = super().stats()
@@ -280,7 +286,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
                 raise IdentityMismatch(name, stored, expected, f"snapshot {manifest.snapshot_id}")
 
     def _manifest(self, txn, sid: bytes) -> Manifest:
-        raw = txn.get(sid, db=self.index.db["manifests"])
+        raw = txn.get("manifests", sid)
         if raw is None:
             raise SnapshotNotFound(f"snapshot {sid.hex()} is not in the store at {self.root}")
         return mf.decode(raw, Manifest, f"manifest {sid.hex()}")
@@ -288,10 +294,10 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
     def _latest(self, txn, session_id: str, namespace: str) -> Manifest:
         """The manifest of the session's latest snapshot (``_explain_missing`` raises when there is none)."""
         skey = self._session_key(session_id, namespace)
-        sid = txn.get(skey, db=self.index.db["sessions"])
+        sid = txn.get("sessions", skey)
         if sid is None:
             self._explain_missing(txn, session_id, namespace, skey)
-        raw = txn.get(sid, db=self.index.db["manifests"])
+        raw = txn.get("manifests", sid)
         where = f"session {session_id!r} (namespace {namespace!r})"
         if raw is None:  # one read transaction: a session pointing nowhere is a damaged record, not a race
             raise CorruptData(f"{where} points to snapshot {bytes(sid).hex()}, which is not indexed "
@@ -303,7 +309,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         return m
 
     def _explain_missing(self, txn, session_id: str, namespace: str, skey: bytes):
-        raw = txn.get(skey, db=self.index.db["quarantine"])
+        raw = txn.get("quarantine", skey)
         if raw is not None:
             try:
                 sid_hex, reason = msgspec.msgpack.decode(raw)
@@ -312,7 +318,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
             raise CorruptData(f"session {session_id!r} (namespace {namespace!r}) was quarantined: snapshot "
                               f"{sid_hex}: {reason}")
         tail = session_id.encode("utf-8", "surrogatepass")
-        for key, sid in txn.cursor(db=self.index.db["sessions"]):
+        for key, sid in txn.range("sessions"):
             if key[32:] == tail and key[:16] != self.id_key:
                 other = self._manifest(txn, sid)
                 if other.namespace == namespace:
@@ -328,8 +334,8 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         skey = self._session_key(session_id, namespace)
 
         def drop(txn):
-            sid = txn.get(skey, db=self.index.db["sessions"])
-            had_quarantine = txn.delete(skey, db=self.index.db["quarantine"])  # the operator's "drop it"
+            sid = txn.get("sessions", skey)
+            had_quarantine = txn.delete("quarantine", skey)  # the operator's "drop it"
             if sid is None:
                 return "quarantine" if had_quarantine else None
             return self._remove(txn, bytes(sid))
@@ -351,18 +357,14 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         touched = self._touched()
         out = []
         with self.index.read() as txn:
-            cur = txn.cursor(db=self.index.db["sessions"])
-            if cur.set_range(prefix):
-                for key, sid in cur:
-                    if not key.startswith(prefix):
-                        break
-                    raw = txn.get(sid, db=self.index.db["summaries"])
-                    if raw is None:
-                        continue
-                    s = mf.decode(raw, mf.Summary, "summary")
-                    used = max(s.last_used_ns, touched.get(bytes(sid), 0))
-                    out.append(SessionInfo(s.session_id, s.namespace, bytes(sid).hex(), s.length, s.nbytes,
-                                           s.created_at, used / 1e9))
+            for key, sid in txn.range("sessions", prefix, keys.after_prefix(prefix)):
+                raw = txn.get("summaries", sid)
+                if raw is None:
+                    continue
+                s = mf.decode(raw, mf.Summary, "summary")
+                used = max(s.last_used_ns, touched.get(bytes(sid), 0))
+                out.append(SessionInfo(s.session_id, s.namespace, bytes(sid).hex(), s.length, s.nbytes,
+                                       s.created_at, used / 1e9))
         out.sort(key=lambda s: -s.last_used)
         return out
 
@@ -373,9 +375,9 @@ def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max
     """Open (creating if needed) the store at ``path`` under ``identity`` (use as a context manager).
 
     ``admin=True`` without an identity opens it identity-blind for offline tools (see ``Store``); ``byte_store=``
-    puts the packs in any ``ByteStore`` implementation. ``remote`` (a ``redis://`` / ``rediss://`` /
-    ``redis+cluster://`` URL or a list of cluster seed nodes) adds the shared tier (``kvshelf.store.remote``;
-    ``remote_options`` go to ``RemoteTier`` and redis-py)."""
+    puts the packs in any ``ByteStore`` implementation, ``index_store=`` the index in any ``IndexStore``.
+    ``remote`` (a ``redis://`` / ``rediss://`` / ``redis+cluster://`` URL or a list of cluster seed nodes) adds the
+    shared tier (``kvshelf.store.remote``; ``remote_options`` go to ``RemoteTier`` and redis-py)."""
     if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
         raise WrongArgumentType(f"open_store needs a str or os.PathLike store path, got {type(path).__name__}")
     if identity is None and not admin:

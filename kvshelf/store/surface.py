@@ -7,13 +7,13 @@ invisible to them (leases honoured, one write transaction per swap, the old copy
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import lmdb
 
-from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError, StoreBusy, StoreFull
+from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError, StoreBusy
 from . import inputs, keys, ledger, openlock, restoring
 from . import manifest as mf
 from .blobfile import BlobReader, Piece, content_hash, kvz_buffers, raw_buffers
@@ -22,6 +22,7 @@ from .index import Index
 from .localbytes import open_object
 from .manifest import BlobRef, ChunkMeta, Manifest, PackMeta, Summary
 from .pack import PackBuilder, new_pack_name
+from .indexstore import DUP_TABLES, PLAIN_TABLES, meta_int
 
 
 class ToolsSurface:
@@ -48,7 +49,7 @@ class ToolsSurface:
     def chunk_info(self, hash_: str) -> ChunkMeta | None:
         """Refcount, payload bytes, stored bytes, encoding, last use and location of an indexed chunk."""
         with self.index.read() as txn:
-            raw = txn.get(bytes.fromhex(hash_), db=self.index.db["chunks"])
+            raw = txn.get("chunks", bytes.fromhex(hash_))
         return None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
 
     def iter_chunks(self, skip_damaged: bool = False) -> Iterator[tuple[str, ChunkMeta]]:
@@ -63,7 +64,7 @@ class ToolsSurface:
     def iter_packs(self) -> Iterator[tuple[str, PackMeta]]:
         """Every indexed pack: live chunks and bytes, size, manifests held (compaction reads live ratios here)."""
         with self.index.read() as txn:
-            rows = [(bytes(k).decode(), bytes(v)) for k, v in txn.cursor(db=self.index.db["packs"])]
+            rows = [(bytes(k).decode(), bytes(v)) for k, v in txn.range("packs")]
         for name, raw in rows:
             m = mf.decode(raw, PackMeta, f"pack record {name}")
             if m.live_chunks or m.manifests:  # emptied ones are unlinked (their records forgotten later)
@@ -130,21 +131,18 @@ class ToolsSurface:
         """Counts and bytes: this identity's snapshots, the whole store's chunks, and this handle's counters."""
         self._check_open()
         with self.index.read() as txn:
-            total = self.index.meta_int(txn, b"total_bytes")
-            n_chunks = txn.stat(self.index.db["chunks"])["entries"]
-            n_packs = sum(1 for _k, v in txn.cursor(db=self.index.db["packs"])
+            total = meta_int(txn, b"total_bytes")
+            n_chunks = txn.count("chunks")
+            n_packs = sum(1 for _k, v in txn.range("packs")
                           if (lambda m: m.live_chunks or m.manifests)(mf.decode(v, PackMeta, "pack record")))
-            n_snapshots_all = txn.stat(self.index.db["manifests"])["entries"]
+            n_snapshots_all = txn.count("manifests")
             own = own_bytes = 0
-            cur = txn.cursor(db=self.index.db["lru"])
-            if self.id_key is not None and cur.set_range(self.id_key):
-                for key in cur.iternext(keys=True, values=False):
-                    if not key.startswith(self.id_key):
-                        break
+            if self.id_key is not None:
+                for key, _ in txn.range("lru", self.id_key, keys.after_prefix(self.id_key)):
                     own += 1
-                    s = mf.decode(txn.get(keys.lru_sid(key), db=self.index.db["summaries"]), Summary, "summary")
+                    s = mf.decode(txn.get("summaries", keys.lru_sid(key)), Summary, "summary")
                     own_bytes += s.nbytes
-            n_quarantined = txn.stat(self.index.db["quarantine"])["entries"]
+            n_quarantined = txn.count("quarantine")
         return {"root": self.root, "model_id": None if self.identity is None else self.identity.model_id,
                 "snapshots": own, "snapshot_bytes": own_bytes, "snapshots_all_identities": n_snapshots_all,
                 "blobs": n_chunks, "packs": n_packs, "stored_bytes": total, "max_bytes": self.max_bytes,
@@ -284,7 +282,6 @@ class ToolsSurface:
                                                                           keys.identity_key_of(base)):
             raise InvalidCacheState("replace_manifest keeps the session, namespace and identity of the snapshot")
         skey = keys.manifest_keys(base)[2]
-        db = self.index.db
         with self.removers.removing():  # the swap frees the old chunks: hold it to their unlink (removers.py)
             with self.save_gate():
                 pack = new_pack_name(snapshot_id, rewrite=True)
@@ -293,8 +290,8 @@ class ToolsSurface:
                     placed = dict(self._placed)
 
                 def swap(txn):
-                    current = txn.get(sid, db=db["manifests"])
-                    if current is None or txn.get(skey, db=db["sessions"]) != sid or (
+                    current = txn.get("manifests", sid)
+                    if current is None or txn.get("sessions", skey) != sid or (
                             expected is not None and mf.unseal(bytes(current), "manifest") != mf.unseal(
                                 mf.encode(expected), "manifest")):
                         return None
@@ -341,7 +338,7 @@ class ToolsSurface:
         self.flush()
         if self._touches:
             self._txn(lambda txn: None)
-        if openlock.users(self._lock_key) > 1 or self.index.users > 1:
+        if openlock.users(self._lock_key) > 1 or getattr(self.index, "users", 1) > 1:
             raise StoreBusy(f"other store handles in this process have {self.root} open")
         try:
             gate = self.save_gate(exclusive=True, timeout=timeout)
@@ -359,26 +356,36 @@ class ToolsSurface:
         self._check_open()
         if not openlock.is_exclusive(self._lock_key):
             raise StoreBusy("replace_index needs the store held exclusively (use it inside store.exclusive())")
+        if not isinstance(self.index, Index):
+            raise InvalidCacheState(f"replace_index swaps an LMDB index directory; this store's index is "
+                                    f"{type(self.index).__name__}")
         path = self.index.path
-        map_size = self.index.env.info()["map_size"]
+        map_size = self.index.map_size()
         self.index.close()
         try:
             install(path)
         finally:
             self.index = Index(path, map_size=map_size)
 
+    def empty_index(self) -> None:
+        """Inside ``exclusive()`` (``rebuild_index``): an empty index. LMDB's directory is replaced by a fresh one
+        (no page of the old file survives); any other ``IndexStore`` has every table cleared in one transaction."""
+        if isinstance(self.index, Index):
+            self.replace_index(lambda path: shutil.rmtree(path, ignore_errors=True))
+            return
+        if not openlock.is_exclusive(self._lock_key):
+            raise StoreBusy("empty_index needs the store held exclusively (use it inside store.exclusive())")
+        self.index.write(lambda txn: [txn.clear(name) for name in (*PLAIN_TABLES, *DUP_TABLES)])
+
     def copy_index(self, target: str) -> None:
         """Inside ``exclusive()``: write a compacting copy of the index into directory ``target`` (tools swap it in
         with ``replace_index``)."""
         if not openlock.is_exclusive(self._lock_key):
             raise StoreBusy("copy_index needs the store held exclusively (use it inside store.exclusive())")
-        try:
-            self.index.env.copy(target, compact=True)
-        except lmdb.Error as exc:  # a full disk is lmdb.DiskError (ENOSPC): say so, as every other write does
-            if "No space" in str(exc) or isinstance(exc, lmdb.DiskError):
-                raise StoreFull(f"copying the index into {target} failed: the disk is full ({exc}); the store is "
-                                f"unchanged") from exc
-            raise KvShelfError(f"copying the index into {target} failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(self.index, Index):
+            raise InvalidCacheState(f"copy_index copies an LMDB index directory; this store's index is "
+                                    f"{type(self.index).__name__}")
+        self.index.copy_to(target)
 
 
 def _sid(snapshot_id: str) -> bytes:

@@ -93,7 +93,7 @@ def removable_tombs(store) -> list[str]:
                 bearing.setdefault(sid, []).append(name)
     with store.index.read() as txn:
         dead = {sid: names for sid, names in bearing.items()
-                if txn.get(bytes.fromhex(sid), db=store.index.db["manifests"]) is None}
+                if txn.get("manifests", bytes.fromhex(sid)) is None}
     needed_sessions: set[bytes] = set()
     for sid, names in dead.items():
         for name in names:

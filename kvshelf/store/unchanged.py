@@ -139,7 +139,7 @@ class ChunkHasher:
         if prev is None:
             return
         skey = self.store._session_key(self.cap.session_id, self.cap.namespace)
-        current = txn.get(skey, db=self.store.index.db["sessions"])
+        current = txn.get("sessions", skey)
         if current is None or bytes(current) != bytes.fromhex(prev.snapshot_id):
             return
         self.prev, self.limit = prev, reuse_limit(prev, self.cap.marks, self.store.chunk_tokens)

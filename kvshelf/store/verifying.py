@@ -34,6 +34,7 @@ from . import manifest as mf
 from .backend import ObjectMissing
 from .manifest import ChunkMeta, Manifest, PackMeta, Summary
 from .results import Finding
+from .indexstore import meta_int
 
 COUNT_LIMIT = 1 << 18  # chunk hashes counted per pass over the manifests (the refcount pass's memory bound)
 VERIFY_BATCH = 256  # records per read transaction
@@ -84,7 +85,7 @@ class _Candidates:
 
 def partitions(index) -> int:
     with index.read() as txn:
-        n = txn.stat(index.db["chunks"])["entries"]
+        n = txn.count("chunks")
     return max(1, -(-n // COUNT_LIMIT))
 
 
@@ -110,7 +111,7 @@ def _indexed(txn, index, sid: bytes, raw: bytes) -> tuple[Manifest, Summary] | N
     """(manifest, summary) of a record the counts include: it decodes and has a decodable summary."""
     try:
         m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
-        s = mf.decode(txn.get(sid, db=index.db["summaries"]) or b"", Summary, "summary")
+        s = mf.decode(txn.get("summaries", sid) or b"", Summary, "summary")
     except (CorruptData, IncompatibleFormat):
         return None
     return m, s
@@ -204,8 +205,8 @@ def check_counts(store, deep: bool, tally: Tally, out: list[Finding]) -> None:
         c.packs[name] = (None, [*live.get(name, [0, 0]), tally.manifests_in.get(name, 0)])
     with index.read() as txn:
         tally.txn_ids.add(txn.id())
-        totals = (txn.stat(index.db["prefix"])["entries"], tally.prefix_records, txn.stat(index.db["lru"])["entries"],
-                  tally.manifests, index.meta_int(txn, b"total_bytes"), chunk_sum, txn.stat(index.db["heads"])["entries"],
+        totals = (txn.count("prefix"), tally.prefix_records, txn.count("lru"),
+                  tally.manifests, meta_int(txn, b"total_bytes"), chunk_sum, txn.count("heads"),
                   tally.heads)
     c.totals = totals if _total_findings(totals) else None
     if len(tally.txn_ids) == 1:  # nothing was committed during the pass: its counts are one snapshot's
@@ -217,10 +218,10 @@ def check_counts(store, deep: bool, tally: Tally, out: list[Finding]) -> None:
     out.extend(_with_users(store, found + blob_findings))
 
 
-def _still_bad(index, db: str, key: bytes, kind: type) -> bool:
+def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
     """Whether a record that failed to decode still does in a fresh transaction (not rewritten meanwhile)."""
     with index.read() as txn:
-        raw = txn.get(key, db=index.db[db])
+        raw = txn.get(table, key)
     if raw is None:
         return False
     try:
@@ -253,7 +254,7 @@ def _recheck_object(store, hb: bytes, deep: bool) -> Finding | None:
     """The object check again from a fresh read of the chunk's record: a chunk dropped (its object unlinked after
     the drop committed) or moved (repack, recompression) since the batch was read is no finding."""
     with store.index.read() as txn:
-        raw = txn.get(hb, db=store.index.db["chunks"])
+        raw = txn.get("chunks", hb)
     try:
         return None if raw is None else _object_problem(store, hb.hex(), mf.decode(raw, ChunkMeta, "chunk"), deep)
     except CorruptData:
@@ -262,17 +263,17 @@ def _recheck_object(store, hb: bytes, deep: bool) -> Finding | None:
 
 def _recount(store, c: _Candidates) -> list[Finding]:
     """The candidates counted again in ONE fresh read transaction (consistent by construction)."""
-    index, db = store.index, store.index.db
+    index = store.index
     refs, manifests_in, n_manifests, prefix_records, heads = Counter(), Counter(), 0, 0, 0
     with index.read() as txn:
-        for sid, raw in txn.cursor(db=db["manifests"]):
+        for sid, raw in txn.range("manifests"):
             n_manifests += 1
             got = _indexed(txn, index, bytes(sid), raw)
             if got is None:
                 continue
             m, s = got
             skey = keys.manifest_keys(m)[2]
-            if c.totals and txn.get(skey, db=db["sessions"]) == bytes(sid):  # a current snapshot: its records
+            if c.totals and txn.get("sessions", skey) == bytes(sid):  # a current snapshot: its records
                 heads += 1
                 prefix_records += len(records.records_after(skey[16:32], records.lineage_id(skey),
                                                             np.asarray(m.tokens, "<i8"), 0, store.block))
@@ -283,7 +284,7 @@ def _recount(store, c: _Candidates) -> list[Finding]:
                 manifests_in[s.pack] += 1
         found = []
         for hb in c.chunks:
-            raw = txn.get(hb, db=db["chunks"])
+            raw = txn.get("chunks", hb)
             try:
                 meta = None if raw is None else mf.decode(raw, ChunkMeta, "chunk record")
             except CorruptData:
@@ -292,7 +293,7 @@ def _recount(store, c: _Candidates) -> list[Finding]:
                 found.append(f)
         live, chunk_sum = defaultdict(lambda: [0, 0]), 0
         if c.packs or c.totals:
-            for _key, raw in txn.cursor(db=db["chunks"]):
+            for _key, raw in txn.range("chunks"):
                 try:
                     meta = mf.decode(raw, ChunkMeta, "chunk record")
                 except CorruptData:
@@ -302,7 +303,7 @@ def _recount(store, c: _Candidates) -> list[Finding]:
                     live[meta.pack][0] += 1
                     live[meta.pack][1] += meta.stored_bytes
         for name in c.packs:
-            raw = txn.get(name.encode(), db=db["packs"])
+            raw = txn.get("packs", name.encode())
             try:
                 pm = None if raw is None else mf.decode(raw, PackMeta, f"pack record {name}")
             except CorruptData:
@@ -310,9 +311,9 @@ def _recount(store, c: _Candidates) -> list[Finding]:
             if (f := _pack_finding(name, pm, [*live[name], manifests_in[name]])) is not None:
                 found.append(f)
         if c.totals:
-            found += _total_findings((txn.stat(db["prefix"])["entries"], prefix_records, txn.stat(db["lru"])["entries"],
-                                      n_manifests, index.meta_int(txn, b"total_bytes"), chunk_sum,
-                                      txn.stat(db["heads"])["entries"], heads))
+            found += _total_findings((txn.count("prefix"), prefix_records, txn.count("lru"),
+                                      n_manifests, meta_int(txn, b"total_bytes"), chunk_sum,
+                                      txn.count("heads"), heads))
     return found
 
 
