@@ -74,6 +74,8 @@ with open_test_store({root!r}, chunk_tokens=16) as store:
     p = store.restore_prefix(token_ids(100)[:50] + [1])
     mark()
     assert r.length == 100 and p.length == 50
+    store.save("big", token_ids(12000, seed=3), session(case, (12000,), 3))  # 9 MiB: writeback started early
+    mark()
 """
 
 
@@ -97,13 +99,20 @@ def test_the_kernel_sees_at_most_three_syncs_per_save_and_none_per_restore(tmp_p
                            sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     phases: list[list[str]] = [[]]
+    hints: list[list[str]] = [[]]  # sync_file_range(..., SYNC_FILE_RANGE_WRITE): starts writeback, waits for nothing
     for line in trace.read_text().splitlines():
         call = line.split(None, 1)[1] if " " in line else line
+        name = call.split("(", 1)[0]
         if call.startswith("getpriority("):
             phases.append([])
-        elif call.split("(", 1)[0] in SYNC_CALLS:
-            phases[-1].append(call.split("(", 1)[0])
-    assert len(phases) >= 4, trace.read_text()[-2000:]
-    save, restore = phases[1], phases[2]
+            hints.append([])
+        elif name == "sync_file_range" and call.split(")", 1)[0].endswith(", SYNC_FILE_RANGE_WRITE"):
+            hints[-1].append(call)
+        elif name in SYNC_CALLS:  # a sync_file_range with a WAIT flag is a sync like the others
+            phases[-1].append(name)
+    assert len(phases) >= 5, trace.read_text()[-2000:]
+    save, restore, big = phases[1], phases[2], phases[3]
     assert 1 <= len(save) <= 3, save  # the pack, its directory, the LMDB commit
-    assert restore == [], restore
+    assert restore == [] and hints[2] == [], (restore, hints[2])
+    assert 1 <= len(big) <= 3, big
+    assert len(hints[3]) >= 1, hints[3]  # the 9 MiB pack's writeback was started before its fsync
