@@ -139,14 +139,6 @@ class LocalReader:
     def size(self) -> int:
         return os.fstat(self.fd).st_size
 
-    def willneed(self, offset: int, length: int) -> None:
-        """Ask the kernel to start reading a range now (``POSIX_FADV_WILLNEED``): a restore reads its chunks'
-        pieces in destination order, not file order, so a cold read would otherwise get no readahead."""
-        try:
-            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except (OSError, AttributeError):  # pragma: no cover - advisory only
-            pass
-
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

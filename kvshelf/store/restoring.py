@@ -138,9 +138,6 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
             reader = objects.chunk(ref, read.where[ref.hash], verify)
             readers.append(reader)
             hashes.append(ChunkHash(reader, verify))
-            advise = getattr(reader.source, "willneed", None)
-            if advise is not None:
-                advise(reader.base, reader.length)
             for k, t in enumerate(reader.tensors):
                 i, j = slot_index(t.name)
                 try:
