@@ -75,30 +75,39 @@ RAW_BATCH_BYTES = 4 << 20  # bytes per preadv when nothing is hashed (fewer call
 # misses the cache once a batch outgrows what the core keeps)
 
 
-def fill_chunks(jobs: list[list[PieceJob]], readers: list[BlobReader], hashes: list[ChunkHash]) -> None:
+def fill_chunks(jobs: list[list[PieceJob]], readers: list[BlobReader], hashes: list[ChunkHash],
+                after: list | None = None) -> None:
     """Read every chunk's pieces into their destinations in FILE order (chunk by chunk, tensors in header order),
     on ``READ_THREADS`` threads dealt whole chunks: a cold pack is read front to back (readahead works, no seek per
     layer), a warm one is a few large ``preadv`` calls per chunk, and each chunk's running hash is fed by the one
-    thread that owns it, in order. Every thread finishes before the first error is raised."""
+    thread that owns it, in order. ``after``: callables touching memory no piece is read into (the zeroing of
+    padding), shared out among the threads once their chunks are read. Every thread finishes before the first
+    error is raised."""
     global _POOL
     order = [c for c in range(len(jobs)) if jobs[c]]
+    after = after or []
     if len(order) < 2 or READ_THREADS == 1:
         for c in order:
             _fill_chunk(readers[c], jobs[c], hashes[c])
+        for fn in after:
+            fn()
         return
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():  # a forked child gets its own threads
             _POOL = (os.getpid(), ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvshelf-read"))
         pool = _POOL[1]
     groups: list[list[int]] = [order[t::READ_THREADS] for t in range(READ_THREADS)]
+    shares = [after[t::READ_THREADS] for t in range(READ_THREADS)]
 
-    def run(group: list[int]) -> None:
-        for c in group:
+    def run(t: int) -> None:
+        for c in groups[t]:
             _fill_chunk(readers[c], jobs[c], hashes[c])
+        for fn in shares[t]:
+            fn()
 
-    futures = [pool.submit(run, g) for g in groups[1:] if g]
+    futures = [pool.submit(run, t) for t in range(1, READ_THREADS) if groups[t] or shares[t]]
     try:
-        run(groups[0])
+        run(0)
     finally:
         errors = [f.exception() for f in futures]
     for exc in errors:
