@@ -76,6 +76,22 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only loses the head start
 
 
+def _groups(views: list[memoryview], nbytes: int) -> Iterator[list[memoryview]]:
+    """``views`` in consecutive groups of about ``nbytes`` (a view longer than that is cut), in order."""
+    group, size = [], 0
+    for v in views:
+        while v.nbytes:
+            take = v[:nbytes - size]
+            group.append(take)
+            size += take.nbytes
+            v = v[take.nbytes:]
+            if size >= nbytes:
+                yield group
+                group, size = [], 0
+    if group:
+        yield group
+
+
 def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
     return [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
 
@@ -186,10 +202,14 @@ class LocalByteStore:
             kicked = [0]  # bytes whose writeback has been started
 
             def write_part(views: list[memoryview], at: int, end: int) -> None:
-                pwrite_all(fd, views, at)
-                if durable and end - kicked[0] >= WRITEBACK_BYTES:
-                    start_writeback(fd, kicked[0], end - kicked[0])
-                    kicked[0] = end
+                if not durable:
+                    pwrite_all(fd, views, at)
+                    return
+                for group in _groups(views, WRITEBACK_BYTES):  # a 200 MiB part starts its writeback as it goes
+                    at += pwrite_all(fd, group, at)
+                    if at - kicked[0] >= WRITEBACK_BYTES:
+                        start_writeback(fd, kicked[0], at - kicked[0])
+                        kicked[0] = at
 
             with ThreadPoolExecutor(1, thread_name_prefix="kvshelf-write") as writer:
                 pending = None
