@@ -76,6 +76,22 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only loses the head start
 
 
+def _write_started(fd: int, views: list[memoryview], at: int, durable: bool, kicked: int | None = None) -> int:
+    """``pwrite_all`` of ``views`` from ``at``; when ``durable``, in groups of ``WRITEBACK_BYTES`` whose writeback
+    is started as soon as they are written (a 200 MiB part reaches the disk while it is still being written).
+    ``kicked``: where the writeback started so far ends (default ``at``); returns where it ends now."""
+    if not durable:
+        pwrite_all(fd, views, at)
+        return at if kicked is None else kicked
+    kicked = at if kicked is None else kicked
+    for group in _groups(views, WRITEBACK_BYTES):
+        at += pwrite_all(fd, group, at)
+        if at - kicked >= WRITEBACK_BYTES:
+            start_writeback(fd, kicked, at - kicked)
+            kicked = at
+    return kicked
+
+
 def _groups(views: list[memoryview], nbytes: int) -> Iterator[list[memoryview]]:
     """``views`` in consecutive groups of about ``nbytes`` (a view longer than that is cut), in order."""
     group, size = [], 0
@@ -187,7 +203,7 @@ class LocalByteStore:
 
         def write(fd: int, final: str, done: list[int]) -> None:
             _faults._inject_faults(final, total)
-            pwrite_all(fd, views)
+            _write_started(fd, views, 0, durable)
             done[0] = total
 
         return self._write_object(name, write, durable)
@@ -202,14 +218,7 @@ class LocalByteStore:
             kicked = [0]  # bytes whose writeback has been started
 
             def write_part(views: list[memoryview], at: int, end: int) -> None:
-                if not durable:
-                    pwrite_all(fd, views, at)
-                    return
-                for group in _groups(views, WRITEBACK_BYTES):  # a 200 MiB part starts its writeback as it goes
-                    at += pwrite_all(fd, group, at)
-                    if at - kicked[0] >= WRITEBACK_BYTES:
-                        start_writeback(fd, kicked[0], at - kicked[0])
-                        kicked[0] = at
+                kicked[0] = _write_started(fd, views, at, durable, kicked[0])
 
             with ThreadPoolExecutor(1, thread_name_prefix="kvshelf-write") as writer:
                 pending = None
