@@ -227,20 +227,20 @@ class MemoryIndexStore(Batching):
     path = "<memory>"
 
     def __init__(self) -> None:
-        self._tables: dict[str, dict] = {}
+        self._state: tuple[dict[str, dict], int] = ({}, 0)  # (tables, version): swapped as ONE reference
         self._lock = threading.RLock()
-        self._version = 0
 
     @contextmanager
     def read(self) -> Iterator[_MemoryTxn]:
-        yield _MemoryTxn(dict(self._tables), writable=False, txn_id=self._version)
+        tables, version = self._state  # one read: the id always names the tables it goes with
+        yield _MemoryTxn(dict(tables), writable=False, txn_id=version)
 
     def write(self, fn: Callable[[IndexTxn], _T]) -> _T:
         with self._lock:
-            work = dict(self._tables)
-            result = fn(_MemoryTxn(work, writable=True, txn_id=self._version + 1))
-            self._tables = work
-            self._version += 1
+            tables, version = self._state
+            work = dict(tables)
+            result = fn(_MemoryTxn(work, writable=True, txn_id=version + 1))
+            self._state = (work, version + 1)
             return result
 
     def writer_lock(self) -> threading.RLock:
