@@ -47,6 +47,7 @@ def ensure_dir(path: str) -> None:
 
 
 WRITEBACK_BYTES = 4 << 20  # written bytes after which a streamed put starts their writeback (start_writeback)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -86,9 +87,10 @@ def _write_started(fd: int, views: list[memoryview], at: int, durable: bool, kic
     kicked = at if kicked is None else kicked
     for group in _groups(views, WRITEBACK_BYTES):
         at += pwrite_all(fd, group, at)
-        if at - kicked >= WRITEBACK_BYTES:
-            start_writeback(fd, kicked, at - kicked)
-            kicked = at
+        whole = at & ~(_PAGE - 1)  # never a partial page: the next write into it would wait for its writeback
+        if whole - kicked >= WRITEBACK_BYTES:
+            start_writeback(fd, kicked, whole - kicked)
+            kicked = whole
     return kicked
 
 
