@@ -14,12 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from traced import run_traced
 
 TESTS = Path(__file__).parent
 CALLS = ("openat", "write", "pwrite64", "pwritev", "pwritev2", "writev", "fsync", "fdatasync", "rename",
@@ -47,16 +44,6 @@ _LINE = re.compile(r"^(\d+)\s+(\w+)\((.*)$")
 _FD = re.compile(r"^(\d+)<([^>]*)>")
 
 
-def _strace() -> str:
-    path = shutil.which("strace")
-    if path is None:
-        pytest.skip("strace is not installed (apt-get install -y strace; .ci/run installs it)")
-    probe = subprocess.run([path, "-f", "-o", os.devnull, "true"], capture_output=True, text=True, check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"strace cannot trace here (ptrace refused?): {probe.stderr.strip()[:200]}")
-    return path
-
-
 def _save_window(trace: str) -> list[tuple[str, str, str]]:
     """(call, fd path or '', rest of the arguments) of every traced call between the two markers."""
     calls, phase = [], 0
@@ -76,16 +63,10 @@ def _save_window(trace: str) -> list[tuple[str, str, str]]:
 
 
 def test_every_object_a_save_commits_is_fsynced_with_its_directory_before_the_commit(tmp_path: Path) -> None:
-    strace = _strace()
     root, out = tmp_path / "s", tmp_path / "objects.json"
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS), repo=str(TESTS.parent), root=str(root), out=str(out)))
-    trace = tmp_path / "trace.txt"
-    done = subprocess.run([strace, "-f", "-y", "-qq", "-s", "256", "-e", f"trace={','.join(CALLS)}", "-o",
-                           str(trace), sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    calls = _save_window(trace.read_text())
+    trace = run_traced(tmp_path, SCRIPT.format(tests=str(TESTS), repo=str(TESTS.parent), root=str(root),
+                                               out=str(out)), CALLS, flags=("-y", "-s", "256"))
+    calls = _save_window(trace)
     objects = json.loads(out.read_text())["objects"]
     data_mdb = str((root / "index" / "data.mdb").resolve())
     commit = next(i for i, (name, path, _a) in enumerate(calls)

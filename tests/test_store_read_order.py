@@ -10,11 +10,9 @@ layer, which defeats readahead on a cold pack. Skips with its reason where strac
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from test_store_syncs import _strace
+from traced import run_traced
 
 from kvshelf.store.piecereads import BATCH_BYTES
 
@@ -44,22 +42,17 @@ CALL = re.compile(r"^(\d+)\s+preadv2?\((\d+),\s*\[.*\],\s*(\d+),\s*(\d+)")  # gl
 
 
 def test_a_restore_reads_the_pack_forward_in_few_large_reads(tmp_path):
-    strace = _strace()
     tests = str(Path(__file__).parent)
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT.format(tests=tests, repo=str(Path(tests).parent), root=str(tmp_path / "s")))
-    trace = tmp_path / "trace.txt"
-    done = subprocess.run([strace, "-f", "-qq", "-e", "trace=preadv,preadv2,getpriority", "-o", str(trace),
-                           sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    trace = run_traced(tmp_path, SCRIPT.format(tests=tests, repo=str(Path(tests).parent), root=str(tmp_path / "s")),
+                       ("preadv", "preadv2", "getpriority"))
     phase, reads = 0, []
-    for line in trace.read_text().splitlines():
+    for line in trace.splitlines():
         if "getpriority(" in line:
             phase += 1
         elif phase == 1 and (m := CALL.match(line)):
             tid, _fd, iovcnt, offset = map(int, m.groups())
             reads.append((tid, iovcnt, offset))
-    assert phase >= 2 and reads, trace.read_text()[-2000:]
+    assert phase >= 2 and reads, trace[-2000:]
     data = [(tid, offset) for tid, iovcnt, offset in reads if iovcnt > 1]  # headers are single-buffer reads
     # 4 chunks of 1 MiB (8 layers x K and V x 256 tokens x 2 heads x 64 x f16): two header reads and
     # ceil(1 MiB / BATCH_BYTES) data reads each (4 at 256 KiB) — layer by layer was 16 data reads per chunk

@@ -8,16 +8,13 @@ test skips with its reason where strace is missing or ptrace is refused (``.ci/r
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from codec_cases import CASES_BY_ID
 from kv_cases import fill
 from store_cases import open_test_store, session, token_ids
+from traced import run_traced
 
 from kvshelf.latent_legos.kv import KVCache
 from kvshelf.store import syncs
@@ -79,28 +76,13 @@ with open_test_store({root!r}, chunk_tokens=16) as store:
 """
 
 
-def _strace() -> str:
-    path = shutil.which("strace")
-    if path is None:
-        pytest.skip("strace is not installed (apt-get install -y strace; .ci/run installs it)")
-    probe = subprocess.run([path, "-f", "-o", os.devnull, "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"strace cannot trace here (ptrace refused?): {probe.stderr.strip()[:200]}")
-    return path
-
-
 def test_the_kernel_sees_at_most_three_syncs_per_save_and_none_per_restore(tmp_path):
-    strace = _strace()
     tests = str(Path(__file__).parent)
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT.format(tests=tests, repo=str(Path(tests).parent), root=str(tmp_path / "s")))
-    trace = tmp_path / "trace.txt"
-    done = subprocess.run([strace, "-f", "-qq", "-e", f"trace={','.join(SYNC_CALLS)},getpriority", "-o", str(trace),
-                           sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    trace = run_traced(tmp_path, SCRIPT.format(tests=tests, repo=str(Path(tests).parent), root=str(tmp_path / "s")),
+                       (*SYNC_CALLS, "getpriority"))
     phases: list[list[str]] = [[]]
     hints: list[list[str]] = [[]]  # sync_file_range(..., SYNC_FILE_RANGE_WRITE): starts writeback, waits for nothing
-    for line in trace.read_text().splitlines():
+    for line in trace.splitlines():
         call = line.split(None, 1)[1] if " " in line else line
         name = call.split("(", 1)[0]
         if call.startswith("getpriority("):
@@ -110,7 +92,7 @@ def test_the_kernel_sees_at_most_three_syncs_per_save_and_none_per_restore(tmp_p
             hints[-1].append(call)
         elif name in SYNC_CALLS:  # a sync_file_range with a WAIT flag is a sync like the others
             phases[-1].append(name)
-    assert len(phases) >= 5, trace.read_text()[-2000:]
+    assert len(phases) >= 5, trace[-2000:]
     save, restore, big = phases[1], phases[2], phases[3]
     assert 1 <= len(save) <= 3, save  # the pack, its directory, the LMDB commit
     assert restore == [] and hints[2] == [], (restore, hints[2])

@@ -39,7 +39,6 @@ from .localbytes import ensure_dir
 INDEX_FORMAT = 3  # 2: layout v2 (packs, sealed records); 3: prefix records tagged by session lineage (records.py)
 READS_FORMATS = (1, 2, 3)  # 1 and 2 are migrated at open, in one write transaction (``Index._check_format``)
 _T = TypeVar("_T")
-DB_NAMES = PLAIN_TABLES
 
 
 def _disk_nearly_full(path: str, reserve: int = 8 << 20) -> bool:
@@ -246,4 +245,4 @@ class _Read:
 
 LmdbIndexStore = Index  # the protocol's name for it (``indexstore``)
 
-__all__ = ["DB_NAMES", "Index", "INDEX_FORMAT", "LmdbIndexStore"]
+__all__ = ["Index", "INDEX_FORMAT", "LmdbIndexStore"]

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar, runtime_checkable
 
+from ..errors import CorruptData, KvShelfError
+
 _T = TypeVar("_T")
 SCAN_BATCH = 512  # records per read transaction of a streaming listing (Batching.scan)
 PLAIN_TABLES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine",
@@ -69,8 +71,6 @@ class IndexStore(Protocol):
 
 def check_table(name: str, dup: bool) -> str:
     if name not in (DUP_TABLES if dup else PLAIN_TABLES):
-        from ..errors import KvShelfError
-
         kind = "duplicate" if dup else "plain"
         raise KvShelfError(f"index table {name!r} is not a {kind} table of the store's index")
     return name
@@ -256,8 +256,6 @@ def meta_int(txn: IndexTxn, name: bytes, default: int = 0, where: str = "the ind
     if raw is None:
         return default
     if len(raw) != 8:
-        from ..errors import CorruptData
-
         raise CorruptData(f"{where}: meta record {name.decode(errors='replace')!r} is {len(raw)} bytes, not 8 "
                           f"(damaged)")
     return int.from_bytes(raw, "little", signed=True)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import lmdb
 
-from .indexstore import check_table
+from .indexstore import DUP_TABLES, check_table
 
 
 class LmdbTxn:
@@ -23,7 +23,7 @@ class LmdbTxn:
 
     def _db(self, table: str, dup: bool = False):
         db = self._dbs.get(table)
-        if db is None or (table == "prefix") != dup:
+        if db is None or (table in DUP_TABLES) != dup:
             check_table(table, dup)
         return db
 
@@ -56,10 +56,10 @@ class LmdbTxn:
             yield k, v
 
     def count(self, table: str) -> int:
-        return self.raw.stat(self._db(table, dup=table == "prefix"))["entries"]
+        return self.raw.stat(self._db(table, dup=table in DUP_TABLES))["entries"]
 
     def clear(self, table: str) -> None:
-        self.raw.drop(self._db(table, dup=table == "prefix"), delete=False)
+        self.raw.drop(self._db(table, dup=table in DUP_TABLES), delete=False)
 
     # --- duplicate tables -----------------------------------------------------------------------------------------
     def dup_add(self, table: str, key: bytes, value: bytes) -> None:

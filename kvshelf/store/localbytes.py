@@ -77,14 +77,13 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only loses the head start
 
 
-def _write_started(fd: int, views: list[memoryview], at: int, durable: bool, kicked: int | None = None) -> int:
+def _write_started(fd: int, views: list[memoryview], at: int, durable: bool, kicked: int) -> int:
     """``pwrite_all`` of ``views`` from ``at``; when ``durable``, in groups of ``WRITEBACK_BYTES`` whose writeback
     is started as soon as they are written (a 200 MiB part reaches the disk while it is still being written).
-    ``kicked``: where the writeback started so far ends (default ``at``); returns where it ends now."""
+    ``kicked``: where the writeback started so far ends; returns where it ends now."""
     if not durable:
         pwrite_all(fd, views, at)
-        return at if kicked is None else kicked
-    kicked = at if kicked is None else kicked
+        return kicked
     for group in _groups(views, WRITEBACK_BYTES):
         at += pwrite_all(fd, group, at)
         whole = at & ~(_PAGE - 1)  # never a partial page: the next write into it would wait for its writeback
@@ -205,7 +204,7 @@ class LocalByteStore:
 
         def write(fd: int, final: str, done: list[int]) -> None:
             _faults._inject_faults(final, total)
-            _write_started(fd, views, 0, durable)
+            _write_started(fd, views, 0, durable, 0)
             done[0] = total
 
         return self._write_object(name, write, durable)
