@@ -51,7 +51,7 @@ def _families(tokens: int, seed: int) -> list[mx.array]:
 
 
 def _has_read_buffer() -> bool:
-    from kvshelf.latent_legos.encoded import EncodedLatentCache
+    from kvshelf.latent_legos.latent.encoded import EncodedLatentCache
 
     return "read_buffer" in inspect.signature(EncodedLatentCache).parameters
 
@@ -100,8 +100,8 @@ def _bare_decode_variant(name: str, fmt) -> Variant:
     encoded once for the prefill plus ``SPARE`` positions, decoded each step over the MLACache's stored length (a
     view, as the encoded lego's own read is), so both sides decode the same number of positions every step."""
     from kvshelf.latent_legos.encodings import family_encoding
-    from kvshelf.latent_legos.geometry import LatentGeometry
-    from kvshelf.latent_legos.mla import MLACache
+    from kvshelf.latent_legos.latent.geometry import LatentGeometry
+    from kvshelf.latent_legos.latent.mla import MLACache
 
     encodings = [family_encoding(fmt, RANK), family_encoding(fmt, ROPE)]
 
@@ -125,11 +125,11 @@ def _bare_decode_variant(name: str, fmt) -> Variant:
 
 def _variants() -> tuple[list[Variant], dict[str, tuple[str, str, float, tuple[int, ...]]]]:
     """The variants and, per measured lego, (its baseline, target text, limit, lengths the limit applies to)."""
-    from kvshelf.latent_legos.encoded import EncodedLatentCache
+    from kvshelf.latent_legos.latent.encoded import EncodedLatentCache
     from kvshelf.latent_legos.formats import AffineFormat, TurboFormat
-    from kvshelf.latent_legos.geometry import LatentGeometry
-    from kvshelf.latent_legos.mla import MLACache
-    from kvshelf.latent_legos.paged import PagedLatentCache
+    from kvshelf.latent_legos.latent.geometry import LatentGeometry
+    from kvshelf.latent_legos.latent.mla import MLACache
+    from kvshelf.latent_legos.latent.paged import PagedLatentCache
 
     geometry = LatentGeometry(RANK, ROPE)
     formats = {"affine8": AffineFormat(8, 64), "turbo k8": TurboFormat(8, 3)}

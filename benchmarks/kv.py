@@ -30,7 +30,7 @@ def mlx_lm_kv(pairs) -> list:
 
 def _mlx_lm_own(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx, load) -> list[Row]:
     """mlx-lm's own ``KVCache`` objects saved and restored by the store as they are (kvshelf.mlx_lm's codecs)."""
-    missing = data.kvshelf_missing("kvshelf.mlx_lm.codecs_kv:PlainCodec", *data.STORE)
+    missing = data.kvshelf_missing("kvshelf.mlx_lm.codecs.kv:PlainCodec", *data.STORE)
     label = f"{what}, mlx-lm's own KVCache"
     if missing:
         return [unavailable(m, label, missing) for m in sorted({"1", "4"} & only)]

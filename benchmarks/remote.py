@@ -130,8 +130,8 @@ def _restore_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
 def _lookup_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
     from kvshelf.latent_legos import LatentGeometry, MLACache
     from kvshelf.store.identity import namespace_key
-    from kvshelf.store.lookup import LazyTokens
-    from kvshelf.store.remote.index import RemoteLookup
+    from kvshelf.store.prefix.search import LazyTokens
+    from kvshelf.store.remote.search import RemoteLookup
 
     n = 4096 if size == "small" else 32768
     trunk = data.token_ids(n - 1024, seed=77, high=100_000)
@@ -175,7 +175,7 @@ def _lookup_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
 
 
 def _ttft_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
-    from kvshelf.latent_legos.synthetic_model import SyntheticMLAModel
+    from kvshelf.testing.synthetic_model import SyntheticMLAModel
 
     n = 256 if size == "small" else 1024  # the synthetic model's prefill is quadratic and slow on CPU
     model = SyntheticMLAModel(num_layers=4, hidden=256, num_heads=4, kv_lora_rank=512, rope_head_dim=64)

@@ -65,7 +65,7 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
     try:
         import mlx_lm  # noqa: F401
 
-        from kvshelf.mlx_lm.server import main as _main  # noqa: F401
+        from kvshelf.mlx_lm.serve.server import main as _main  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - not landed / no mlx-lm: say so in the row
         return [unavailable("31", name, f"{type(exc).__name__}: {exc}", target="≤ 0.25× cold")]
     h, tiny = _harness()

@@ -24,7 +24,7 @@ def main() -> None:
     args = p.parse_args()
 
     from kvshelf import open_store
-    from kvshelf.store import lmdbcheck, walkmemo
+    from kvshelf.store.index import lmdb_check as lmdbcheck, lmdb_walk_memo as walkmemo
 
     from .soak_cases import CHUNK, IDENTITY, make_caches, tokens_for
 

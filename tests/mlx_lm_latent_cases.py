@@ -9,7 +9,7 @@ from mlx_lm_models import PROMPT, continue_greedy, forward, greedy
 
 from kvshelf.codecs import default_provider
 from kvshelf.codecs.provider import DEFAULT_PROVIDER_ID
-from kvshelf.mlx_lm.latent_codec import LATENT_ADAPTER_CODECS
+from kvshelf.mlx_lm.codecs.latent import LATENT_ADAPTER_CODECS
 
 STEPS = 4
 PROMPTS = [PROMPT, PROMPT[:6], PROMPT[:3] + [9]]  # unequal lengths: 10, 6, 4

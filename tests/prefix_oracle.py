@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections import Counter
 
 from kvshelf.store.identity import namespace_key
-from kvshelf.store.keys import session_key
-from kvshelf.store.prefix import boundary_hash, continuation, positions, tokens_array
-from kvshelf.store.records import lineage_id
+from kvshelf.store.index.keys import session_key
+from kvshelf.store.prefix.hashing import boundary_hash, continuation, positions, tokens_array
+from kvshelf.store.prefix.records import lineage_id
 
 
 def actual(store) -> tuple[Counter, dict[bytes, bytes]]:

@@ -117,7 +117,7 @@ def install_kill_point(spec: str) -> bool:
             setattr(os, name, wrapped)
         return True
     try:
-        from kvshelf.store import index as index_module
+        from kvshelf.store.index import lmdb_env as index_module
         write = index_module.Index.write
     except (ImportError, AttributeError):
         return False

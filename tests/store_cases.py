@@ -7,7 +7,7 @@ from codec_cases import Case, append, bits, describe, filled, read_bits
 
 from kvshelf import Identity, open_store
 from kvshelf.codecs import CodecProvider
-from kvshelf.codecs.mla_codec import MLACodec
+from kvshelf.codecs.kinds.mla import MLACodec
 from kvshelf.latent_legos import MLACache
 
 IDENTITY = Identity("test-model", config_fingerprint="cfg-1", tokenizer_hash="tok-1")

@@ -69,7 +69,7 @@ def test_a_miss_costs_one_index_probe(tmp_path, monkeypatch):
     """An 8192-token prompt that shares nothing with 40 stored snapshots: a miss is one prefix-index probe, converts
     no more than the first 256 tokens and reads no blob. (Speed itself is measured in benchmarks/, measure 7: about
     0.03 ms on this machine; unit tests count work instead of timing it.)"""
-    from kvshelf.store import lookup as lookup_module
+    from kvshelf.store.prefix import search as lookup_module
 
     probes, converted = [], []
     real_count, real_head = lookup_module._Lookup._count, lookup_module.LazyTokens.head

@@ -1,4 +1,4 @@
-"""One contract, every implementation: the ByteStore conformance suite (kvshelf.store.backend).
+"""One contract, every implementation: the ByteStore conformance suite (kvshelf.store.objects.protocol).
 
 Implementations register a factory in ``BYTE_STORES`` (name -> callable(tmp_path) returning a fresh, empty store,
 or raising ``pytest.skip`` with its reason where its medium is unavailable). Every test below runs against each.
@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvshelf.errors import CorruptData, InvalidCacheState, KvShelfError
-from kvshelf.store.backend import ByteStore, MemoryByteStore, ObjectMissing
-from kvshelf.store.localbytes import LocalByteStore, open_object
+from kvshelf.store.objects.protocol import ByteStore, ObjectMissing
+from kvshelf.store.objects.memory import MemoryByteStore
+from kvshelf.store.objects.local import LocalByteStore, open_object
 
 
 def _redis_byte_store(tmp_path):

@@ -21,7 +21,7 @@ from tools_data import (  # noqa: E402
 )
 
 from kvshelf import open_store  # noqa: E402
-from kvshelf.store.manifest import BlobRef  # noqa: E402
+from kvshelf.store.index.schema import BlobRef  # noqa: E402
 
 SUBCOMMANDS = ["demo", "ls", "show", "stats", "verify", "gc", "compact", "export", "import", "rebuild-index", "watch"]
 

@@ -7,7 +7,7 @@ import pytest
 from codec_cases import CASES_BY_ID, filled
 
 from kvshelf.codecs import CacheEntry, Codec, CodecProvider, default_provider
-from kvshelf.codecs.latent_common import make_slots, prefix_tensors, replace_entry
+from kvshelf.codecs.kinds.latent_common import make_slots, prefix_tensors, replace_entry
 from kvshelf.codecs.validate import SlotSpec, check_arrays, check_slots, incompatible
 from kvshelf.errors import IncompatibleFormat
 

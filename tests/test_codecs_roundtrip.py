@@ -10,9 +10,9 @@ import pytest
 from codec_cases import Case, all_cases, append, bits, describe, filled, read_bits
 
 from kvshelf.codecs import default_provider, load_snapshot, save_snapshot
-from kvshelf.codecs.encoded_codec import EncodedCodec
-from kvshelf.codecs.mla_codec import MLACodec
-from kvshelf.codecs.paged_codec import PagedCodec
+from kvshelf.codecs.kinds.encoded import EncodedCodec
+from kvshelf.codecs.kinds.mla import MLACodec
+from kvshelf.codecs.kinds.paged import PagedCodec
 
 CASES = all_cases()
 

@@ -105,7 +105,7 @@ def test_hot_chunks_stay_raw(store_dir) -> None:
 
 
 def test_merging_never_touches_shared_chunks() -> None:
-    from kvshelf.store.manifest import BlobRef
+    from kvshelf.store.index.schema import BlobRef
 
     refs = [BlobRef(f"{i:032x}", 32 * i, min(32 * i + 32, 100), 10) for i in range(4)]  # last one: 4 tokens
     manifest = type("M", (), {"chunks": refs, "chunk_tokens": 32})()

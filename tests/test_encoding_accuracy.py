@@ -14,9 +14,9 @@ import pytest
 from kvshelf.errors import InvalidCacheState
 from kvshelf.latent_legos.contracts import PrefillPadding
 from kvshelf.latent_legos.formats import AffineFormat, TurboFormat, format_key
-from kvshelf.latent_legos.mla import MLACache
-from kvshelf.latent_legos.paged import PagedLatentCache
-from kvshelf.latent_legos.synthetic_model import SyntheticMLAModel
+from kvshelf.latent_legos.latent.mla import MLACache
+from kvshelf.latent_legos.latent.paged import PagedLatentCache
+from kvshelf.testing.synthetic_model import SyntheticMLAModel
 
 PROMPT, DECODE = 64, 16
 FORMATS = {
@@ -60,7 +60,7 @@ def mean_kl(reference, other, positions=slice(None)):
 
 
 def encoded_caches(model, fmt):
-    from kvshelf.latent_legos.encoded import EncodedLatentCache
+    from kvshelf.latent_legos.latent.encoded import EncodedLatentCache
 
     return [EncodedLatentCache(model.geometry, fmt, 0) for _ in range(model.num_layers)]
 
@@ -220,7 +220,7 @@ def test_model_is_seeded_and_validates_inputs(model, tokens):
 
 
 def test_make_caches_follows_the_scheme(model):
-    from kvshelf.latent_legos.scheme import KvScheme
+    from kvshelf.latent_legos.latent.scheme import KvScheme
 
     assert all(isinstance(c, MLACache) for c in model.make_caches())
     turbo = model.make_caches(KvScheme.turbo(4, 3))

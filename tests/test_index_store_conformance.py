@@ -1,4 +1,4 @@
-"""One contract, every implementation: the index-transaction seam (``kvshelf.store.indexstore``), run on LMDB (the
+"""One contract, every implementation: the index-transaction seam (``kvshelf.store.index.protocol``), run on LMDB (the
 store's own index) and in memory — snapshots, atomic writes, ordered ranges, serialized writers."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvshelf.errors import KvShelfError
-from kvshelf.store.index import Index
-from kvshelf.store.indexstore import IndexStore, IndexTxn, MemoryIndexStore
+from kvshelf.store.index.lmdb_env import Index
+from kvshelf.store.index.protocol import IndexStore, IndexTxn
+from kvshelf.store.index.memory import MemoryIndexStore
 
 T = "chunks"  # any plain table of the store's index
 U = "packs"

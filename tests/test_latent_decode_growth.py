@@ -28,7 +28,7 @@ from kvshelf.latent_legos import (
     PagedLatentCache,
     TurboFormat,
 )
-from kvshelf.latent_legos.columns import GROWTH_DIVISOR, MIN_STEP
+from kvshelf.latent_legos.latent.columns import GROWTH_DIVISOR, MIN_STEP
 from kvshelf.latent_legos.contracts import PrefillPadding
 
 G = LatentGeometry(kv_lora_rank=128, rope_head_dim=64, index_head_dim=64)
@@ -309,7 +309,7 @@ def test_read_buffer_reads_what_the_plain_lego_reads_through_any_operations(data
 @pytest.mark.parametrize("fmt", [AffineFormat(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
                          + [TurboFormat(k, 3) for k in (2, 3, 4, 5, 8)], ids=str)
 def test_short_appends_encode_the_families_jointly_to_the_same_bits(fmt):
-    from kvshelf.latent_legos.family_codec import JOINT_MAX_POSITIONS, FamilyCodec
+    from kvshelf.latent_legos.latent.family_codec import JOINT_MAX_POSITIONS, FamilyCodec
 
     codec = FamilyCodec(G.widths, fmt)
     long = JOINT_MAX_POSITIONS + 44

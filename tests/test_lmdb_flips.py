@@ -4,7 +4,7 @@ Each damaged open runs in a child process (``lmdb_flips``): without the page wal
 inside liblmdb — a node offset pointing past the file end (SIGBUS), a branch page of one key (an assertion:
 SIGABRT), a plain value flagged as a dupsort sub-page (SIGBUS or SIGABRT, as the bytes it then misreads fall), an
 overflow value longer than the file (SIGBUS). The bytes are found by reading the real
-store's pages here with ``struct`` (not with ``kvshelf.store.lmdbpages``, the code under test).
+store's pages here with ``struct`` (not with ``kvshelf.store.index.lmdb_pages``, the code under test).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvshelf.errors import CorruptData
-from kvshelf.store import lmdbcheck, walkmemo
+from kvshelf.store.index import lmdb_check as lmdbcheck, lmdb_walk_memo as walkmemo
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = [{}, {"dupsort": True}, {"dupsort": True, "dupfixed": True}, {"integerkey": True},

@@ -35,10 +35,10 @@ from mlx_lm_models import (
 from kvshelf import Identity, open_store
 from kvshelf.errors import CacheRangeError, InvalidCacheState
 from kvshelf.latent_legos import KvScheme
-from kvshelf.latent_legos.mla import MLACache
-from kvshelf.latent_legos.paged import PagedLatentCache
+from kvshelf.latent_legos.latent.mla import MLACache
+from kvshelf.latent_legos.latent.paged import PagedLatentCache
 from kvshelf.mlx_lm import make_prompt_cache
-from kvshelf.mlx_lm.latent_cache import DSALatentCache, MLALatentCache
+from kvshelf.mlx_lm.latent.cache import DSALatentCache, MLALatentCache
 
 HERE = Path(__file__).parent
 STEPS = 4
@@ -214,8 +214,8 @@ def test_restore_prefix_cuts_latents_inside_the_session(tmp_path, name):
 def test_dsa_two_call_steps_read_and_store_what_one_append_would(scheme):
     """The latent call and the indexer call of each step give the reads, and leave the state, of one append of all
     three families — on batched rows converting at different steps too (f32-first)."""
-    from kvshelf.latent_legos.geometry import LatentGeometry
-    from kvshelf.latent_legos.scheme import composed_latent_cache
+    from kvshelf.latent_legos.latent.geometry import LatentGeometry
+    from kvshelf.latent_legos.latent.scheme import composed_latent_cache
 
     g = LatentGeometry(kv_lora_rank=64, rope_head_dim=32, index_head_dim=32)
     rows_a, rows_b = composed_latent_cache(scheme, None, 0, g), composed_latent_cache(scheme, None, 0, g)

@@ -21,9 +21,9 @@ from mlx_lm_models import MLA_NAMES, build, forward, greedy, same
 
 from kvshelf import Identity, open_store
 from kvshelf.latent_legos import KvScheme
-from kvshelf.latent_legos.paged import PagedLatentCache
+from kvshelf.latent_legos.latent.paged import PagedLatentCache
 from kvshelf.mlx_lm import make_prompt_cache
-from kvshelf.mlx_lm.latent_cache import DSALatentCache, MLALatentCache
+from kvshelf.mlx_lm.latent.cache import DSALatentCache, MLALatentCache
 
 
 @pytest.mark.parametrize("scheme", [None, KvScheme.affine(8, 32), KvScheme.turbo(8, 3, quantized_kv_start=7)],

@@ -29,7 +29,7 @@ def _tokens():
 
 
 def _model():
-    from kvshelf.latent_legos.synthetic_model import SyntheticMLAModel
+    from kvshelf.testing.synthetic_model import SyntheticMLAModel
 
     return SyntheticMLAModel(num_layers=2, seed=0)
 

@@ -75,7 +75,7 @@ def test_a_forged_boundary_record_is_never_served(two_hosts) -> None:
     assert hit is None
     # copy every boundary record of "real" under the keys of the other prompt's boundaries
     from kvshelf.store.identity import namespace_key
-    from kvshelf.store.prefix import all_boundaries, tokens_array
+    from kvshelf.store.prefix.hashing import all_boundaries, tokens_array
 
     nsk = namespace_key(b.id_key, "forged")
     real_keys = [tier.keys.boundary(nsk, h) for h, _ in all_boundaries(nsk, tokens_array(toks))]

@@ -14,9 +14,9 @@ from conftest import bits
 from kvshelf.latent_legos import AffineFormat, EncodedLatentCache, TurboFormat
 from kvshelf.latent_legos.contracts import PrefillPadding
 from kvshelf.latent_legos.encodings.family import family_encoding
-from kvshelf.latent_legos.geometry import LatentGeometry
-from kvshelf.latent_legos.mla import MLACache
-from kvshelf.latent_legos.paged import PagedLatentCache
+from kvshelf.latent_legos.latent.geometry import LatentGeometry
+from kvshelf.latent_legos.latent.mla import MLACache
+from kvshelf.latent_legos.latent.paged import PagedLatentCache
 
 GEOMETRY = LatentGeometry(kv_lora_rank=64, rope_head_dim=32, index_head_dim=32)
 WIDTHS = GEOMETRY.widths

@@ -10,8 +10,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvshelf.store import runhash
-from kvshelf.store.runhash import RunHash
+from kvshelf.store.objects import runhash
+from kvshelf.store.objects.runhash import RunHash
 
 
 @settings(max_examples=200, deadline=None)
@@ -78,8 +78,8 @@ def test_content_hash_is_the_same_through_either_hasher(sizes):
     chunk's name must not depend on that choice."""
     import numpy as np
 
-    from kvshelf.store import blobfile
-    from kvshelf.store.blobfile import Piece
+    from kvshelf.store.objects import chunkfile as blobfile
+    from kvshelf.store.objects.chunkfile import Piece
 
     rng = np.random.default_rng(sum(sizes))
     pieces = [Piece(f"0.{i}.t", "uint8", (n,), memoryview(rng.integers(0, 255, n, dtype=np.uint8)))

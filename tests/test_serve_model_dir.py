@@ -15,12 +15,7 @@ from serve_harness import Server, conversation
 from tiny_model_dir import make_model_dir, words
 
 from kvshelf.errors import CorruptData, KvShelfError
-from kvshelf.mlx_lm.model_identity import (
-    ModelFilesError,
-    model_id_of,
-    model_identity,
-    safetensors_header,
-)
+from kvshelf.mlx_lm.serve.model_identity import ModelFilesError, model_id_of, model_identity, safetensors_header
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from store_cases import flip_chunk_byte
 
 from kvshelf import Identity, open_store
 from kvshelf.mlx_lm import TieredPromptCache
-from kvshelf.store import blobs
+from kvshelf.store import seams as blobs
 
 KEY = ("tiny-llama", None, None)
 T = [5, 17, 42, 8, 77, 3, 61, 29, 90, 11, 13, 21, 34, 55, 2, 4, 6, 9, 12, 15]

@@ -9,7 +9,7 @@ from codec_cases import CASES_BY_ID
 from store_cases import open_test_store, same_caches, session, token_ids
 
 from kvshelf.store import LocalByteStore, MemoryByteStore
-from kvshelf.store.indexstore import MemoryIndexStore
+from kvshelf.store.index.memory import MemoryIndexStore
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 BACKENDS = {

@@ -24,7 +24,7 @@ from kv_cases import MAKERS, flat, kv, same
 from store_cases import flip_chunk_byte, open_test_store, token_ids
 
 from kvshelf import Identity, open_store
-from kvshelf.codecs.mla_codec import MLACodec
+from kvshelf.codecs.kinds.mla import MLACodec
 from kvshelf.errors import CorruptData, InvalidCacheState, SnapshotNotFound
 from kvshelf.latent_legos import EncodedLatentCache, MLACache
 from kvshelf.latent_legos.kv import ArraysCache, RotatingKVCache

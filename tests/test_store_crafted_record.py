@@ -12,7 +12,7 @@ from tools_data import MODEL, make_caches, same_reads
 
 from kvshelf import open_store
 from kvshelf.errors import CorruptData
-from kvshelf.store import manifest as mf
+from kvshelf.store.index import schema as mf
 
 N = 40
 

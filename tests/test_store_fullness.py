@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 import store_workers as sw
 from kvshelf.errors import StoreFull
 from kvshelf.latent_legos import LatentGeometry, MLACache
-from kvshelf.store import reserve
-from kvshelf.store.objlocks import LeasedObjects
-from kvshelf.store.pack import new_pack_name
+from kvshelf.store.space import reserve
+from kvshelf.store.liveness.object_locks import LeasedObjects
+from kvshelf.store.objects.pack import new_pack_name
 from kvshelf.tools import lmdb_files
 
 LONG = 20_000  # tokens of a "long" session: ~1 250 prefix records with random keys

@@ -1,4 +1,4 @@
-"""A restore's destinations are faulted in huge pages where the kernel offers them (``kvshelf.store.hugepages``).
+"""A restore's destinations are faulted in huge pages where the kernel offers them (``kvshelf.store.restore.hugepages``).
 
 Counted, not timed: the process's ``AnonHugePages`` (``/proc/self/smaps_rollup``) before and after restoring a
 64 MiB cache in a fresh subprocess. With THP in ``madvise`` mode (this machine's and Debian's default) huge pages

@@ -13,7 +13,7 @@ from codec_cases import CASES_BY_ID
 from store_cases import chunk_file, flip_chunk_byte, open_test_store, same_caches, session, token_ids
 
 from kvshelf.errors import CorruptData, SnapshotNotFound, StoreFull
-from kvshelf.store import blobs as blobs_module
+from kvshelf.store import seams as blobs_module
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 PER_TOKEN = 2 * (64 + 32) * 4  # two f32 MLA layers of widths 64 + 32

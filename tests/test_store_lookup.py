@@ -12,8 +12,8 @@ from store_cases import RingCache, open_test_store, ring_provider, same_caches, 
 from kvshelf import Identity
 from kvshelf.errors import IdentityMismatch, InvalidCacheState, SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
-from kvshelf.store.prefix import boundary_hash, continuation, positions, tokens_array
-from kvshelf.store.records import lineage_id
+from kvshelf.store.prefix.hashing import boundary_hash, continuation, positions, tokens_array
+from kvshelf.store.prefix.records import lineage_id
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 LENGTHS = (40, 30, 30)  # 100 tokens: six 16-token boundaries
@@ -157,7 +157,7 @@ def test_identity_and_namespace_isolation(tmp_path):
 def test_lookup_costs(tmp_path, monkeypatch):
     """A miss is one index probe; a hit on a long prompt costs O(log n) probes, however many snapshots share it.
     (Times are measured in benchmarks/, measure 7; here the work is counted.)"""
-    from kvshelf.store import lookup as lookup_module
+    from kvshelf.store.prefix import search as lookup_module
 
     probes = []
     real_count = lookup_module._Lookup._count

@@ -18,8 +18,8 @@ from store_cases import flip_chunk_byte
 from kvshelf import Identity, open_store
 from kvshelf.errors import CorruptData
 from kvshelf.latent_legos import LatentGeometry, MLACache
-from kvshelf.store import records
-from kvshelf.store.prefix import positions
+from kvshelf.store.prefix import records
+from kvshelf.store.prefix.hashing import positions
 
 GEOMETRY = LatentGeometry(kv_lora_rank=8, rope_head_dim=8)
 IDENTITY = Identity("incremental-prefix-model")

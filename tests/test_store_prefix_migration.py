@@ -22,8 +22,9 @@ from make_v1_store import state_checksum  # noqa: E402
 from prefix_oracle import actual, expected  # noqa: E402
 
 from kvshelf import Identity, open_store  # noqa: E402
-from kvshelf.store import records, syncs  # noqa: E402
-from kvshelf.store.index import INDEX_FORMAT  # noqa: E402
+from kvshelf.store.prefix import records
+from kvshelf.store import syncs  # noqa: E402
+from kvshelf.store.index.lmdb_env import INDEX_FORMAT  # noqa: E402
 
 V2 = os.path.join(HERE, "data", "v2_index_store")
 V1 = os.path.join(HERE, "data", "v1_store")

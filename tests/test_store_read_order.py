@@ -14,7 +14,7 @@ from pathlib import Path
 
 from traced import run_traced
 
-from kvshelf.store.piecereads import BATCH_BYTES
+from kvshelf.store.restore.piece_reads import BATCH_BYTES
 
 SCRIPT = """
 import os, sys

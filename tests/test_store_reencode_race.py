@@ -14,7 +14,7 @@ import pytest
 from tools_data import MODEL, make_caches, same_reads
 
 from kvshelf import open_store
-from kvshelf.store import restoring
+from kvshelf.store.restore import direct as restoring
 
 N = 40
 

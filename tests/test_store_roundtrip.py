@@ -11,7 +11,7 @@ import pytest
 from codec_cases import all_cases
 from store_cases import open_test_store, same_caches, session, token_ids
 
-from kvshelf.store.layout import Destinations
+from kvshelf.store.restore.destinations import Destinations
 
 CASES = all_cases()
 

@@ -31,7 +31,7 @@ from tools_data import (  # noqa: E402
 from kvshelf import open_store  # noqa: E402
 from kvshelf.errors import KvShelfError  # noqa: E402
 from kvshelf.store import StoreBusy  # noqa: E402
-from kvshelf.store import blobs as blobs_module  # noqa: E402
+from kvshelf.store import seams as blobs_module  # noqa: E402
 from kvshelf.tools import admin  # noqa: E402
 from kvshelf.tools.admin import open_admin  # noqa: E402
 from kvshelf.tools.compaction import compact  # noqa: E402

@@ -27,9 +27,9 @@ from kvshelf.codecs import default_provider
 from kvshelf.latent_legos import AffineFormat, EncodedLatentCache, MLACache, TurboFormat
 from kvshelf.latent_legos.contracts import EditEpoch, edit_epoch
 from kvshelf.latent_legos.kv import KVCache, QuantizedKVCache, TurboQuantKVCache
-from kvshelf.store.blobfile import content_hash
-from kvshelf.store.layout import plan_blobs
-from kvshelf.store.unchanged import UnchangedBook
+from kvshelf.store.objects.chunkfile import content_hash
+from kvshelf.store.save.chunking import plan_blobs
+from kvshelf.store.save.hash_reuse import UnchangedBook
 
 KV_DIMS = dict(heads=2, dk=64, dv=64, dtype=mx.float16)
 KINDS = {

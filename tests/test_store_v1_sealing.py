@@ -13,9 +13,9 @@ import pytest
 from v1_fixture import EXPECTED, FIXTURE, IDENTITY, state_checksum
 from kvshelf import open_store  # noqa: E402
 from kvshelf.errors import SnapshotNotFound  # noqa: E402
-from kvshelf.store import manifest as mf  # noqa: E402
-from kvshelf.store.manifest import Manifest  # noqa: E402
-from kvshelf.store.sealing import SEALED_KEY  # noqa: E402
+from kvshelf.store.index import schema as mf  # noqa: E402
+from kvshelf.store.index.schema import Manifest  # noqa: E402
+from kvshelf.store.integrity.legacy_v1 import SEALED_KEY  # noqa: E402
 VICTIM = "share-b"
 
 

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import store_workers as sw  # noqa: E402
 
-from kvshelf.store import manifest as mf  # noqa: E402
-from kvshelf.store import verifying  # noqa: E402
-from kvshelf.store.manifest import ChunkMeta  # noqa: E402
+from kvshelf.store.index import schema as mf  # noqa: E402
+from kvshelf.store.integrity import verify_counts as verifying  # noqa: E402
+from kvshelf.store.index.schema import ChunkMeta  # noqa: E402
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["churn"]:
 
 def slow_remover(store_dir: str, committed: str, go: str) -> int:
     """Delete one session, stopping between the commit and the unlink of what it freed until ``go`` exists."""
-    from kvshelf.store import removers
+    from kvshelf.store.liveness import removers_lock as removers
 
     def pause() -> None:
         Path(committed).write_text("")

@@ -26,11 +26,11 @@ from typing import Any
 from ..errors import IncompatibleFormat, WrongArgumentType
 from .codec import Codec, CodecProvider
 from .header import CacheEntry
-from .encoded_codec import EncodedCodec
-from .kv_codecs import TOKEN_KV_CODECS
-from .kv_state_codecs import STATE_KV_CODECS
-from .mla_codec import MLACodec
-from .paged_codec import PagedCodec
+from .kinds.encoded import EncodedCodec
+from .kinds.kv import TOKEN_KV_CODECS
+from .kinds.kv_state import STATE_KV_CODECS
+from .kinds.mla import MLACodec
+from .kinds.paged import PagedCodec
 
 DEFAULT_PROVIDER_ID = "kvshelf-cache-v1"
 PLUGIN_GROUP = "kvshelf.codecs"

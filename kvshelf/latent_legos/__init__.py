@@ -19,18 +19,18 @@ from .contracts import (
     SpeculativeTransaction,
 )
 from .formats import AffineFormat, TurboFormat, format_key
-from .geometry import LatentGeometry
-from .mla import MLACache, MLARowState
-from .pages import LatentPages
-from .paged import PagedLatentCache
+from .latent.geometry import LatentGeometry
+from .latent.mla import MLACache, MLARowState
+from .latent.pages import LatentPages
+from .latent.paged import PagedLatentCache
 
 _LAZY = {
-    "EncodedLatentCache": ".encoded",
-    "EncodedRowState": ".encoded",
-    "KvScheme": ".scheme",
-    "latent_format_of": ".scheme",
-    "composed_latent_cache": ".scheme",
-    "SyntheticMLAModel": ".synthetic_model",
+    "EncodedLatentCache": ".latent.encoded",
+    "EncodedRowState": ".latent.encoded",
+    "KvScheme": ".latent.scheme",
+    "latent_format_of": ".latent.scheme",
+    "composed_latent_cache": ".latent.scheme",
+    "SyntheticMLAModel": "kvshelf.testing.synthetic_model",
     "KVCache": ".kv",
     "QuantizedKVCache": ".kv",
     "TurboQuantKVCache": ".kv",

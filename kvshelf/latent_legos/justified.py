@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..errors import CacheRangeError, InvalidCacheState
 from .cache_parts import EditEpoch, describe
 from .contracts import PrefillPadding
-from .geometry import LatentGeometry
+from .latent.geometry import LatentGeometry
 from .rows import (
     append_inputs,
     check_keep,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..errors import CacheRangeError, InvalidCacheState
-from .geometry import LatentGeometry
+from .latent.geometry import LatentGeometry
 
 
 def non_negative(value: object, name: str) -> int:

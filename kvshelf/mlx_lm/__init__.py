@@ -17,7 +17,7 @@ from .files import (
     read_prompt_cache,
     write_prompt_cache,
 )
-from .latent_cache import make_prompt_cache
+from .latent.cache import make_prompt_cache
 
 __all__ = [
     "PromptCacheFile",
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 # --- serving (issue 10): the tiered prompt cache, model identity, `kvshelf serve` ---------------------------------
-from .model_identity import model_identity
-from .prompt_cache import TieredPromptCache
+from .serve.model_identity import model_identity
+from .serve.prompt_cache import TieredPromptCache
 
 __all__ += ["TieredPromptCache", "model_identity"]

@@ -22,17 +22,15 @@ def codecs() -> list:
         raise IncompatibleFormat(
             f"kvshelf's mlx-lm codecs support mlx-lm 0.32.x (its cache classes' state layout); found {version!r}"
         )
-    from .codecs_kv import TOKEN_CODECS
-    from .codecs_list import LIST_CODECS
-    from .codecs_state import STATE_CODECS
+    from .codecs.kv import TOKEN_CODECS
+    from .codecs.cache_list import LIST_CODECS
+    from .codecs.state import STATE_CODECS
 
     found = [*TOKEN_CODECS, *STATE_CODECS, *LIST_CODECS]
     try:
-        from .latent_codec import (
-            LATENT_ADAPTER_CODECS,  # kvshelf's latent legos inside mlx-lm MLA models
-        )
+        from .codecs.latent import LATENT_ADAPTER_CODECS
     except ImportError as exc:
-        if exc.name != f"{__package__}.latent_codec":
+        if exc.name != f"{__package__}.codecs.latent":
             raise
     else:
         found += list(LATENT_ADAPTER_CODECS)

@@ -5,12 +5,13 @@
 ``rebuild_index`` and ``close``; ``open_store(path, admin=True)`` opens it identity-blind for offline tools. The layout and the guarantees are described in docs/ARCHITECTURE.md §3.
 """
 
-from .backend import ByteStore, MemoryByteStore
+from .objects.protocol import ByteStore
+from .objects.memory import MemoryByteStore
 from .identity import Identity
-from .localbytes import LocalByteStore
-from .manifest import BlobRef, ChunkMeta, Manifest
+from .objects.local import LocalByteStore
+from .index.schema import BlobRef, ChunkMeta, Manifest
 from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
-from .openlock import StoreBusy
+from .liveness.open_lock import StoreBusy
 from .store import Store, open_store
 
 __all__ = [

@@ -27,28 +27,32 @@ import msgspec
 from ..codecs import CodecProvider, default_provider
 from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
                       WrongArgumentType)
-from . import inputs, keys, ledger, objlocks, openlock, removers, saving, sealing
-from . import manifest as mf
-from .backend import put_unsynced
-from .budget import evict_to_budget
-from .removers import RemoversLock
-from .fulldisk import FullDiskMixin
+from . import inputs
+from .index import keys, ledger
+from .liveness import object_locks as objlocks, open_lock as openlock, removers_lock as removers
+from .save import saver as saving
+from .integrity import legacy_v1 as sealing
+from .index import schema as mf
+from .objects.protocol import put_unsynced
+from .space.budget import evict_to_budget
+from .liveness.removers_lock import RemoversLock
+from .space.full_disk import FullDiskMixin
 from .identity import Identity, namespace_key
-from .index import Index
-from .indexstore import IndexStore
-from .leases import LeaseBook
-from .leasing import LeasingMixin
-from .localbytes import LocalByteStore, ensure_dir
-from .lookup import LazyTokens, _Lookup
-from .manifest import Manifest
-from .openlock import StoreBusy
-from .prefix import BLOCK_TOKENS
+from .index.lmdb_env import Index
+from .index.protocol import IndexStore
+from .liveness.lease_files import LeaseBook
+from .liveness.leasing import LeasingMixin
+from .objects.local import LocalByteStore, ensure_dir
+from .prefix.search import LazyTokens, _Lookup
+from .index.schema import Manifest
+from .liveness.open_lock import StoreBusy
+from .prefix.hashing import BLOCK_TOKENS
 from .results import PrefixHit, SessionInfo, SnapshotInfo
-from .quarantining import QuarantineMixin
-from .reading import ReadingMixin
-from .surface import ToolsSurface
-from .unchanged import UnchangedBook
-from .writer import BackgroundWriter
+from .integrity.quarantine import QuarantineMixin
+from .restore.reader import ReadingMixin
+from .admin.surface import ToolsSurface
+from .save.hash_reuse import UnchangedBook
+from .save.background import BackgroundWriter
 
 
 class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSurface):

@@ -21,7 +21,7 @@ import msgspec
 
 from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound
 from ..store import Store, StoreBusy, open_store
-from ..store.manifest import Manifest
+from ..store.index.schema import Manifest
 from . import lmdb_files
 from .paths import require_path, require_text
 
@@ -312,7 +312,7 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
         with open_admin(path, create=True):
             pass
     except CorruptData:  # the index itself is damaged (truncated, overwritten): rebuild next to it
-        from ..store.lmdbcheck import set_aside as move_aside
+        from ..store.index.lmdb_check import set_aside as move_aside
 
         set_aside = move_aside(str(path))
     with open_admin(path, create=True) as store:

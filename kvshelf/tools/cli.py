@@ -256,9 +256,9 @@ COMMANDS = {
 
 
 def cmd_serve(argv: Sequence[str]) -> int:
-    """``kvshelf serve``: every argument goes to :mod:`kvshelf.mlx_lm.server` (ours and mlx_lm.server's)."""
+    """``kvshelf serve``: every argument goes to :mod:`kvshelf.mlx_lm.serve.server` (ours and mlx_lm.server's)."""
     try:
-        from ..mlx_lm.server import main as serve_main
+        from ..mlx_lm.serve.server import main as serve_main
     except ImportError as exc:  # the core works without mlx-lm; serving needs it
         print(f"kvshelf serve needs mlx-lm (pip install 'kvshelf[mlx-lm]'): {exc}", file=sys.stderr)
         return USAGE

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CorruptData, SnapshotNotFound
 from ..store import Store, StoreBusy
-from ..store.manifest import Manifest
+from ..store.index.schema import Manifest
 from . import lmdb_files
 from .densify import is_dense
 from .rewriting import (ZSTD_LEVEL, Lost, densify_one, estimate_zstd, merge_one, merge_plan, raw_overhead,

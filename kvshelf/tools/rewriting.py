@@ -16,9 +16,10 @@ import zstandard
 
 from ..errors import CorruptData, KvShelfError
 from ..store import Store
-from ..store.blobfile import KVZ_MAGIC, Piece, content_hash, storage_dtype
-from ..store.layout import Destinations, fill_from_blob, plan_blobs
-from ..store.manifest import BlobRef, Manifest
+from ..store.objects.chunkfile import KVZ_MAGIC, Piece, content_hash, storage_dtype
+from ..store.restore.destinations import Destinations, fill_from_blob
+from ..store.save.chunking import plan_blobs
+from ..store.index.schema import BlobRef, Manifest
 from .densify import densify, dropped_blocks
 from .shuffle import shuffle, shuffle_itemsize
 

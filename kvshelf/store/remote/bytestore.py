@@ -1,4 +1,4 @@
-"""``RedisByteStore``: the ByteStore seam (``kvshelf.store.backend``) on a Redis or Valkey server or cluster.
+"""``RedisByteStore``: the ByteStore seam (``kvshelf.store.objects.protocol``) on a Redis or Valkey server or cluster.
 
 Object ``name`` lives at key ``prefix + name`` (default prefix ``"kvshelf:"``, so a server shared with other
 applications is safe; object names never contain braces, so each object hashes to its own cluster slot and every
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from ...errors import CorruptData, StoreFull
-from ..backend import Buffer, ObjectMissing, check_name
+from ..objects.protocol import Buffer, ObjectMissing, check_name
 from .client import DEFAULT_PREFIX, check_prefix, connect
 from .errors import translate
 

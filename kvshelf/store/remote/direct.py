@@ -17,7 +17,7 @@ import msgspec
 import xxhash
 
 from ...errors import CorruptData
-from ..blobfile import TensorInfo, storage_dtype
+from ..objects.chunkfile import TensorInfo, storage_dtype
 from .local import target_views
 
 _DESC = msgspec.msgpack.Decoder(list[tuple[str, str, list[int]]])

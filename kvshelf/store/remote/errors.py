@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from ...errors import StoreFull
-from ..backend import BackendUnavailable
+from ..objects.protocol import BackendUnavailable
 
 
 @contextmanager

@@ -21,9 +21,9 @@ import msgspec
 import xxhash
 
 from ...errors import CorruptData, IdentityMismatch, InvalidCacheState
-from ..blobfile import TensorInfo, descriptor, storage_dtype
-from ..layout import Destinations, fill_from_blob
-from ..manifest import BlobRef, Manifest
+from ..objects.chunkfile import TensorInfo, descriptor, storage_dtype
+from ..restore.destinations import Destinations, fill_from_blob
+from ..index.schema import BlobRef, Manifest
 
 _DESC = msgspec.msgpack.Decoder(list[tuple[str, str, list[int]]])
 
@@ -159,6 +159,6 @@ __all__ = ["tokens_of", "chunk_buffers", "unique_refs", "needed_refs", "RemoteCh
 
 def tokens_of(manifest: Manifest):
     """The snapshot's tokens as int64 (what the boundary hashes and the token records are computed from)."""
-    from ..prefix import tokens_array
+    from ..prefix.hashing import tokens_array
 
     return tokens_array(manifest.tokens)

@@ -22,7 +22,7 @@ from typing import Any
 from ...errors import CorruptData
 from .client import DEFAULT_PREFIX, check_prefix, connect, redact
 from .errors import translate
-from .index import boundary_members
+from .search import boundary_members
 from .keys import Keys
 from .records import decode_summary, decode_tokens
 

@@ -28,18 +28,18 @@ from collections import OrderedDict
 from typing import Any
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, StoreFull
-from .. import manifest as mf
-from ..backend import BackendUnavailable
+from ..index import schema as mf
+from ..objects.protocol import BackendUnavailable
 from ..identity import namespace_key
-from ..lookup import LazyTokens
-from ..manifest import Manifest
+from ..prefix.search import LazyTokens
+from ..index.schema import Manifest
 from ..results import PrefixHit, Restored
 from . import fetch, local
 from .breaker import CircuitBreaker
 from .bytestore import RedisByteStore
 from .client import DEFAULT_PREFIX, check_prefix, connect, redact
 from .errors import translate
-from .index import RemoteLookup, boundary_members
+from .search import RemoteLookup, boundary_members
 from .keys import Keys
 from .fetch import Missing as _Missing
 from .records import (

@@ -1,0 +1,248 @@
+"""A two-tier prompt cache for mlx-lm's server: mlx-lm's own ``LRUPromptCache`` in RAM, a kvshelf store on disk.
+
+Why: mlx-lm's server keeps prompt caches in RAM only, so a restart loses every conversation and two server processes
+share nothing. ``TieredPromptCache`` has the very interface the server calls (``fetch_nearest_cache``,
+``insert_cache``, ``trim_to``, ``nbytes``, ``len``, ``stats_by_type``) and drops in where the server's
+``LRUPromptCache`` was; that ``LRUPromptCache`` stays in front as the RAM tier, unchanged.
+
+- fetch: RAM first (mlx-lm's trie, deep copies, its trimming rules). When RAM has nothing or less than the longest
+  prefix disk could give (``len(tokens) - 1``), the store is asked for its longest *usable* prefix (``lookup``:
+  token-verified, floor- and trim-aware, recurrent and rotating layers only where exact) and only that prefix is
+  read (``restore_snapshot(id, length)``). A restored cache is a fresh object, the caller may mutate it.
+- insert: into RAM as mlx-lm does, and written behind to the store (``save_async``). ``save_async`` snapshots and
+  evaluates the caches at once in the calling thread (so later in-place updates by mlx-lm cannot leak into the
+  write) and writes in the background. The write-behind queue is bounded in entries and bytes; when it is full
+  the write is skipped and counted, generation never waits for the disk.
+- the store never takes the server down: every store failure (full disk, budget, a corrupt or busy store) is
+  logged and counted, and the answer comes from RAM (or a cold prefill). A damaged disk entry is a miss (the
+  store quarantines it). The store's ``max_bytes`` and LRU govern the disk.
+
+One log line per fetch (the server fetches once per request) says where the prefix came from::
+
+    kvshelf prefix source=disk cached=812 prompt=845 ram=0 ms=4.1
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import xxhash
+
+from ...errors import SnapshotNotFound
+
+log = logging.getLogger("kvshelf.serve")
+
+COUNTERS = ("fetches", "ram_hits", "disk_hits", "misses", "disk_tokens", "ram_tokens", "lookup_errors",
+            "writes_queued", "writes_done", "writes_failed", "writes_skipped_full", "writes_skipped_unstorable",
+            "store_unavailable")
+
+
+def session_id_for(tokens: Sequence[int]) -> str:
+    """The store session a token sequence is written under: a hash of the tokens, so every server writing the
+    same sequence names the same session (the store then replaces, and its chunks are shared anyway)."""
+    h = xxhash.xxh3_128()
+    for t in tokens:
+        h.update(int(t).to_bytes(8, "little", signed=True))
+    return f"prompt-{len(tokens)}-{h.hexdigest()}"
+
+
+class _OneStore:
+    """``store_for`` for a single store serving every model key (the library use: one model, one store)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __call__(self, _model_key: Any):
+        return self.store
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class TieredPromptCache:
+    """mlx-lm's ``LRUPromptCache`` in front, a kvshelf store behind (see the module docstring).
+
+    ``ram``: the ``LRUPromptCache`` (kept as is). Give either ``store`` (one ``Store`` for every model key) or
+    ``store_for(model_key) -> Store | None`` (an object with ``close()``; None = no disk tier for that key now).
+    ``queue_entries`` / ``queue_bytes`` bound the writes in flight (a single entry larger than ``queue_bytes``
+    goes through only when nothing else is queued). A disk prefix shorter than ``min_disk_tokens`` is not worth
+    its read (recomputing a handful of tokens is cheaper than a restore) and is not taken.
+    """
+
+    def __init__(self, ram, store=None, *, store_for: Callable[[Any], Any] | None = None, namespace: str = "",
+                 queue_entries: int = 8, queue_bytes: int = 1 << 30, min_disk_tokens: int = 16,
+                 logger: logging.Logger | None = None):
+        if (store is None) == (store_for is None):
+            raise ValueError("give exactly one of store= and store_for=")
+        if queue_entries < 1 or queue_bytes < 0:
+            raise ValueError(f"queue_entries must be >= 1 and queue_bytes >= 0, got {queue_entries}, {queue_bytes}")
+        self.ram = ram
+        self._store_for = _OneStore(store) if store is not None else store_for
+        self.namespace = namespace
+        self.queue_entries, self.queue_bytes = queue_entries, queue_bytes
+        self.min_disk_tokens = max(1, int(min_disk_tokens))
+        self.log = logger or log
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._pending_bytes = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ LRUPromptCache's interface
+    def __len__(self) -> int:
+        return len(self.ram)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ram.nbytes
+
+    def stats_by_type(self) -> dict:
+        return self.ram.stats_by_type()
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        self.ram.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        """``(cache, rest)`` as mlx-lm's: a copy the caller owns and the tokens still to process, or
+        ``(None, tokens)``. Disk is asked only when it could beat RAM."""
+        t0 = time.perf_counter()
+        self.counters["fetches"] += 1
+        cache, rest = self.ram.fetch_nearest_cache(model, tokens)
+        ram_len = len(tokens) - len(rest) if cache is not None else 0
+        source, cached = ("ram", ram_len) if cache is not None else ("none", 0)
+        if len(tokens) - 1 > ram_len and _storable(tokens):
+            restored = self._from_disk(model, tokens, ram_len)
+            if restored is not None:
+                cache, cached = restored
+                rest, source = tokens[cached:], "disk"
+        self.counters[{"ram": "ram_hits", "disk": "disk_hits", "none": "misses"}[source]] += 1
+        if source != "none":
+            self.counters[f"{source}_tokens"] += cached
+        self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f", source, cached, len(tokens),
+                      ram_len, (time.perf_counter() - t0) * 1e3)
+        return cache, rest
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
+                     cache_type: str = "assistant") -> None:
+        """Into RAM (mlx-lm's rules), then written behind to the store: snapshotted now, written later."""
+        self._write_behind(model, tokens, prompt_cache)
+        self.ram.insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+
+    # ------------------------------------------------------------------ disk tier
+    def _store(self, model: Any):
+        try:
+            store = self._store_for(model)
+        except Exception as exc:  # noqa: BLE001 - the disk tier is optional; never fail a request for it
+            self.log.warning("kvshelf store unavailable: %s: %s", type(exc).__name__, exc)
+            store = None
+        if store is None:
+            self.counters["store_unavailable"] += 1
+        return store
+
+    def _from_disk(self, model: Any, tokens: list[int], ram_len: int):
+        store = self._store(model)
+        if store is None:
+            return None
+        for _attempt in range(2):
+            try:
+                hit = store.lookup(tokens, self.namespace)
+                if hit is None or hit.length <= ram_len or hit.length < self.min_disk_tokens:
+                    return None
+                restored = store.restore_snapshot(hit.snapshot_id, hit.length)
+                return restored.caches, hit.length
+            except SnapshotNotFound:  # evicted or replaced between lookup and restore (another server): look again
+                continue
+            except Exception as exc:  # noqa: BLE001 - a corrupt chunk is quarantined by the store: a miss here
+                self.counters["lookup_errors"] += 1
+                self.log.warning("kvshelf disk prefix failed, serving from RAM: %s: %s", type(exc).__name__, exc)
+                return None
+        return None
+
+    def _write_behind(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
+        if not tokens or not _storable(tokens):  # image placeholders are negative ids: RAM only
+            self.counters["writes_skipped_unstorable"] += 1
+            return
+        store = self._store(model)
+        if store is None:
+            return
+        nbytes = sum(int(getattr(c, "nbytes", 0) or 0) for c in prompt_cache)
+        with self._cond:
+            if self._closed:
+                return
+            if self._pending >= self.queue_entries or (self._pending and
+                                                       self._pending_bytes + nbytes > self.queue_bytes):
+                self.counters["writes_skipped_full"] += 1
+                self.log.warning("kvshelf write-behind skipped: queue full (%d writes, %d bytes pending)",
+                                 self._pending, self._pending_bytes)
+                return
+            self._pending += 1
+            self._pending_bytes += nbytes
+        try:
+            future = store.save_async(session_id_for(tokens), list(tokens), prompt_cache, namespace=self.namespace)
+        except Exception as exc:  # noqa: BLE001 - e.g. a cache class no codec knows, a closed store
+            self._done(nbytes)
+            self.counters["writes_failed"] += 1
+            self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
+            return
+        self.counters["writes_queued"] += 1
+        self.log.info("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self._pending)
+        future.add_done_callback(functools.partial(self._finished, nbytes=nbytes, n_tokens=len(tokens)))
+
+    def _finished(self, future, nbytes: int, n_tokens: int) -> None:
+        exc = future.exception()
+        if exc is None:
+            info = future.result()
+            self.counters["writes_done"] += 1
+            self.log.info("kvshelf write-behind saved tokens=%d new_bytes=%d reused_bytes=%d ms=%.1f session=%s",
+                          info.length, info.bytes_written, info.bytes_reused, info.seconds * 1e3, info.session_id)
+        else:
+            self.counters["writes_failed"] += 1
+            self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", n_tokens, type(exc).__name__, exc)
+        self._done(nbytes)
+
+    def _done(self, nbytes: int) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._pending_bytes -= nbytes
+            self._cond.notify_all()
+
+    @property
+    def pending_writes(self) -> int:
+        return self._pending
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write finished (or ``timeout`` seconds passed); True when none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop taking writes, flush within ``timeout`` and close the store(s). When writes are still running at
+        the deadline they are abandoned (the store stays consistent: a crash-safe store leaves only orphans, which
+        ``kvshelf gc`` reclaims) and False is returned."""
+        with self._cond:
+            self._closed = True
+        flushed = self.flush(timeout)
+        if flushed:
+            self._store_for.close()
+        self.log.info("kvshelf write-behind %s: %d saved, %d failed, %d skipped (queue full), %d abandoned",
+                      "flushed" if flushed else "abandoned at the deadline", self.counters["writes_done"],
+                      self.counters["writes_failed"], self.counters["writes_skipped_full"], self._pending)
+        return flushed
+
+
+def _storable(tokens: Sequence[int]) -> bool:
+    return all(t >= 0 for t in tokens)
+
+
+__all__ = ["COUNTERS", "TieredPromptCache", "session_id_for"]

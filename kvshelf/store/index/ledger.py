@@ -1,0 +1,217 @@
+"""The commit / drop / refcount ledger: what one write transaction does to index a snapshot or remove one.
+
+Why here and alone: every path that changes which snapshots exist (save, replace, delete, evict, quarantine,
+rebuild) must keep the same books — chunk refcounts and locations, per-pack live counts, total stored bytes, the
+summary / tokens / prefix / session / LRU records — and decide the same way what may be unlinked. Nothing here
+touches the byte store: a drop only *returns* the objects that may have lost their last use; ``Store._reclaim``
+unlinks them in a later write transaction after re-checking (``object_live``) and consulting the leases.
+
+Order inside ``commit``: the new snapshot's chunk references are counted *before* the replaced snapshot is dropped,
+so a chunk both share never reaches zero in between; the session's prefix records move to the new snapshot
+(``records.move_head``: only the ones that changed) before the replaced snapshot's tokens record goes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import keys
+from ..prefix import records
+from . import schema as mf
+from .schema import ChunkMeta, Manifest, PackMeta, Summary
+from .protocol import meta_int, set_meta_int
+
+
+class MissingChunks(Exception):
+    """Chunks the manifest names that neither have a record nor were placed by this save (a concurrent eviction
+    removed them between the save's check and its commit): the save writes them again and retries."""
+
+    def __init__(self, hashes: list[str]):
+        self.hashes = hashes
+
+
+Placed = dict[str, tuple[str, int, int, str, int]]  # hash -> (pack, offset, length, encoding, pack size), unindexed
+
+
+def _pack_meta(index, txn, pack: str) -> PackMeta | None:
+    raw = txn.get("packs", pack.encode())
+    return None if raw is None else mf.decode(raw, PackMeta, f"pack record {pack}")
+
+
+def _bump_pack(index, txn, pack: str, chunks: int = 0, nbytes: int = 0, manifests: int = 0,
+               size: int | None = None) -> None:
+    m = _pack_meta(index, txn, pack) or PackMeta(0, 0, size or 0, 0)
+    txn.put("packs", pack.encode(), mf.encode(PackMeta(m.live_chunks + chunks, m.live_bytes + nbytes,
+                                              size if size is not None else m.size, m.manifests + manifests)))
+
+
+def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Placed,
+           replaces: bytes | None = None, now: int | None = None) -> tuple[bytes | None, list[str]]:
+    """Index ``manifest`` (its manifest lies in ``pack``, "" for a v1 manifest file), replacing the session's
+    previous snapshot (or ``replaces``). Returns (dropped sid, objects that may now be unreferenced)."""
+    now = time.time_ns() if now is None else now
+    unique = {r.hash: r for r in manifest.blobs}
+    chunk_records = {h: txn.get("chunks", bytes.fromhex(h)) for h in unique}
+    missing = [h for h, raw in chunk_records.items() if raw is None and h not in placed]
+    if missing:
+        raise MissingChunks(missing)
+    idk, nsk, skey = keys.manifest_keys(manifest)
+    sid = bytes.fromhex(manifest.snapshot_id)
+    total = meta_int(txn, b"total_bytes")
+    if pack and _pack_meta(index, txn, pack) is None:
+        _bump_pack(index, txn, pack, size=pack_size)
+    for h, ref in unique.items():
+        raw = chunk_records[h]
+        if raw is None:
+            where, offset, length, encoding, size = placed[h]
+            if not keys.is_pack(where):  # a v1 blob file found by rebuild_index
+                where, offset = "", 0
+            meta = ChunkMeta(1, ref.nbytes, length, encoding, now, where, offset)
+            total += length
+            if where:
+                if _pack_meta(index, txn, where) is None:
+                    _bump_pack(index, txn, where, size=size)
+                _bump_pack(index, txn, where, chunks=1, nbytes=length)
+        else:
+            m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+            meta = ChunkMeta(m.refs + 1, m.nbytes, m.stored_bytes, m.encoding, now, m.pack, m.offset)
+        txn.put("chunks", bytes.fromhex(h), mf.encode(meta))
+    set_meta_int(txn, b"total_bytes", total)
+    if pack:
+        _bump_pack(index, txn, pack, manifests=1)
+    old = replaces if replaces is not None else txn.get("sessions", skey)
+    tokens = np.asarray(manifest.tokens, dtype="<i8")
+    records.move_head(txn, skey, sid, tokens)
+    freed: list[str] = []
+    if old is not None:
+        freed = drop(index, txn, bytes(old), prefix_records=False)
+    summary = Summary(idk, nsk, manifest.session_id, manifest.namespace, manifest.length,
+                      manifest.minimum_reusable_offset, manifest.trimmable, manifest.nbytes, manifest.created_at, now,
+                      pack)
+    txn.put("manifests", sid, mf.encode(manifest))
+    txn.put("summaries", sid, mf.encode(summary))
+    txn.put("tokens", sid, mf.seal_tokens(tokens))
+    txn.put("sessions", skey, sid)
+    txn.put("lru", keys.lru_key(idk, now, sid), b"")
+    txn.delete("quarantine", skey)
+    return (bytes(old) if old is not None else None), freed
+
+
+def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
+    """Remove a snapshot from the index; returns the objects (packs, v1 blobs, its v1 manifest file) that may have
+    lost their last use. Its session's prefix records and head go with it (if it is the head) unless
+    ``prefix_records`` is False: ``commit`` has already moved them to the snapshot replacing it."""
+    raw = txn.get("manifests", sid)
+    if raw is None:
+        return []
+    manifest = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+    summary = mf.decode(txn.get("summaries", sid), Summary, f"summary {sid.hex()}")
+    for name in ("manifests", "summaries", "tokens"):
+        txn.delete(name, sid)
+    skey = keys.summary_session_key(summary)
+    if prefix_records:
+        records.drop_head(txn, skey, sid, np.asarray(manifest.tokens, dtype="<i8"))
+    if txn.get("sessions", skey) == sid:
+        txn.delete("sessions", skey)
+    txn.delete("lru", keys.lru_key(summary.id_key, summary.last_used_ns, sid))
+    candidates: list[str] = []
+    total = meta_int(txn, b"total_bytes")
+    for h in {r.hash for r in manifest.blobs}:
+        key = bytes.fromhex(h)
+        raw = txn.get("chunks", key)
+        if raw is None:
+            continue
+        m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+        if m.refs <= 1:
+            txn.delete("chunks", key)
+            total -= m.stored_bytes
+            where = keys.location(h, m)[0]
+            if keys.is_pack(where):
+                _bump_pack(index, txn, where, chunks=-1, nbytes=-m.stored_bytes)
+            candidates.append(where)
+        else:
+            txn.put("chunks", key, mf.encode(ChunkMeta(m.refs - 1, m.nbytes, m.stored_bytes, m.encoding, m.last_used_ns,
+                                             m.pack, m.offset)))
+    set_meta_int(txn, b"total_bytes", total)
+    if summary.pack:
+        _bump_pack(index, txn, summary.pack, manifests=-1)
+        candidates.append(summary.pack)
+    else:
+        candidates.append(keys.legacy_manifest(sid.hex()))
+    return candidates
+
+
+def move_chunk(index, txn, hash_: str, pack: str, offset: int, length: int, encoding: str,
+               pack_size: int) -> list[str]:
+    """Point an indexed chunk at a new copy (recompression, repacking); returns the object it left."""
+    key = bytes.fromhex(hash_)
+    raw = txn.get("chunks", key)
+    if raw is None:
+        return []
+    m = mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
+    old = keys.location(hash_, m)[0]
+    if old == pack and m.offset == offset:
+        return []
+    if keys.is_pack(old):
+        _bump_pack(index, txn, old, chunks=-1, nbytes=-m.stored_bytes)
+    if _pack_meta(index, txn, pack) is None:
+        _bump_pack(index, txn, pack, size=pack_size)
+    _bump_pack(index, txn, pack, chunks=1, nbytes=length)
+    total = meta_int(txn, b"total_bytes") - m.stored_bytes + length
+    set_meta_int(txn, b"total_bytes", total)
+    txn.put("chunks", key, mf.encode(ChunkMeta(m.refs, m.nbytes, length, encoding, m.last_used_ns, pack, offset)))
+    return [old]
+
+
+def move_manifest(index, txn, sid: bytes, pack: str, pack_size: int) -> list[str]:
+    """The snapshot's manifest now lies in ``pack`` too (an in-place rewrite): returns the object it left."""
+    raw = txn.get("summaries", sid)
+    if raw is None:
+        return []
+    s = mf.decode(raw, Summary, f"summary {sid.hex()}")
+    if s.pack == pack:
+        return []
+    old = s.pack or keys.legacy_manifest(sid.hex())
+    if s.pack:
+        _bump_pack(index, txn, s.pack, manifests=-1)
+    if _pack_meta(index, txn, pack) is None:
+        _bump_pack(index, txn, pack, size=pack_size)
+    _bump_pack(index, txn, pack, manifests=1)
+    txn.put("summaries", sid, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
+                                   s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, s.last_used_ns,
+                                   pack)))
+    return [old]
+
+
+def object_live(index, txn, name: str) -> bool:
+    """Whether an object is still needed by the index: a pack with live chunks or a live manifest, a v1 blob whose
+    chunk record still points at it, a v1 manifest file of an indexed snapshot."""
+    if keys.is_pack(name):
+        m = _pack_meta(index, txn, name)
+        return m is not None and (m.live_chunks > 0 or m.manifests > 0)
+    legacy = keys.parse_legacy_blob(name)
+    if legacy is not None:
+        h, encoding = legacy
+        raw = txn.get("chunks", bytes.fromhex(h))
+        if raw is None:
+            return False
+        m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+        return not m.pack and m.encoding == encoding
+    if name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
+        sid_hex = name[len(keys.LEGACY_MANIFESTS):-len(".msgpack")]
+        try:
+            raw = txn.get("summaries", bytes.fromhex(sid_hex))
+        except ValueError:
+            return False
+        return raw is not None and not mf.decode(raw, Summary, f"summary {sid_hex}").pack  # not moved into a pack
+    return True  # anything else is not the ledger's to remove
+
+
+def forget_pack(index, txn, name: str) -> None:
+    if keys.is_pack(name):
+        txn.delete("packs", name.encode())
+
+
+__all__ = ["MissingChunks", "Placed", "commit", "drop", "forget_pack", "move_chunk", "move_manifest", "object_live"]

@@ -1,0 +1,250 @@
+"""The LMDB index: one environment, named sub-databases, one write transaction per logical change.
+
+Sub-databases (keys are raw bytes; ``sid`` = 16-byte snapshot id, ``idk``/``nsk`` = 16-byte identity / namespace keys):
+
+=============  ==========================================  ==============================================
+name           key                                         value
+=============  ==========================================  ==============================================
+meta           ascii name                                  format version, block size, total stored bytes
+manifests      sid                                         ``Manifest`` (msgpack)
+summaries      sid                                         ``Summary`` (msgpack, small: what lookups read)
+tokens         sid                                         the snapshot's tokens as little-endian int64
+sessions       idk + nsk + session id (utf-8)              sid of the session's latest snapshot
+prefix         16-byte boundary hash (dupsort)             continuation (128 bytes) + lineage id of every session
+                                                           whose current snapshot holds that boundary
+heads          lineage id (``keys.lineage_id``, 16 bytes)  sid of that session's current snapshot
+chunks         16-byte blob hash                           ``ChunkMeta`` (refcount, sizes, encoding, last use)
+lru            idk + be64 last-used ns + sid               empty (eviction order per identity)
+packs          pack object name (utf-8)                    ``PackMeta`` (live chunks / bytes, size, manifests)
+quarantine     idk + nsk + session id                      sid hex + reason (msgpack)
+=============  ==========================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import lmdb
+
+from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreFull
+from . import lmdb_check as lmdbcheck
+from ..prefix import records
+from .. import syncs
+from .protocol import DUP_TABLES, PLAIN_TABLES, Batching
+from .lmdb_txn import LmdbTxn
+from ..objects.local import ensure_dir
+
+INDEX_FORMAT = 3  # 2: layout v2 (packs, sealed records); 3: prefix records tagged by session lineage (records.py)
+READS_FORMATS = (1, 2, 3)  # 1 and 2 are migrated at open, in one write transaction (``Index._check_format``)
+_T = TypeVar("_T")
+
+
+def _disk_nearly_full(path: str, reserve: int = 8 << 20) -> bool:
+    """LMDB reports a failed page write as EIO; a filesystem with almost no room left says what it was."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < reserve
+
+
+class _Shared:
+    """One LMDB environment per directory and process (LMDB forbids opening it twice), shared by Store handles."""
+
+    def __init__(self, path: str, map_size: int):
+        lmdbcheck.check_data_file(path)  # a truncated data.mdb would SIGBUS once mapped
+        try:
+            self.env = lmdb.open(path, map_size=map_size, max_dbs=16, subdir=True, lock=True, sync=True,
+                                 metasync=True, readahead=False, mode=0o600, max_readers=256, max_spare_txns=4)
+        except lmdb.Error as exc:
+            if lmdbcheck.is_damage(exc):
+                raise lmdbcheck.translate(exc, path) from exc
+            raise KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}") from exc
+        for name in ("data.mdb", "lock.mdb"):
+            p = os.path.join(path, name)
+            if os.path.exists(p):
+                os.chmod(p, 0o600)
+        try:
+            self.db = {name: self.env.open_db(name.encode()) for name in PLAIN_TABLES}
+            self.db.update({name: self.env.open_db(name.encode(), dupsort=True) for name in DUP_TABLES})
+        except lmdb.Error as exc:
+            self.env.close()
+            raise (lmdbcheck.translate(exc, path) if lmdbcheck.is_damage(exc) else
+                   KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}")) from exc
+        self.lock = threading.RLock()
+        self.users = 0
+
+
+_OPEN: dict[str, _Shared] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+class Index(Batching):
+    """The LMDB implementation of ``indexstore.IndexStore``: one environment with the store's tables; transactions
+    are ``lmdbtxn.LmdbTxn``; ``write(fn)`` retries after growing a full map."""
+
+    def __init__(self, path: str, map_size: int = 64 << 30):
+        ensure_dir(path)
+        self.path = os.path.realpath(path)
+        self.pid = os.getpid()
+        with _OPEN_LOCK:
+            shared = _OPEN.get(self.path)
+            if shared is None or shared.pid != self.pid:
+                shared = _Shared(self.path, map_size)
+                shared.pid = self.pid
+                _OPEN[self.path] = shared
+            shared.users += 1
+        self._shared = shared
+        self.env, self.db, self._lock = shared.env, shared.db, shared.lock
+        self._closed = False
+        try:
+            self._check_format()
+        except BaseException:
+            self.close()
+            raise
+
+    def _format(self, raw) -> int | None:
+        if raw is None:
+            return None
+        if len(raw) != 8:
+            raise CorruptData(f"the index at {self.path}: its format record is {len(raw)} bytes, not 8 (damaged)")
+        return struct.unpack("<Q", raw)[0]
+
+    def _check_format(self) -> None:
+        with self.read() as txn:
+            raw = txn.get("meta", b"format")
+        if self._format(raw) == INDEX_FORMAT:
+            return  # the common case: no write transaction (no fsync) at open
+        def mark(txn):  # re-read inside the write transaction: of two processes opening together, one migrates
+            raw = txn.get("meta", b"format")
+            found = self._format(raw)
+            if found is None or found in READS_FORMATS:
+                if found != INDEX_FORMAT:
+                    txn.put("meta", b"format", struct.pack("<Q", INDEX_FORMAT))
+                    if found is None or found < 2:  # v1 leases: gone with commits
+                        txn.raw.drop(self.env.open_db(b"leases", txn=txn.raw), delete=True)
+                    records.rebuild_table(txn)  # formats 1, 2: prefix records tagged by snapshot, re-tagged
+            else:
+                raise IncompatibleFormat(f"index at {self.path} has format {found}, "
+                                         f"this kvshelf reads format {INDEX_FORMAT}")
+
+        self.write(mark)
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self.pid:
+            raise KvShelfError("a Store cannot be used across fork(); open it again in the child process")
+
+    def read(self) -> "_Read":
+        """A read transaction as a context manager (``with index.read() as txn``): a map another process grew is
+        adopted first, and LMDB's damaged-record errors leave the block as ``CorruptData``."""
+        self._check_pid()
+        try:
+            try:
+                txn = self.env.begin(buffers=False)
+            except lmdb.MapResizedError:  # another process grew the map past ours: adopt its size, begin again
+                self._adopt_map_size()
+                txn = self.env.begin(buffers=False)
+        except lmdb.Error as exc:
+            raise self._error(exc) from exc
+        return _Read(txn, self)
+
+    def _adopt_map_size(self) -> None:
+        with self._lock:
+            self.env.set_mapsize(0)
+
+    def _error(self, exc: lmdb.Error) -> KvShelfError:
+        if lmdbcheck.is_damage(exc):
+            return lmdbcheck.translate(exc, self.path)
+        if isinstance(exc, lmdb.ReadersFullError):
+            from ...errors import StoreBusy
+
+            return StoreBusy(f"the index at {self.path} has no free reader slot ({exc})")
+        return KvShelfError(f"the index at {self.path} failed: {type(exc).__name__}: {exc}")
+
+    def write(self, fn: Callable[[lmdb.Transaction], _T]) -> _T:
+        """Run ``fn`` in one write transaction; a full map is grown (doubled) and ``fn`` re-run from scratch."""
+        self._check_pid()
+        with self._lock:
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        result = fn(LmdbTxn(txn, self.db))
+                    syncs.note_commit()
+                    return result
+                except lmdb.MapFullError:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except lmdb.MapResizedError:  # another process grew the map: adopt its size and run fn again
+                    self.env.set_mapsize(0)
+                except lmdb.Error as exc:
+                    if _disk_nearly_full(self.path) or "No space" in str(exc):
+                        raise StoreFull(f"the index at {self.path} could not commit: the disk is full ({exc}); "
+                                        f"the transaction was rolled back and nothing was committed") from exc
+                    raise self._error(exc) from exc
+
+    @property
+    def users(self) -> int:
+        """Open ``Index`` objects of this process on this environment (Store handles share one)."""
+        return self._shared.users
+
+    def writer_lock(self) -> threading.RLock:
+        """The process-wide lock every write transaction of this environment runs under (a context manager)."""
+        return self._lock
+
+    def page_stats(self) -> tuple[int, dict[str, dict]]:
+        """LMDB's page size and every table's page statistics (``reserve.needed_bytes`` sizes a full disk's
+        reserve from them): a read transaction, no data read."""
+        with self.env.begin() as txn:
+            return self.env.stat()["psize"], {name: txn.stat(db) for name, db in self.db.items()}
+
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    def copy_to(self, target: str) -> None:
+        """A compacting copy of the environment into directory ``target`` (``rebuild`` / ``compact`` swap it in);
+        a full disk is ``StoreFull`` and leaves the index unchanged."""
+        try:
+            self.env.copy(target, compact=True)
+        except lmdb.Error as exc:  # a full disk is lmdb.DiskError (ENOSPC): say so, as every other write does
+            if "No space" in str(exc) or isinstance(exc, lmdb.DiskError):
+                raise StoreFull(f"copying the index into {target} failed: the disk is full ({exc}); the store is "
+                                f"unchanged") from exc
+            raise KvShelfError(f"copying the index into {target} failed: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _OPEN_LOCK:
+            self._shared.users -= 1
+            if self._shared.users == 0:
+                if _OPEN.get(self.path) is self._shared:
+                    del _OPEN[self.path]
+                self.env.close()
+
+
+class _Read:
+    """``with index.read() as txn``: the transaction is aborted on leaving; a damaged-record LMDB error raised in
+    the block becomes ``CorruptData`` (a MapResized met mid-block is a ``KvShelfError``: the caller's read retries)."""
+
+    __slots__ = ("txn", "index")
+
+    def __init__(self, txn: lmdb.Transaction, index: Index):
+        self.txn, self.index = txn, index
+
+    def __enter__(self) -> LmdbTxn:
+        return LmdbTxn(self.txn, self.index.db)
+
+    def __exit__(self, typ, exc, tb) -> None:
+        self.txn.abort()
+        if exc is not None and isinstance(exc, lmdb.Error):
+            raise self.index._error(exc) from exc
+
+
+
+LmdbIndexStore = Index  # the protocol's name for it (``indexstore``)
+
+__all__ = ["Index", "INDEX_FORMAT", "LmdbIndexStore"]

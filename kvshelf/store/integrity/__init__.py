@@ -1,0 +1,9 @@
+"""Integrity: finding damage, hiding it, and rebuilding what was lost.
+
+Belongs here: ``verify`` (``verify.py``, with its streamed counts in ``verify_counts.py``), ``gc`` (``gc.py``),
+``rebuild_index`` from the packs' trailers (``rebuild.py``), quarantine of a snapshot whose bytes failed
+verification (``quarantine.py``), tombstones (``tombs.py``) and layout v1's manifest files (``legacy_v1.py``).
+
+May import: ``store.index``, ``store.objects``, ``store.prefix``, ``store.liveness``, ``store.space``. Never the
+façade.
+"""

@@ -1,0 +1,89 @@
+"""Quarantine (mixed into ``Store``): hiding a snapshot whose bytes failed verification, keeping its evidence, and
+the operator's drop. Why a room of its own: issue 12 made quarantine keep what it hides (``evidence.py``) and made
+the removal paths that free space survive a full disk (``fulldisk.py``); none of that is the façade's business.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ...errors import KvShelfError
+from .. import inputs
+from ..index import keys
+from ..index import schema as mf
+from ..index.schema import Manifest
+
+
+class QuarantineMixin:
+    """Needs ``index``, ``root``, ``counters``, ``_txn``, ``_freeing_txn``, ``_remove`` and ``_after_drop``
+    (``Store``)."""
+
+    def quarantine(self, snapshot_id: str, reason: str) -> None:
+        """Hide a snapshot for good: removed from the index, the session recorded in ``quarantine`` (so restoring
+        it says why), a ``tomb/<id>.quarantined`` file keeps the reason (a v1 manifest file is renamed).
+
+        Nothing is unlinked: the objects the snapshot used (its pack, the packs or v1 blobs of its chunks) are named
+        in the quarantine record and kept as evidence — ``verify`` reports the snapshot and ``gc`` skips them —
+        until an operator drops the record (``drop_quarantined``, or ``delete`` of the session)."""
+        sid = bytes.fromhex(snapshot_id)
+
+        def drop(txn):
+            raw = txn.get("summaries", sid)
+            if raw is None:
+                return None
+            s = mf.decode(raw, mf.Summary, "summary")
+            mraw = txn.get("manifests", sid)
+            objects = {s.pack} if s.pack else set()
+            try:
+                m = mf.decode(mraw, Manifest, "manifest") if mraw is not None else None
+            except KvShelfError:
+                m = None
+            for ref in (m.blobs if m is not None else ()):
+                meta_raw = txn.get("chunks", bytes.fromhex(ref.hash))
+                try:
+                    meta = mf.decode(meta_raw, mf.ChunkMeta, "chunk record") if meta_raw is not None else None
+                except KvShelfError:
+                    meta = None
+                if meta is not None:
+                    objects.add(keys.location(ref.hash, meta)[0])
+            removed = self._remove(txn, sid, reason[:2000])
+            skey = keys.summary_session_key(s)
+            if txn.get("sessions", skey) is None:
+                txn.put("quarantine", skey, msgspec.msgpack.encode([snapshot_id, reason[:2000], sorted(o for o in objects if o)]))
+            return s, removed
+
+        result = self._freeing_txn(drop)
+        if result is None:
+            return
+        s, removed = result
+        self.counters["quarantined"] += 1
+        if not s.pack:  # v1: keep the manifest file as evidence, renamed
+            from .legacy_v1 import rename_legacy_manifest
+
+            rename_legacy_manifest(self, snapshot_id)
+        dropped, _freed, tomb = removed  # freed objects stay: evidence, reclaimed by gc after drop_quarantined
+        self._after_drop(dropped, [], tomb, quarantined=True)
+
+    def drop_quarantined(self, snapshot_id: str) -> bool:
+        """An operator's decision: forget a quarantined snapshot (its record goes; ``gc`` may then reclaim the
+        objects it kept). Identity-blind (works on an admin handle). True when a record was dropped."""
+        snapshot_id = inputs.check_snapshot_id(snapshot_id)
+        self._check_open()
+        def drop(txn):
+            hits = []
+            for key, raw in txn.range("quarantine"):
+                try:
+                    rec = msgspec.msgpack.decode(raw)
+                    match = str(rec[0]) == snapshot_id
+                except (msgspec.DecodeError, ValueError, TypeError, IndexError):
+                    match = False
+                if match:
+                    hits.append(bytes(key))
+            for key in hits:
+                txn.delete("quarantine", key)
+            return bool(hits)
+
+        return self._txn(drop)
+
+
+__all__ = ["QuarantineMixin"]

@@ -1,0 +1,209 @@
+"""Checking a store: ``verify`` (the test oracle).
+
+``verify`` recomputes from the manifests what every other table must hold (refcounts, per-pack counts, the prefix
+records and heads of every session's current snapshot, sessions, LRU keys, total bytes) and compares, then checks
+the byte store against the index; it streams (``verifying.py`` says how its memory stays bounded and why a save or
+delete committing meanwhile never becomes a finding). ``gc`` removes only what the ledger says is dead
+(``ledger.object_live``) and no live lease holds, under the exclusive save gate (no save is between writing its pack
+and committing it) and LMDB's writer lock, then the tombstones nothing needs (``tombs.py``). ``rebuild_index`` is
+``rebuilding.py``.
+
+Nothing here imports ``Store``: these functions take the handle and use its rooms (``index``, ``bytes``, ``leases``).
+"""
+
+from __future__ import annotations
+
+import lmdb
+import msgspec
+import numpy as np
+
+from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy
+from ..index import keys, ledger
+from ..prefix import records
+from . import verify_counts as verifying
+from ..index import schema as mf
+from ..objects.protocol import ObjectMissing
+from ..index.tables import quarantined_objects
+from ..objects.local import open_object
+from ..index.schema import Manifest, Summary
+from ..objects.pack import read_trailer
+from ..results import Finding
+from .gc import object_of, orphans
+
+
+
+def _manifest_on_disk(store, sid_hex: str, summary: Summary) -> bytes | None:
+    try:
+        if summary.pack:
+            with open_object(store.bytes, summary.pack) as r:
+                return read_trailer(r, summary.pack).manifest
+        size = store.bytes.size(keys.legacy_manifest(sid_hex))
+        if size is None:
+            return None
+        buf = bytearray(size)
+        store.bytes.read_into(keys.legacy_manifest(sid_hex), 0, [memoryview(buf)])
+        return bytes(buf)
+    except (ObjectMissing, CorruptData):
+        return None
+
+
+def verify_store(store, deep: bool = False) -> list[Finding]:
+    """Every inconsistency as a ``Finding``; never raises on damaged data (a record, pack or index that cannot be
+    read at all is a finding too), and every quarantined snapshot stays a finding until an operator drops it."""
+    out: list[Finding] = []
+    try:
+        _verify(store, deep, out)
+    except (KvShelfError, ObjectMissing, OSError) as exc:
+        out.append(Finding("unreadable-index", "index", f"verify stopped: {type(exc).__name__}: {exc}"))
+    except lmdb.Error as exc:  # raised in a loop over a streamed batch (outside the read's own translation)
+        damage = store.index._error(exc)
+        out.append(Finding("unreadable-index", "index", f"verify stopped: {type(damage).__name__}: {damage}"))
+    return out
+
+
+def _quarantine_findings(store, out: list[Finding]) -> None:
+    for key, raw in store.index.scan("quarantine"):
+        session = keys.session_of_key(key)
+        try:
+            sid_hex, reason, *_objects = msgspec.msgpack.decode(raw)
+        except (msgspec.DecodeError, ValueError, TypeError):
+            sid_hex, reason = "?", "(the quarantine record itself is damaged)"
+        out.append(Finding("quarantined", f"snapshot {sid_hex} (session {session!r})",
+                           f"quarantined: {reason}; its bytes are kept as evidence until an operator drops it "
+                           f"(Store.drop_quarantined / delete)", (session,)))
+
+
+def _verify(store, deep: bool, out: list[Finding]) -> None:
+    """Streamed (``verifying`` says how memory stays bounded and why a concurrent commit invents nothing): the
+    manifests in batches, each checked against its other records inside its batch's read transaction and any
+    finding re-checked in a fresh one; then session pointers; then the counts (``verifying.check_counts``); then
+    crash residue, confirmed under the exclusive save gate."""
+    residue = orphans(store, store._leased_objects())  # listed first, confirmed last (_confirmed_orphans)
+    _quarantine_findings(store, out)
+    tally = verifying.Tally(verifying.partitions(store.index))
+    for txn, rows in store.index.batches("manifests", verifying.VERIFY_BATCH):
+        tally.txn_ids.add(txn.id())
+        tally.manifests += len(rows)
+        suspects = []
+        for sid, raw in rows:
+            found = _check_manifest(store, txn, sid, raw, deep, tally)
+            if found:
+                suspects.append((sid, found))
+        for sid, found in suspects:  # after the batch's transaction: again from a fresh read of the snapshot
+            out.extend(_recheck_manifest(store, sid, deep, found))
+        verifying.after_batch()
+    for txn, rows in store.index.batches("sessions", verifying.VERIFY_BATCH):
+        for key, sid in rows:
+            if txn.get("manifests", sid) is None:
+                out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {sid.hex()}"))
+    for txn, rows in store.index.batches("heads", verifying.VERIFY_BATCH):  # one head per session, each indexed
+        tally.head_records += len(rows)
+        for lineage, sid in rows:
+            if txn.get("manifests", sid) is None:
+                out.append(Finding("prefix-drift", "prefix heads",
+                                   f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
+    verifying.check_counts(store, deep, tally, out)
+    for name, kind in _confirmedorphans(store, residue):
+        out.append(Finding(kind, f"{'manifest' if kind == 'orphan-manifest' else 'blob'} {name}",
+                           "not indexed (crash residue: run gc)"))
+
+
+def _recheck_manifest(store, sid: bytes, deep: bool, found: list[Finding]) -> list[Finding]:
+    """The findings of one snapshot that hold again in a fresh read transaction (its pack may have been unlinked
+    after a delete committed, or its manifest rewritten by compaction, since the batch was read)."""
+    with store.index.read() as txn:
+        raw = txn.get("manifests", sid)
+        again = [] if raw is None else _check_manifest(store, txn, sid, raw, deep, None)
+    first = {(f.kind, f.where) for f in found}
+    return [f for f in again if (f.kind, f.where) in first]
+
+
+def _check_manifest(store, txn, sid: bytes, raw: bytes, deep: bool, tally) -> list[Finding]:
+    """Every finding about one snapshot, read in ``txn``; counts it into ``tally`` (None: a re-check)."""
+    out: list[Finding] = []
+    if len(sid) != 16:  # a damaged key: it names no snapshot, and LMDB refuses some lengths as keys
+        return [Finding("bad-manifest", f"manifest record under key {sid.hex()!r}", f"its key is {len(sid)} bytes, "
+                        f"not a 16-byte snapshot id (damaged)")]
+    try:
+        m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+    except (CorruptData, IncompatibleFormat) as exc:
+        try:
+            who = (mf.decode(txn.get("summaries", sid) or b"", Summary, "summary").session_id,)
+        except CorruptData:
+            who = ()
+        return [Finding("bad-manifest", f"snapshot {sid.hex()}" + (f" (session {who[0]!r})" if who else ""),
+                        str(exc), who)]
+    where = f"snapshot {sid.hex()} (session {m.session_id!r})"
+    idk, nsk, skey = keys.manifest_keys(m)
+    raw = txn.get("summaries", sid)
+    if raw is None:
+        return [Finding("missing-summary", where, "no summary record", (m.session_id,))]
+    try:
+        s = mf.decode(raw, Summary, "summary")
+    except CorruptData as exc:
+        return [Finding("bad-summary", where, str(exc), (m.session_id,))]
+    if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
+        out.append(Finding("summary-drift", where, "summary disagrees with the manifest"))
+    tokens = np.asarray(m.tokens, "<i8")
+    toks = txn.get("tokens", sid)
+    try:
+        same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"), tokens)
+    except CorruptData:
+        same = False
+    if not same:
+        out.append(Finding("tokens-drift", where, "stored tokens differ from the manifest (or fail their checksum)"))
+    head = txn.get("sessions", skey) == sid  # the session's current snapshot (else a stale one)
+    if not head:
+        out.append(Finding("stale-snapshot", where, "its session points elsewhere"))
+    if txn.get("lru", keys.lru_key(idk, s.last_used_ns, sid)) is None:
+        out.append(Finding("lru-drift", where, "no LRU record"))
+    n_records = 0
+    if head:  # its records are in the prefix table (records.py); a stale snapshot's are not
+        n_records, problems = records.check_head(txn, skey, sid, tokens, store.block)
+        out.extend(Finding("prefix-drift", where, p) for p in problems)
+    if tally is not None:
+        tally.count(m, s, n_records, head=head)
+    on_disk = _manifest_on_disk(store, sid.hex(), s)
+    if on_disk is None:
+        out.append(Finding("missing-manifest-file", where, "its manifest is on disk in no pack or file"))
+    else:
+        if not s.pack and not mf.is_sealed(on_disk):
+            out.append(Finding("unsealed-manifest-file", where, "its v1 manifest file carries no checksum (it "
+                                                                "disagreed with the index when the store was "
+                                                                "sealed): rebuild_index would leave it out"))
+        if deep:
+            try:
+                same = mf.decode(on_disk, Manifest, "manifest on disk") == m
+            except (CorruptData, IncompatibleFormat):
+                same = False
+            if not same:
+                out.append(Finding("manifest-file-drift", where, "the manifest on disk differs from the index"))
+    return [Finding(f.kind, f.where, f.detail, (m.session_id,)) for f in out]
+
+
+def _confirmedorphans(store, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The orphans listed before verify's passes that are still dead, unleased and present after them, looked at
+    with the removers' lock and the save gate held exclusively: no delete, eviction or lease release is then between
+    its commit and the unlink of what it freed (``removers.py``), and no save between writing its pack and committing
+    it — so what is still dead and present has no remover: crash residue. Removers or saves keeping the locks busy
+    for 10 s leave them unconfirmed and unreported this round (``gc`` skips its sweep the same way)."""
+    if not found:
+        return []
+    verifying.before_confirm()
+    with store.removers.quiescent(timeout=10.0) as quiet:
+        if not quiet:
+            return []
+        try:
+            with store.save_gate(exclusive=True, timeout=10.0):
+                leased = store._leased_objects()
+                with store.index.read() as txn:
+                    kept = leased | quarantined_objects(store.index, txn)
+                    return [(name, kind) for name, kind in found
+                            if (obj := object_of(store, name, kind)) is not None and obj not in kept
+                            and not ledger.object_live(store.index, txn, obj) and store.bytes.exists(obj)]
+        except StoreBusy:
+            return []
+
+
+
+__all__ = ["verify_store"]

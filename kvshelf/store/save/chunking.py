@@ -1,0 +1,115 @@
+"""Cutting a snapshot's tensors into chunks (the save side; reading them back is ``restore/destinations.py``).
+
+Writing: every tensor with a ``token_axis`` is cut at multiples of ``chunk_tokens``; the pieces of all caches for one
+token range form one blob (tensor names ``"<cache>.<slot>.<slot name>"``). Tensors without a token axis form one more
+blob. Pieces are zero-copy numpy views of the evaluated MLX arrays (bf16 through a uint16 view), cut into their
+contiguous runs only when a blob is hashed or written (a grown session's save reuses most hashes and writes few
+blobs, and the run views of a 512 MiB cache cost more than its reused hashes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ...codecs.header import CacheEntry
+from ..objects.chunkfile import Piece, axis_window, descriptor
+
+def host_view(array: mx.array) -> np.ndarray:
+    """A zero-copy numpy view of an evaluated MLX array (bf16 as uint16)."""
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+        mx.eval(array)
+    return np.array(array, copy=False)
+
+
+def runs(region: np.ndarray) -> list[memoryview]:
+    """The region's bytes in C order as the contiguous runs it is made of (zero-copy): one view when it is
+    contiguous, else one per index of its leading axes down to the deepest contiguous block."""
+    if region.size == 0:
+        return [memoryview(b"")]
+    if region.flags["C_CONTIGUOUS"]:
+        return [memoryview(region).cast("B")]
+    inner, k = region.itemsize, region.ndim
+    while k > 0 and (region.shape[k - 1] == 1 or region.strides[k - 1] == inner):
+        inner *= region.shape[k - 1]
+        k -= 1
+    if k == 0:  # pragma: no cover - C-contiguous after all
+        return [memoryview(np.ascontiguousarray(region)).cast("B")]
+    return [memoryview(region[idx]).cast("B") for idx in np.ndindex(*region.shape[:k])]
+
+
+def _as_piece(name: str, dtype: str, region: np.ndarray) -> Piece:
+    segs = runs(region)
+    return Piece(name, dtype, tuple(region.shape), segs[0] if len(segs) == 1 else segs)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One tensor of a blob before it is cut into runs: its name, mlx dtype name and numpy view."""
+
+    name: str
+    dtype: str
+    host: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.host.shape)
+
+
+class BlobPlan:
+    """One blob to write: the token range it covers ([0, 0) for the untokened blob) and its tensors' regions; the
+    pieces (zero-copy runs) are made on first use."""
+
+    def __init__(self, start: int, stop: int, regions: list[Region]):
+        self.start, self.stop, self.regions = start, stop, regions
+        self._pieces: list[Piece] | None = None
+
+    @property
+    def pieces(self) -> list[Piece]:
+        if self._pieces is None:
+            self._pieces = [_as_piece(r.name, r.dtype, r.host) for r in self.regions]
+        return self._pieces
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.host.nbytes for r in self.regions)
+
+    def descriptor(self) -> bytes:
+        """What the content hash starts with (``blobfile.descriptor`` of the pieces), without making them."""
+        return descriptor(self.regions)
+
+
+def plan_blobs(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_tokens: int) -> list[BlobPlan]:
+    """Chunk blobs in token order, then (if any) the blob of tensors without a token axis."""
+    hosts = [[host_view(a) for a in row] for row in arrays]
+    extent = 0
+    for entry, row in zip(entries, hosts):
+        for slot, host in zip(entry.tensors, row):
+            if slot.token_axis is not None:
+                extent = max(extent, host.shape[slot.token_axis])
+    plans = []
+    for start in range(0, extent, chunk_tokens):
+        stop = min(start + chunk_tokens, extent)
+        pieces = []
+        for i, (entry, row) in enumerate(zip(entries, hosts)):
+            for j, (slot, host) in enumerate(zip(entry.tensors, row)):
+                if slot.token_axis is None or host.shape[slot.token_axis] <= start:
+                    continue
+                region = axis_window(host, slot.token_axis, start, min(stop, host.shape[slot.token_axis]))
+                pieces.append(Region(f"{i}.{j}.{slot.name}", slot.dtype, region))
+        plans.append(BlobPlan(start, stop, pieces))
+    own = [
+        Region(f"{i}.{j}.{slot.name}", slot.dtype, host)
+        for i, (entry, row) in enumerate(zip(entries, hosts))
+        for j, (slot, host) in enumerate(zip(entry.tensors, row))
+        if slot.token_axis is None
+    ]
+    if own:
+        plans.append(BlobPlan(0, 0, own))
+    return plans
+
+
+__all__ = ["BlobPlan", "Region", "host_view", "plan_blobs", "runs"]
