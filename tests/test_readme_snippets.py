@@ -1,7 +1,7 @@
 """Every python snippet of README.md runs as written, as a new user would paste it.
 
 Why: the README is the first code a newcomer runs; a snippet that leaves out its imports or saves the wrong tokens
-fails on the first try (it did: issue 19). So the snippets are not copies kept in a test, they are read out of the
+fails on the first try (the mlx-lm one once did). So the snippets are not copies kept in a test, they are read out of the
 README itself: each ```python block runs in its own Python process, in a fresh temporary working directory (the
 snippets open their store at ``./kvshelf-store``), with nothing but text substitutions for the placeholders the
 README documents — ``path/to/model`` becomes a tiny seeded llama directory and ``path/to/mla-model`` a tiny seeded
