@@ -37,7 +37,16 @@ class Sample:
     reps: list[float]
 
     @property
-    def min(self) -> float:
+    def _shown(path: Path) -> str:
+    """A path as results files show it: relative to the repository when inside it (results are committed; where
+    this checkout happens to live says nothing about the measurement)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return str(path)
+
+
+def min(self) -> float:
         return min(self.reps)
 
     @property
@@ -222,7 +231,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu,
         "cpus": os.cpu_count(),
         "mem_total": mem_total,
-        "scratch": str(SCRATCH_ROOT),
+        "scratch": _shown(SCRATCH_ROOT),
         "scratch_fs": fs,
         "kernel": platform.release(),
     }

@@ -22,7 +22,7 @@ NonNeg = Annotated[int, Meta(ge=0, le=2**62)]
 Dim = Annotated[int, Meta(ge=0, le=_MAX_DIM)]
 Positive = Annotated[int, Meta(ge=1, le=_MAX_DIM)]
 TokenId = Annotated[int, Meta(ge=0, le=2**62)]
-TOKEN_ID_LIMIT = 2**31  # what writers (save_snapshot, the store) accept: 0 <= id < 2**31 (README "Input limits")
+TOKEN_ID_LIMIT = 2**31  # what writers (save_snapshot, the store) accept: 0 <= id < 2**31 (docs/API.md, "Input limits")
 MAX_IDENTITY_CHARS = 1024  # the header's bound on model_id, config_fingerprint, tokenizer_hash, namespace
 ShortStr = Annotated[str, Meta(max_length=256)]
 Hex = Annotated[str, Meta(max_length=64, pattern=r"^[0-9a-f]*$")]

@@ -18,7 +18,7 @@ from .checksum import checksum
 from .header import CacheEntry
 
 
-# Documented maxima (README "Input limits"): a header asking for more is refused as ``IncompatibleFormat`` by every
+# Documented maxima (docs/API.md, "Input limits"): a header asking for more is refused as ``IncompatibleFormat`` by every
 # codec's ``validate`` (through ``check_slots``), before a buffer is sized from it. Generous for every model known,
 # small enough that no product of them overflows or asks a 2-core host for exabytes.
 MAX_POSITIONS = 2**31      # offset, floor, max_tokens, a rotating ring's max_size / keep / idx / buffer

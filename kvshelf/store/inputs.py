@@ -5,7 +5,7 @@ Why here and why these numbers: a value the index cannot hold must be refused at
 Every check is a pure function that raises ``InvalidCacheState`` (a ``ValueError``; ``WrongArgumentType``, also a
 ``TypeError``, for arguments of the wrong type) with a message naming the argument.
 
-Documented maxima (README "Input limits"):
+Documented maxima (docs/API.md, "Input limits"):
 
 * ``session_id``: a non-empty ``str`` of at most ``MAX_SESSION_ID_BYTES`` = 448 UTF-8 bytes. LMDB keys hold at most
   511 bytes; a session key is ``identity key (16) + namespace key (16) + session id``, so 479 would fit today — 448
