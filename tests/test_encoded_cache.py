@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import bits
+from bit_exact import bits
 from kvshelf.errors import InvalidCacheState
 from kvshelf.latent_legos import (
     AffineFormat,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import bits
+from bit_exact import bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_unchanged, bits, snapshot_state
+from bit_exact import assert_unchanged, bits, snapshot_state
 from kvshelf.errors import CacheRangeError, InvalidCacheState
 from kvshelf.latent_legos import (
     AffineFormat,

@@ -9,8 +9,8 @@ import uuid
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from lookup_oracle import IDENTITY, PROVIDER, caches, oracle, stores
 from redis_servers import RedisServer
-from test_store_lookup_oracle import IDENTITY, PROVIDER, caches, oracle, stores
 
 from kvshelf import open_store
 from kvshelf.store.remote import CircuitBreaker

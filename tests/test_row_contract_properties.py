@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import bits
+from bit_exact import bits
 from kvshelf.latent_legos import AffineFormat, EncodedLatentCache, TurboFormat
 from kvshelf.latent_legos.contracts import PrefillPadding
 from kvshelf.latent_legos.encodings.family import family_encoding
