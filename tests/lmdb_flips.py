@@ -33,7 +33,7 @@ def build_store(root: Path) -> dict:
     page (many sessions), overflow pages (long token records), dupsort values as sub-pages and as a sub-database
     (many snapshots sharing one prefix boundary), two namespaces and a deleted session (free pages). Returns what
     the child needs: ``{"sessions": [[namespace, session_id, n_tokens], ...]}``."""
-    from .soak_cases import CHUNK, IDENTITY, make_caches, tokens_for
+    from .soak.cases import CHUNK, IDENTITY, make_caches, tokens_for
     from kvshelf import open_store
 
     sessions = []
@@ -71,7 +71,7 @@ def _trial(pristine: Path, trial: Path, sessions: list, offset: int, mask: int) 
     from kvshelf import open_store
     from kvshelf.errors import KvShelfError
 
-    from .soak_cases import CHUNK, IDENTITY, tokens_for
+    from .soak.cases import CHUNK, IDENTITY, tokens_for
 
     data = bytearray((pristine / "index" / "data.mdb").read_bytes())
     data[offset] ^= mask

@@ -26,7 +26,7 @@ def main() -> None:
     from kvshelf import open_store
     from kvshelf.store import lmdbcheck, walkmemo
 
-    from .soak_cases import CHUNK, IDENTITY, make_caches, tokens_for
+    from .soak.cases import CHUNK, IDENTITY, make_caches, tokens_for
 
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     work = Path(tempfile.mkdtemp(prefix="kvshelf-walk-", dir=shm))

@@ -129,7 +129,7 @@ def test_a_healthy_file_shorter_than_its_last_page_number_opens(tmp_path) -> Non
 def store_index(tmp_path_factory) -> Path:
     """A small real store's index (sessions of two cache kinds, two namespaces, a deleted session)."""
     sys.path.insert(0, str(ROOT))
-    from tests.soak_cases import CHUNK, IDENTITY, make_caches, tokens_for
+    from tests.soak.cases import CHUNK, IDENTITY, make_caches, tokens_for
 
     from kvshelf import open_store
 
@@ -260,7 +260,7 @@ def test_no_memo_is_kept_when_the_file_changed_in_the_tick_the_walk_began(store_
 WRITER = """
 import sys
 sys.path[:0] = [{root!r}]
-from tests.soak_cases import CHUNK, IDENTITY, make_caches, tokens_for
+from tests.soak.cases import CHUNK, IDENTITY, make_caches, tokens_for
 from kvshelf import open_store
 with open_store({store!r}, identity=IDENTITY, chunk_tokens=CHUNK) as store:
     print("ready", flush=True)

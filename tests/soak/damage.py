@@ -1,5 +1,5 @@
 """The soak's damage trials: single-byte flips, truncations, swaps and deletions over a copy of a small store (and
-flips over portable files), each checked by a ``Checker`` subprocess against the truth (see ``soak.py``).
+flips over portable files), each checked by a ``Checker`` subprocess against the truth (see ``run.py``).
 
 Files are grouped by name only (``*.mdb``: the LMDB index; a path containing ``manifest``: manifest files — on layout
 v2, where manifests live in pack trailers, a "manifest" flip lands in a pack's trailer; the rest:
@@ -24,7 +24,7 @@ def build_bases(workdir: Path) -> list[tuple[Path, list, dict]]:
     from kvshelf import open_store
     from kvshelf.codecs import save_snapshot
 
-    from .soak_cases import CHUNK, IDENTITY, KINDS, make_caches, tokens_for
+    from .cases import CHUNK, IDENTITY, KINDS, make_caches, tokens_for
 
     bases = []
     for b, kinds in enumerate((KINDS[:5], KINDS[5:])):
@@ -167,7 +167,7 @@ def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, ta
 def damage(flips: int, workdir: Path, tally, seed: int, parallel: int) -> None:
     """``flips`` single-byte flips (a fifth of them over portable files) plus truncations, swaps and deletions (each
     ``flips / 25``, at least 10), spread over ``parallel`` checkers."""
-    from .soak import Checker
+    from .run import Checker
 
     bases = build_bases(workdir)
     others = max(10, flips // 25)

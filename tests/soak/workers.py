@@ -31,7 +31,7 @@ from kvshelf import open_store
 from kvshelf.codecs import load_snapshot
 from kvshelf.errors import KvShelfError, SnapshotNotFound, StoreFull
 
-from .soak_cases import (
+from .cases import (
     CHUNK,
     IDENTITY,
     KINDS,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KILLS, FLIPS, SECONDS = 50, 2000, 5
 INDEX_ROWS = ("LMDB data.mdb", "manifest files")  # what store v2's checksummed records and open-time check own
 

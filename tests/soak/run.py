@@ -4,9 +4,9 @@ What it does (only the public API plus raw file operations on the store director
 
 * **kill -9**: a writer subprocess (saves of every cache kind, sync and async, and deletes) is killed at a random
   moment or kills itself at an injected point (the k-th write/fsync/rename/unlink, before/after the index commit —
-  see ``soak_workers``); then every session must restore as it was committed (a save logged as returned is
+  see ``workers``); then every session must restore as it was committed (a save logged as returned is
   durable; the one in flight may or may not be there). Missing or unreadable committed data is **lost**.
-* **damage** (``soak_damage``): single-byte flips over every file of a small store (chunk bytes, blob headers,
+* **damage** (``damage``): single-byte flips over every file of a small store (chunk bytes, blob headers,
   manifest files — also followed by ``rebuild_index`` — and LMDB's ``data.mdb``) and over portable snapshot files;
   truncations, swaps and deletions of files. Every session is then restored (and a prefix of it), the store verified.
 * **mixed**: 4 processes of mixed traffic on one store for ``--seconds``.
@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: ``tests.soak`` is importable from it
 COLUMNS = ("trials", "detected", "exact", "wrong", "crashes", "lost")
 POINTS = ("random", "write", "fsync", "rename", "renamed", "unlink", "commit", "committed")
 
@@ -131,7 +131,7 @@ class Checker:
 
 # ---------------------------------------------------------------------------------------------------- kill -9
 def kill_lane(lane: int, kills: int, workdir: Path, tally: Tally, rng: random.Random) -> None:
-    from .soak_workers import replay
+    from .workers import replay
 
     checker, landed, runs = Checker(workdir), 0, 0
     truth: dict[str, list | None] = {}
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 lane.join()
             t = timed("kills", t)
         if args.flips:
-            from .soak_damage import damage
+            from .damage import damage
 
             damage(args.flips, workdir, tally, args.seed, args.parallel)
             t = timed("damage", t)
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_worker(args) -> int:
-    from . import soak_workers as w
+    from . import workers as w
 
     if args.worker == "checker":
         w.run_checker()
@@ -311,6 +311,3 @@ def _run_worker(args) -> int:
         w.run_enospc(args.store, args.out)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
