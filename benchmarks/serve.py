@@ -1,7 +1,8 @@
 """Measure 31 (on request): ``kvshelf serve``'s time to first token for a long prompt, from each tier.
 
-Real server processes on 127.0.0.1, a real HTTP client, a tiny seeded llama directory (``tests/tiny_model_dir.py``,
-the same fixture the serving tests use) sized so a long prompt's prefill takes a second or more on this CPU.
+Real server processes on 127.0.0.1, a real HTTP client, a tiny seeded llama directory
+(``tests/helpers/tiny_model_dir.py``, the same fixture the serving tests use) sized so a long prompt's prefill takes a
+second or more on this CPU.
 Every repetition uses a fresh long system prompt and four short user turns after it, each request with
 ``max_tokens=1`` (its latency is the time to first token):
 
@@ -25,15 +26,15 @@ from pathlib import Path
 from .context import Context
 from .harness import Row, Sample, unavailable
 
-_TESTS = Path(__file__).resolve().parents[1] / "tests"
+_HELPERS = Path(__file__).resolve().parents[1] / "tests" / "helpers"
 USER = ["hello world what is the cache", "and the disk of the store", "one more short question",
         "what is a prefix of a prompt"]
 PROMPT_TOKENS = {"small": 200}  # other sizes: 1500
 
 
 def _harness():
-    if str(_TESTS) not in sys.path:
-        sys.path.insert(0, str(_TESTS))
+    if str(_HELPERS) not in sys.path:
+        sys.path.insert(0, str(_HELPERS))
     import serve_harness
     import tiny_model_dir
 

@@ -1,36 +1,27 @@
-"""Shared test settings: the hypothesis ``ci`` profile (derandomized, no deadline) and latent-cache helpers."""
+"""Shared test settings: the hypothesis ``ci`` profile (derandomized, no deadline), and ``tests/helpers`` on the
+import path.
+
+Tests live in folders that mirror the package (``store/``, ``codecs/``, ``legos/`` ...) and import their shared,
+non-test modules (``store_cases``, ``tools_data``, ``serve_harness`` ...) from ``tests/helpers`` by their plain names;
+this is the one place that makes that work. Subprocess scripts that import helpers put the same folder on their own
+path (pytest's conftest does not run in them). Test files need unique basenames: pytest's default ("prepend") import
+mode imports each one by its basename from its own folder.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
 from hypothesis import HealthCheck, settings
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-def bits(array: mx.array | np.ndarray) -> np.ndarray:
-    """The raw bit patterns of a float32 array, so equality means bit-identical (0.0 != -0.0, NaN == NaN)."""
-    values = np.asarray(array, dtype=np.float32) if isinstance(array, np.ndarray) else np.array(array)
-    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-
-
-def snapshot_state(cache) -> list[np.ndarray]:
-    """Every array a cache holds (as numpy) plus its row bookkeeping, for "a rejected call changed nothing"."""
-    mx.eval(cache.state)
-    arrays = [np.array(a) for a in cache.state]
-    return [*arrays, np.array([cache.offset, cache.batch_size or 0, cache.minimum_reusable_offset]),
-            np.array(cache.row_offsets, dtype=np.int64), np.array(cache.left_pad, dtype=np.int64)]
-
-
-def assert_unchanged(before: list[np.ndarray], cache) -> None:
-    after = snapshot_state(cache)
-    assert len(before) == len(after)
-    for a, b in zip(before, after):
-        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)

@@ -1,7 +1,7 @@
 """Make the layout-v1 fixture store (``tests/data/v1_store``) and its expected contents (``v1_store.expected.json``).
 
 Run once against the v1 code (one file per chunk blob, one manifest file per snapshot) and committed, so that
-later layouts prove they still open, list, restore and verify what v1 wrote (``tests/test_store_v1_fixture.py``):
+later layouts prove they still open, list, restore and verify what v1 wrote (``tests/store/test_store_v1_fixture.py``):
 
     PYTHONPATH=. python tests/data/make_v1_store.py
 
@@ -18,7 +18,7 @@ import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # tests/ for the case builders
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "helpers"))  # tests/helpers: the case builders
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

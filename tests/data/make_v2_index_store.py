@@ -4,11 +4,11 @@
 Format 2 tagged every prefix record with the snapshot id; format 3 tags it with the session's lineage id and adds the
 ``heads`` table (``kvshelf/store/records.py``). This store was written once by the format-2 code (main at df402d8,
 before the change) and committed, so that the migration at open is tested against bytes the old code really wrote,
-not against a simulation of them (``tests/test_store_prefix_migration.py``). To remake it, run this script against
+not against a simulation of them (``tests/store/test_store_prefix_migration.py``). To remake it, run this script against
 that code, e.g.:
 
     git archive df402d8 kvshelf | tar -x -C /tmp/kvshelf-v2
-    PYTHONPATH=/tmp/kvshelf-v2:tests python tests/data/make_v2_index_store.py
+    PYTHONPATH=/tmp/kvshelf-v2:tests/helpers python tests/data/make_v2_index_store.py
 
 Sessions (key/value f16 caches, 4-token chunks): a 70-token chat and a grown copy of it (shared prefix and chunks), a
 5-token session (short boundaries only), an exactly-32-token one (boundaries at block multiples, padded ends), one in
@@ -26,7 +26,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # tests/ for the case builders
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "helpers"))  # tests/helpers: the case builders
 
 import lmdb  # noqa: E402
 import mlx.core as mx  # noqa: E402

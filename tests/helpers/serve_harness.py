@@ -1,0 +1,161 @@
+"""Real server processes for the serving tests: ``kvshelf serve`` or plain ``mlx_lm.server`` on a free 127.0.0.1
+port, a real HTTP client (http.client), and waits on the server's own log lines (never on sleeps).
+
+Why a log-driven harness: what a test must know (a write-behind finished, a prefix came from disk with N tokens,
+a signal was seen) is exactly what the server logs, one line per event, so waiting on the line is waiting on the
+event itself.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Self
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 120.0
+PREFIX_LINE = re.compile(r"kvshelf prefix source=(?P<source>\w+) cached=(?P<cached>\d+) prompt=(?P<prompt>\d+)")
+SAVED_LINE = re.compile(r"kvshelf write-behind saved tokens=(?P<tokens>\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               TRANSFORMERS_VERBOSITY="error")
+    env.pop("KVSHELF_FAULT_ENOSPC_AFTER", None)
+    env.update(extra or {})
+    return env
+
+
+class Server:
+    """One server process. ``store=None`` runs plain ``mlx_lm.server`` (the reference without any store)."""
+
+    def __init__(self, model_dir: Path, store: Path | None, log_path: Path, *, extra: tuple[str, ...] = (),
+                 env: dict | None = None):
+        self.port = free_port()
+        self.log_path = Path(log_path)
+        if store is None:
+            cmd = [sys.executable, "-m", "mlx_lm", "server"]
+        else:
+            cmd = [sys.executable, "-m", "kvshelf.tools.cli", "serve", "--store", str(store)]
+        cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process's lifetime
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(env),
+                                     cwd=str(self.log_path.parent))
+        self._wait_ready()
+
+    # ------------------------------------------------------------------ process
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                status, _ = self._request("GET", "/health", None, timeout=5)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server did not come up:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str | re.Pattern, count: int = 1, timeout: float = 120.0) -> list[re.Match]:
+        """Block until ``pattern`` matched ``count`` lines of the log (or the process died / timeout)."""
+        rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [m for m in (rx.search(line) for line in self.log().splitlines()) if m]
+            if len(found) >= count:
+                return found
+            if self.proc.poll() is not None and len(found) < count:
+                found = [m for m in (rx.search(line) for line in self.log().splitlines()) if m]
+                if len(found) >= count:
+                    return found
+                raise AssertionError(f"server exited ({self.proc.returncode}) before {rx.pattern!r} x{count}:\n"
+                                     f"{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {rx.pattern!r} x{count} in the log:\n{self.log()}")
+            time.sleep(0.05)
+
+    def prefix_lines(self) -> list[dict]:
+        return [dict(m.groupdict(), cached=int(m["cached"]), prompt=int(m["prompt"]))
+                for m in (PREFIX_LINE.search(line) for line in self.log().splitlines()) if m]
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        self._log.close()
+
+    def wait(self, timeout: float = 120.0) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self._log.close()
+        return rc
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, path: str, body: dict | None, timeout: float = 300):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            payload = None if body is None else json.dumps(body).encode()
+            conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def chat(self, messages: list[dict], max_tokens: int = 8) -> dict:
+        """One non-streaming chat completion at temperature 0; returns {text, prompt_tokens, completion_tokens,
+        cached_tokens}."""
+        status, raw = self._request("POST", "/v1/chat/completions",
+                                    {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0})
+        assert status == 200, (status, raw, self.log())
+        doc = json.loads(raw)
+        usage = doc["usage"]
+        return {"text": doc["choices"][0]["message"]["content"], "prompt_tokens": usage["prompt_tokens"],
+                "completion_tokens": usage["completion_tokens"],
+                "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
+
+
+def conversation(system: str, turns: list[str], replies: list[str]) -> list[dict]:
+    """Messages: the system prompt, then user turns interleaved with the assistant replies given so far."""
+    messages = [{"role": "system", "content": system}]
+    for i, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        if i < len(replies):
+            messages.append({"role": "assistant", "content": replies[i]})
+    return messages
+
+
+def kvshelf_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", *args], env=server_env(), capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+__all__ = ["PREFIX_LINE", "SAVED_LINE", "Server", "conversation", "free_port", "kvshelf_cli", "server_env"]
