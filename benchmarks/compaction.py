@@ -15,18 +15,14 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from kvshelf.store.objects.shuffle import shuffle
+
 from . import data
 from .context import Context
 from .harness import MiB, Row, Sample, disk_usage, remove, unavailable
 
 CHUNK = 256
 LEVEL = 3
-
-
-def _shuffle(buf: np.ndarray, itemsize: int) -> bytes:
-    if itemsize == 1:
-        return buf.tobytes()
-    return buf.reshape(-1, itemsize).T.tobytes()
 
 
 def _pieces(arrays: list[mx.array]) -> list[tuple[np.ndarray, int]]:
@@ -55,7 +51,7 @@ def zstd_shuffle(pieces, reps: int) -> tuple[float, Sample, Sample, int, int]:
     frames: list[bytes] = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        frames = [cctx.compress(_shuffle(p, k)) for p, k in pieces]
+        frames = [cctx.compress(shuffle(p, k)) for p, k in pieces]
         comp_t.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for f, (p, k) in zip(frames, pieces):

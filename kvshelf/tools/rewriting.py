@@ -12,16 +12,14 @@ from collections.abc import Callable
 
 import msgspec
 import numpy as np
-import zstandard
 
 from ..errors import CorruptData, KvShelfError
 from ..store import Store
-from ..store.objects.chunkfile import KVZ_MAGIC, Piece, content_hash, storage_dtype
+from ..store.objects.chunkfile import KVZ_MAGIC, Piece, content_hash, kvz_buffers, storage_dtype
 from ..store.restore.destinations import Destinations, fill_from_blob
 from ..store.save.chunking import plan_blobs
 from ..store.index.schema import BlobRef, Manifest
 from .densify import densify, dropped_blocks
-from .shuffle import shuffle, shuffle_itemsize
 
 ZSTD_LEVEL = 3  # what the store's .kvz writer uses by default
 
@@ -144,13 +142,12 @@ def merge_one(store: Store, m: Manifest, bins: list[list[BlobRef]]) -> None:
 
 # --- step 4: recompression ---------------------------------------------------------------------------------------
 def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
-    """The bytes a blob's tensor data would take as zstd over byte-shuffled float planes (for ``--dry-run``)."""
+    """The bytes a chunk's frame would take stored as zstd (for ``--dry-run``): the very frame the recompression
+    would write (``kvz_buffers``: byte-shuffled float planes, then zstd), measured, never written."""
     with store.open_blob(hash_, verify=False) as reader:
         bufs = reader.read_into([None] * len(reader.tensors))
-        header = reader.data_start
-        cctx = zstandard.ZstdCompressor(level=level)
-        stream = b"".join(shuffle(b, shuffle_itemsize(t.dtype)) for t, b in zip(reader.tensors, bufs))
-    return header + 8 + len(cctx.compress(stream))
+        pieces = [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
+        return sum(len(b) for b in kvz_buffers(pieces, dict(reader.metadata), level))
 
 
 def raw_overhead(store: Store, hash_: str) -> int:

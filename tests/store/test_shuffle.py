@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvshelf.errors import CorruptData, InvalidCacheState
-from kvshelf.tools.shuffle import shuffle, shuffle_itemsize, unshuffle
+from kvshelf.store.objects.shuffle import shuffle, shuffle_itemsize, unshuffle
 
 
 @settings(max_examples=200, deadline=None)

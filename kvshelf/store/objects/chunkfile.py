@@ -28,6 +28,7 @@ import zstandard
 from ...codecs.dtypes import DTYPE_NAMES, numpy_dtype, safetensors_code
 from ...errors import CorruptData
 from .runhash import RunHash
+from .shuffle import shuffle, shuffle_itemsize, unshuffle_into
 
 KVZ_MAGIC = b"KVSHZ01\n"
 MAX_HEADER = 64 << 20
@@ -39,7 +40,6 @@ _JSON_OUT = msgspec.json.Encoder()
 # mlx dtype name -> (safetensors code, numpy storage dtype): the codecs' table, so the two formats never disagree
 DTYPES: dict[str, tuple[str, np.dtype]] = {name: (safetensors_code(name), numpy_dtype(name)) for name in DTYPE_NAMES}
 _FROM_CODE = {code: name for name, (code, _) in DTYPES.items()}
-_SHUFFLED = {"float32", "float16", "bfloat16", "float64"}
 
 
 @dataclass(frozen=True)
@@ -133,23 +133,6 @@ def raw_buffers(pieces: list[Piece], metadata: dict[str, str]) -> list[memoryvie
     return [struct.pack("<Q", len(header)), header, *(seg for p in pieces for seg in p.segments if seg.nbytes)]
 
 
-def _shuffle(data: memoryview, dtype: str) -> memoryview | bytes:
-    item = storage_dtype(dtype).itemsize
-    if dtype not in _SHUFFLED or item == 1 or data.nbytes == 0:
-        return data
-    planes = np.frombuffer(data, np.uint8).reshape(-1, item).T
-    return np.ascontiguousarray(planes).data
-
-
-def _unshuffle_into(src: memoryview, dst: memoryview, dtype: str) -> None:
-    item = storage_dtype(dtype).itemsize
-    out = np.frombuffer(dst, np.uint8)
-    if dtype not in _SHUFFLED or item == 1 or src.nbytes == 0:
-        out[:] = np.frombuffer(src, np.uint8)
-        return
-    out.reshape(-1, item)[:] = np.frombuffer(src, np.uint8).reshape(item, -1).T
-
-
 def kvz_buffers(pieces: list[Piece], metadata: dict[str, str], level: int = 3) -> list[bytes]:
     header = frame_header(pieces, metadata)
     total = sum(p.nbytes for p in pieces)
@@ -157,7 +140,7 @@ def kvz_buffers(pieces: list[Piece], metadata: dict[str, str], level: int = 3) -
     chunker = compressor.chunker(size=total, chunk_size=1 << 20)
     out = [KVZ_MAGIC, struct.pack("<Q", len(header)), header]
     for p in pieces:
-        out.extend(chunker.compress(_shuffle(p.contiguous(), p.dtype)))
+        out.extend(chunker.compress(shuffle(p.contiguous(), shuffle_itemsize(p.dtype))))
     out.extend(chunker.finish())
     return out
 
@@ -302,10 +285,10 @@ class BlobReader:
         view = memoryview(payload)
         for t, views in zip(self.tensors, bufs):
             if len(views) == 1:
-                _unshuffle_into(view[t.start:t.stop], views[0], t.dtype)
+                unshuffle_into(view[t.start:t.stop], views[0], shuffle_itemsize(t.dtype))
             else:
                 tmp = memoryview(bytearray(t.nbytes))
-                _unshuffle_into(view[t.start:t.stop], tmp, t.dtype)
+                unshuffle_into(view[t.start:t.stop], tmp, shuffle_itemsize(t.dtype))
                 at = 0
                 for v in views:
                     v[:] = tmp[at:at + v.nbytes]
