@@ -2,7 +2,7 @@
 
 The protocols are ``runtime_checkable`` so callers (codecs, the store, tests) can ask "is this a batchable
 cache" without importing concrete classes; they check method presence only, the behaviour is documented here
-and tested in ``tests/test_row_contract_properties.py``.
+and tested in ``tests/legos/test_row_contract_properties.py``.
 """
 
 from __future__ import annotations

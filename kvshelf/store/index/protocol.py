@@ -3,7 +3,7 @@
 Why: the store's index must be pluggable like its bytes (``backend.ByteStore``): ``Store`` and its rooms speak only
 this protocol, so LMDB (``lmdbindex.LmdbIndexStore``, the default) and process memory (``MemoryIndexStore``) are
 interchangeable, and a shared tier can keep the index elsewhere. The contract every implementation keeps (one
-conformance suite, ``tests/test_index_store_conformance.py``):
+conformance suite, ``tests/store/test_index_store_conformance.py``):
 
 * ``read()`` is a context manager yielding a transaction that sees one consistent snapshot for its whole life
   (writes committed meanwhile are invisible to it);

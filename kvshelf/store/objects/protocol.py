@@ -2,7 +2,7 @@
 
 Why a seam: the store's save and restore paths must not care whether bytes sit in a local directory, in memory (for
 tests and for the conformance suite), or in a shared engine such as Redis. Every implementation keeps the same
-contract, checked by one parametrised suite (``tests/test_byte_store_conformance.py``), as zarr-python does for its
+contract, checked by one parametrised suite (``tests/store/test_byte_store_conformance.py``), as zarr-python does for its
 stores:
 
 * objects are immutable and named by the caller (``name`` is ``[A-Za-z0-9._/-]{1,255}``, no ``..``, no leading ``/``);

@@ -10,7 +10,7 @@ a serial ~55 ms per 512 MiB on the restore's critical path. The same package's e
 (``XXH3_createState`` / ``XXH3_128bits_update`` / …); called through ``ctypes`` (which drops the GIL around every
 foreign call) it hashes the very same bytes to the very same digest, in parallel. Where the symbols are missing (an
 unusual build of ``xxhash``), ``RunHash`` is the plain ``xxhash.xxh3_128`` and only the parallelism is lost.
-``tests/test_runhash.py`` checks the digests agree with ``xxhash`` for arbitrary inputs and splits.
+``tests/store/test_runhash.py`` checks the digests agree with ``xxhash`` for arbitrary inputs and splits.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ first free what is certainly dead (``fulldisk.py``).
 
 Why a fixed 512 KiB was not enough: a delete rewrites every B-tree page it touches. Its prefix records (one per
 16-token boundary) have random keys, so in a store of many long sessions nearly each lands on a page of its own.
-Measured (``tests/test_store_fullness.py::test_reserve_covers_the_pages_a_delete_allocates``) on a compacted
+Measured (``tests/store/test_store_fullness.py::test_reserve_covers_the_pages_a_delete_allocates``) on a compacted
 index holding 10 sessions of 20 000 tokens: deleting one allocated 761 fresh 4 KiB pages (3.0 MiB; the bound below
 says 3.7 MiB). ``needed_bytes`` bounds it per sub-database by ``min(all its pages, records a delete of the longest
 snapshot touches x (depth + 1))``, plus the free-list pages recording what the commit frees and a little slack;
