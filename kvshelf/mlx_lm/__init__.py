@@ -30,7 +30,7 @@ __all__ = [
     "write_prompt_cache",
 ]
 
-# --- serving (issue 10): the tiered prompt cache, model identity, `kvshelf serve` ---------------------------------
+# --- serving: the tiered prompt cache, model identity, `kvshelf serve` ------------------------------------------
 from .serve.model_identity import model_identity
 from .serve.prompt_cache import TieredPromptCache
 

@@ -10,7 +10,7 @@ read tensor bytes with ``preadv`` straight into the caller's destination buffers
 
 Compressed form (``.kvz``): ``b"KVSHZ01\\n" | u64 header length | the same JSON header | one zstd frame`` whose
 content is the tensor bytes with float tensors byte-shuffled (plane k holds byte k of every element), which is what
-makes KV floats compress (baseline §4).
+makes KV floats compress (``shuffle.py``).
 """
 
 from __future__ import annotations
