@@ -28,7 +28,10 @@ import mlx.core as mx
 
 from ..errors import InvalidCacheState
 from ..latent_legos.kv.masks import attention_mask
+from ..latent_legos.contracts import LatentAttentionState
 from ..latent_legos.kv.model_face import MlxLmBatchFace, batch_positions
+from .latent_attention import LatentKeys
+from .latent_attention import install as install_latent_attention
 
 F32 = mx.float32
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -157,17 +160,33 @@ class MLALatentCache(LatentLayer):
         latent = heads_of_one("latent (keys)", keys, g.kv_lora_rank)
         rope = heads_of_one("rope key (values)", values, g.rope_head_dim)
         self.dtype = self.dtype or keys.dtype
-        state = self.lego.append_latent(latent, rope)
+        self._reads = [None, None]  # last step's reads hold views of the buffers: drop them so the append is in place
+        if latent.shape[1] == 1 and hasattr(self.lego, "store_latent"):
+            reads = self.lego.store_latent(latent, rope)
+            if reads.on_planes:  # a decode step over encoded planes: mlx-lm's attention reaches them through LatentKeys
+                install_latent_attention()
+                self._reads = [LatentKeys(reads, latent.shape[0], g.kv_lora_rank, self.dtype), self._as_model(reads.rope)]
+                return self._reads[0], self._reads[1]
+            state = LatentAttentionState(reads.latent, reads.rope)
+        else:
+            state = self.lego.append_latent(latent, rope)
         self._reads = [self._as_model(state.latent), self._as_model(state.rope)]
         return self._reads[0], self._reads[1]
 
     def _read(self, i: int) -> mx.array | None:
+        if isinstance(self._reads[i], LatentKeys):
+            return self._reads[i].array()
         if self._reads[i] is None and not self.empty():
             state = self.lego.read_latent()
             self._reads = [self._as_model(state.latent), self._as_model(state.rope)]
         return self._reads[i]
 
     def _assign(self, i: int, value: mx.array) -> None:
+        if isinstance(self._reads[i], LatentKeys):
+            if not isinstance(value, mx.array) or tuple(value.shape) != self._reads[i].shape:
+                got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__
+                raise InvalidCacheState(f"an MLA latent cache takes back only an array shaped like its read (got {got})")
+            return  # the planes are the read; an assigned copy (mlx-lm's mx.depends chain) changes nothing stored
         current = self._read(i)
         if current is None or not isinstance(value, mx.array) or value.shape != current.shape:
             got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__
