@@ -173,19 +173,27 @@ class EncodedLatentCache(RightJustifiedRows):
             return self._plane_reads(self._width, list(self._offsets))
         return decoded_reads(self.read_latent(), self.left_pad if self._batch is not None else [])
 
-    def _plane_reads(self, width: int, offsets: list[int]) -> LatentReads:
+    def _plane_reads(self, width: int, offsets: list[int], decoded: list[mx.array] | None = None,
+                     which: list[bool] | None = None) -> LatentReads:
         """Reads of the first ``width`` stored columns, rows ending there with ``offsets`` positions each, that
-        attend on the planes. The views are taken when asked for, so nothing here holds a buffer across an append."""
+        attend on the planes. The views are taken when asked for, so nothing here holds a buffer across an append.
+        A mixed batch (``which``: rows on planes) carries its ``decoded`` reads (today's) as well."""
         fmt, codec = self.format, self._codec
         pads = [width - o for o in offsets]
 
-        def rows() -> list[PlaneRow]:
+        def rows() -> list[PlaneRow | None]:
             groups = codec.split([p[:, :width, :] for p in self._planes.views()])
             out = []
             for b, pad in enumerate(pads):
+                if which is not None and not which[b]:
+                    out.append(None)
+                    continue
                 latent, rope = (quantized_family(fmt, [p[b : b + 1, pad:, :] for p in groups[f]]) for f in (0, 1))
                 out.append(PlaneRow(latent, rope))
             return out
+
+        if decoded is not None:
+            return LatentReads(width, pads, lambda family: decoded[family], rows, which)
 
         def decode(family: int) -> mx.array:
             group = codec.split([p[:, :width, :] for p in self._planes.views()])[family]
@@ -221,7 +229,10 @@ class EncodedLatentCache(RightJustifiedRows):
         else:
             reads = self._read(self._stored_planes(), self._stored_shadow(), converted,
                                [at + length - o for o in new_offsets])
-            if on_planes:
+            if on_planes and self._batch_ready(batch) and any(converted) \
+                    and planes_attendable(self.format, self.geometry.widths):
+                reads = self._plane_reads(at + length, new_offsets, reads, list(converted))
+            elif on_planes:
                 reads = decoded_reads(LatentAttentionState.of(reads), [at + length - o for o in new_offsets])
         self._width += length
         self._offsets = new_offsets

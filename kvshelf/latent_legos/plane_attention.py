@@ -188,17 +188,28 @@ class LatentReads:
         pads: Sequence[int],
         decode: Callable[[int], mx.array],
         rows: Callable[[], list[PlaneRow]] | None = None,
+        mixed: Sequence[bool] | None = None,
     ) -> None:
         self.width = width
         self.pads = list(pads)
         self._decode = decode
-        self._rows = rows
+        self._rows = rows if mixed is None else None
+        self._mixed_rows = rows if mixed is not None else None
+        self.mixed = list(mixed) if mixed is not None else None
         self._decoded: dict[int, mx.array] = {}
 
     @property
     def on_planes(self) -> bool:
         """Whether attention reads the encoded planes (no decoded history)."""
         return self._rows is not None
+
+    def mixed_rows(self) -> list[PlaneRow | None]:
+        """A batch where some rows read planes and some still read float32 (``mixed``): per row its planes, or None
+        for a row whose read is ``latent``/``rope`` (the f32-first shadow). Only the mlx-lm faces use it, to attend
+        each row exactly as its serial run would; ``attend`` keeps decode-then-attend for such a batch."""
+        if self._mixed_rows is None:
+            raise InvalidCacheState("these reads are not a mixed batch")
+        return self._mixed_rows()
 
     def family(self, i: int) -> mx.array:
         """Family ``i`` decoded, ``[B, T, W_i]`` float32, zeros in padding (decoded once, on first ask)."""

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import InvalidCacheState
-from ..latent_legos.plane_attention import LatentReads
+from ..latent_legos.plane_attention import LatentReads, attend_rows
 
 
 class LatentKeys:
@@ -52,7 +52,24 @@ class LatentKeys:
             if queries.shape[2] != 1:
                 raise InvalidCacheState("kvshelf's latent attention takes a causal mask string only at a decode step")
             mask = None
-        return self.reads.attend(queries, None, scale, mask).astype(queries.dtype)
+        if self.reads.on_planes:
+            return self.reads.attend(queries, None, scale, mask).astype(queries.dtype)
+        return self._attend_mixed(queries, scale, mask)
+
+    def _attend_mixed(self, queries: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+        """A batch of rows on planes and rows still reading float32: each row as its serial run attends, the planes
+        through ``attend_rows``, a float32 row through mlx's fused attention over its own positions."""
+        width, outs = self.reads.width, []
+        for b, (row, pad) in enumerate(zip(self.reads.mixed_rows(), self.reads.pads)):
+            m = None if mask is None else (mask[b : b + 1] if mask.shape[0] > 1 else mask)
+            q = queries[b : b + 1]
+            if row is not None:  # attend_rows reads the row's own columns of the mask
+                outs.append(attend_rows([row], width, q, scale, None, m).astype(queries.dtype))
+            else:
+                k = self.reads.latent[b : b + 1, pad:][:, None].astype(self.dtype)
+                m = None if m is None else m[..., pad:]
+                outs.append(mx.fast.scaled_dot_product_attention(q, k, k, scale=scale, mask=m))
+        return mx.concatenate(outs, axis=0)
 
 
 def _mlx_lm_sdpa():

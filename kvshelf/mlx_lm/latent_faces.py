@@ -149,7 +149,13 @@ class LatentLayer(MlxLmBatchFace):
 
 
 class MLALatentCache(LatentLayer):
-    """The ``KVCache`` face of one MLA layer over a latent lego (see the module docstring)."""
+    """The ``KVCache`` face of one MLA layer over a latent lego (see the module docstring).
+
+    ``attend_on_planes`` (default True): a decode step over encoded planes hands mlx-lm ``LatentKeys`` and is
+    attended on the planes (``latent_attention``); False decodes every stored position and hands mlx-lm float32
+    reads, as before (an A/B switch for accuracy and speed comparisons)."""
+
+    attend_on_planes = True
 
     def __init__(self, lego: Any, dtype: mx.Dtype | None = None) -> None:
         super().__init__(lego, dtype)
@@ -161,9 +167,9 @@ class MLALatentCache(LatentLayer):
         rope = heads_of_one("rope key (values)", values, g.rope_head_dim)
         self.dtype = self.dtype or keys.dtype
         self._reads = [None, None]  # last step's reads hold views of the buffers: drop them so the append is in place
-        if latent.shape[1] == 1 and hasattr(self.lego, "store_latent"):
+        if latent.shape[1] == 1 and self.attend_on_planes and hasattr(self.lego, "store_latent"):
             reads = self.lego.store_latent(latent, rope)
-            if reads.on_planes:  # a decode step over encoded planes: mlx-lm's attention reaches them through LatentKeys
+            if reads.on_planes or reads.mixed:  # a decode step over encoded planes: mlx-lm's attention reaches them through LatentKeys
                 install_latent_attention()
                 self._reads = [LatentKeys(reads, latent.shape[0], g.kv_lora_rank, self.dtype), self._as_model(reads.rope)]
                 return self._reads[0], self._reads[1]
