@@ -212,7 +212,10 @@ class LatentReads:
         return self._mixed_rows()
 
     def family(self, i: int) -> mx.array:
-        """Family ``i`` decoded, ``[B, T, W_i]`` float32, zeros in padding (decoded once, on first ask)."""
+        """Family ``i`` decoded, ``[B, T, W_i]`` float32, zeros in padding. Reads on planes decode on every ask and
+        keep nothing (whoever holds these reads between steps must not hold a decoded family with them)."""
+        if self._rows is not None or self._mixed_rows is not None:
+            return self._decode(i)
         if i not in self._decoded:
             self._decoded[i] = self._decode(i)
         return self._decoded[i]

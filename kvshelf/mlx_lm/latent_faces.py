@@ -171,8 +171,9 @@ class MLALatentCache(LatentLayer):
             reads = self.lego.store_latent(latent, rope)
             if reads.on_planes or reads.mixed:  # a decode step over encoded planes: mlx-lm's attention reaches them through LatentKeys
                 install_latent_attention()
-                self._reads = [LatentKeys(reads, latent.shape[0], g.kv_lora_rank, self.dtype), self._as_model(reads.rope)]
-                return self._reads[0], self._reads[1]
+                keys = LatentKeys(reads, latent.shape[0], g.kv_lora_rank, self.dtype)
+                self._reads = [keys, None]  # the RoPE read is the model's to drop: nothing decoded stays held here
+                return keys, self._as_model(reads.rope)
             state = LatentAttentionState(reads.latent, reads.rope)
         else:
             state = self.lego.append_latent(latent, rope)
@@ -180,16 +181,17 @@ class MLALatentCache(LatentLayer):
         return self._reads[0], self._reads[1]
 
     def _read(self, i: int) -> mx.array | None:
-        if isinstance(self._reads[i], LatentKeys):
-            return self._reads[i].array()
+        if isinstance(self._reads[0], LatentKeys):
+            return self._reads[0].array() if i == 0 else self._as_model(self._reads[0].reads.rope)
         if self._reads[i] is None and not self.empty():
             state = self.lego.read_latent()
             self._reads = [self._as_model(state.latent), self._as_model(state.rope)]
         return self._reads[i]
 
     def _assign(self, i: int, value: mx.array) -> None:
-        if isinstance(self._reads[i], LatentKeys):
-            if not isinstance(value, mx.array) or tuple(value.shape) != self._reads[i].shape:
+        if isinstance(self._reads[0], LatentKeys):
+            shape = self._reads[0].shape[:3] + ((self._reads[0].shape[3],) if i == 0 else (self.lego.geometry.rope_head_dim,))
+            if not isinstance(value, mx.array) or tuple(value.shape) != shape:
                 got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__
                 raise InvalidCacheState(f"an MLA latent cache takes back only an array shaped like its read (got {got})")
             return  # the planes are the read; an assigned copy (mlx-lm's mx.depends chain) changes nothing stored
