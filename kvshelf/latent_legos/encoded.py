@@ -162,7 +162,9 @@ class EncodedLatentCache(RightJustifiedRows):
         float32 shadow get ``append_latent``'s reads, bit for bit."""
         return self._append(latent, rope, index_keys, on_planes=True)
 
-    def attend(self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None) -> mx.array:
+    def attend(
+        self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None
+    ) -> mx.array:
         """Absorbed attention over every stored position (``LatentReads.attend``), on the planes once every row is
         converted; ``[B, H, L, r]`` float32."""
         return self.latent_reads().attend(q_latent, q_rope, scale, mask)

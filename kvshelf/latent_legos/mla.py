@@ -101,7 +101,9 @@ class MLACache(ReuseFloor, RightJustifiedRows):
     def latent_reads(self) -> LatentReads:
         return decoded_reads(self.read_latent(), self.left_pad if self._batch is not None else [])
 
-    def attend(self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None) -> mx.array:
+    def attend(
+        self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None
+    ) -> mx.array:
         """Absorbed attention over every stored position (``LatentReads.attend``); ``[B, H, L, r]`` float32."""
         return self.latent_reads().attend(q_latent, q_rope, scale, mask)
 

@@ -156,7 +156,9 @@ class PagedLatentCache(ReuseFloor):
 
         return LatentReads(width, pads, decode, plane_rows)
 
-    def attend(self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None) -> mx.array:
+    def attend(
+        self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None
+    ) -> mx.array:
         """Absorbed attention over every stored position (``LatentReads.attend``); ``[B, H, L, r]`` float32."""
         return self.latent_reads().attend(q_latent, q_rope, scale, mask)
 

@@ -237,7 +237,9 @@ class LatentReads:
             raise InvalidCacheState("these reads are float32: no encoded planes to attend on")
         return self._rows()
 
-    def attend(self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None) -> mx.array:
+    def attend(
+        self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None
+    ) -> mx.array:
         """Absorbed attention ``softmax(scale · (q_latent·latentᵀ + q_rope·ropeᵀ) + mask) · latent`` over every
         stored position, ``[B, H, L, r]`` float32; padding is never attended (``attend_rows`` documents ``mask``)."""
         if self._rows is not None:

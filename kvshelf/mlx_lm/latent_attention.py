@@ -17,7 +17,8 @@ grouped-head scores and fails for more than one head.
 
 ``install()`` puts it where mlx-lm's model modules look the name up (``mlx_lm.models.base`` and every loaded model
 module that imported base's function); ``make_prompt_cache`` and every decode step that hands out ``LatentKeys``
-(a restored face, too) call it, so a model built before or after runs through it. It is idempotent and changes nothing for caches that are not kvshelf's.
+(a restored face, too) call it, so a model built before or after runs through it. It is idempotent and changes
+nothing for caches that are not kvshelf's.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class MLALatentCache(LatentLayer):
         self._reads = [None, None]  # last step's reads hold views of the buffers: drop them so the append is in place
         if latent.shape[1] == 1 and self.attend_on_planes and hasattr(self.lego, "store_latent"):
             reads = self.lego.store_latent(latent, rope)
-            if reads.on_planes or reads.mixed:  # a decode step over encoded planes: mlx-lm's attention reaches them through LatentKeys
+            if reads.on_planes or reads.mixed:  # mlx-lm's attention reaches the planes through LatentKeys
                 install_latent_attention()
                 keys = LatentKeys(reads, latent.shape[0], g.kv_lora_rank, self.dtype)
                 self._reads = [keys, None]  # the RoPE read is the model's to drop: nothing decoded stays held here
@@ -190,7 +190,8 @@ class MLALatentCache(LatentLayer):
 
     def _assign(self, i: int, value: mx.array) -> None:
         if isinstance(self._reads[0], LatentKeys):
-            shape = self._reads[0].shape[:3] + ((self._reads[0].shape[3],) if i == 0 else (self.lego.geometry.rope_head_dim,))
+            width = self._reads[0].shape[3] if i == 0 else self.lego.geometry.rope_head_dim
+            shape = (*self._reads[0].shape[:3], width)
             if not isinstance(value, mx.array) or tuple(value.shape) != shape:
                 got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__
                 raise InvalidCacheState(f"an MLA latent cache takes back only an array shaped like its read (got {got})")
