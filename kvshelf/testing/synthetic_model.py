@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import InvalidCacheState
+from ..latent_legos.contracts import LatentAttentionState
 from ..latent_legos.latent.geometry import LatentGeometry
 
 _NEG = -1e9  # finite, so a query that sees nothing (a padding column) stays finite instead of NaN
@@ -151,10 +152,16 @@ class SyntheticMLAModel:
         k_pe = self._rope(x @ layer.w_kr, positions)
         index_keys = x @ layer.w_ki if layer.w_ki is not None else None
 
-        read = cache.append_latent(latent, k_pe, index_keys)
-        T = read.latent.shape[1]
         absorbed = 2 * L < dn + dv
         scale = 1.0 / math.sqrt(dn + dr)
+        if absorbed and layer.w_qi is None and hasattr(cache, "store_latent"):
+            reads = cache.store_latent(latent, k_pe)
+            if reads.on_planes:
+                return self._attend_planes(layer, reads, q_nope, q_pe, scale, list(cache.left_pad))
+            read = LatentAttentionState(reads.latent, reads.rope)
+        else:
+            read = cache.append_latent(latent, k_pe, index_keys)
+        T = read.latent.shape[1]
         if absorbed:
             r = self.geometry.kv_lora_rank
             q_latent = mx.einsum("blhd,rhd->bhlr", q_nope, layer.w_uk.reshape(r, H, dn)).reshape(B, H * L, r)
@@ -184,6 +191,19 @@ class SyntheticMLAModel:
             out = mx.einsum("bhlr,rhd->blhd", mixed, layer.w_uv.reshape(r, H, dv)).reshape(B, L, H * dv)
         else:
             out = mx.einsum("bhlt,bthd->blhd", weights, values).reshape(B, L, H * dv)
+        return out @ layer.wo
+
+    def _attend_planes(self, layer: _Layer, reads, q_nope: mx.array, q_pe: mx.array, scale: float,
+                       pads: list[int]) -> mx.array:
+        """The absorbed step on an encoded cache's planes (``LatentReads.attend``): nothing of size T x r decoded."""
+        B, L, H, dn = q_nope.shape
+        r, dv, T = self.geometry.kv_lora_rank, self.v_head_dim, reads.width
+        q_latent = mx.einsum("blhd,rhd->bhlr", q_nope, layer.w_uk.reshape(r, H, dn))
+        columns = mx.arange(T, dtype=mx.int32)
+        causal = columns[None, :] <= ((T - L) + mx.arange(L, dtype=mx.int32))[:, None]
+        visible = causal[None] & (columns[None, None, :] >= mx.array(pads, dtype=mx.int32)[:, None, None])
+        mixed = reads.attend(q_latent, q_pe.transpose(0, 2, 1, 3), scale, visible[:, None])
+        out = mx.einsum("bhlr,rhd->blhd", mixed, layer.w_uv.reshape(r, H, dv)).reshape(B, L, H * dv)
         return out @ layer.wo
 
     def __call__(self, tokens: mx.array, caches: Sequence) -> mx.array:

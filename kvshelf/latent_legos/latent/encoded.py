@@ -31,6 +31,7 @@ from .geometry import LatentGeometry
 from ..justified import RightJustifiedRows
 from ..rows import (check_f32, check_row, check_row_length, non_negative, pad_left, pick_rows, prefill_leads,
     transition_due, zero_leading, zero_prefill_leads)
+from .plane_attention import LatentReads, PlaneRow, decoded_reads, planes_attendable, quantized_family
 
 
 @dataclass
@@ -143,6 +144,58 @@ class EncodedLatentCache(RightJustifiedRows):
     def append_latent(
         self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None
     ) -> LatentAttentionState:
+        return self._append(latent, rope, index_keys, on_planes=False)
+
+    def store_latent(self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None) -> LatentReads:
+        """Append like ``append_latent``, but decode nothing: when every row read its encoded planes before this
+        append, the returned ``LatentReads`` attends on the planes (``plane_attention``); rows still reading their
+        float32 shadow get ``append_latent``'s reads, bit for bit."""
+        return self._append(latent, rope, index_keys, on_planes=True)
+
+    def attend(
+        self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None
+    ) -> mx.array:
+        """Absorbed attention over every stored position (``LatentReads.attend``), on the planes once every row is
+        converted; ``[B, H, L, r]`` float32."""
+        return self.latent_reads().attend(q_latent, q_rope, scale, mask)
+
+    def latent_reads(self) -> LatentReads:
+        """``LatentReads`` of every stored position (on the planes when every row is converted)."""
+        if self._planes and self._shadow is None and all(self._converted):
+            return self._plane_reads(self._width, list(self._offsets))
+        return decoded_reads(self.read_latent(), self.left_pad if self._batch is not None else [])
+
+    def _plane_reads(self, width: int, offsets: list[int], decoded: list[mx.array] | None = None,
+                     which: list[bool] | None = None) -> LatentReads:
+        """Reads of the first ``width`` stored columns, rows ending there with ``offsets`` positions each, that
+        attend on the planes. The views are taken when asked for, so nothing here holds a buffer across an append.
+        A mixed batch (``which``: rows on planes) carries its ``decoded`` reads (today's) as well."""
+        fmt, codec = self.format, self._codec
+        pads = [width - o for o in offsets]
+
+        def rows() -> list[PlaneRow | None]:
+            groups = codec.split([p[:, :width, :] for p in self._planes.views()])
+            out = []
+            for b, pad in enumerate(pads):
+                if which is not None and not which[b]:
+                    out.append(None)
+                    continue
+                latent, rope = (quantized_family(fmt, [p[b : b + 1, pad:, :] for p in groups[f]]) for f in (0, 1))
+                out.append(PlaneRow(latent, rope))
+            return out
+
+        if decoded is not None:
+            return LatentReads(width, pads, lambda family: decoded[family], rows, which)
+
+        def decode(family: int) -> mx.array:
+            group = codec.split([p[:, :width, :] for p in self._planes.views()])[family]
+            return zero_leading([codec.encodings[family].decode(group)], pads)[0]
+
+        return LatentReads(width, pads, decode, rows)
+
+    def _append(
+        self, latent: mx.array, rope: mx.array, index_keys: mx.array | None, on_planes: bool
+    ) -> LatentAttentionState | LatentReads:
         families, batch, length = self._check_append(latent, rope, index_keys)
         offsets = self._offsets if self._batch is not None else [0] * batch
         converted = self._converted if self._batch is not None else [False] * batch
@@ -162,7 +215,17 @@ class EncodedLatentCache(RightJustifiedRows):
             self._shadow.write(families, at)
         else:
             self._shadow = None
-        reads = self._read(self._stored_planes(), self._stored_shadow(), converted, [at + length - o for o in new_offsets])
+        planes_now = on_planes and self._batch_ready(batch) and all(converted) and self._shadow is None
+        if planes_now and planes_attendable(self.format, self.geometry.widths):
+            reads = self._plane_reads(at + length, new_offsets)
+        else:
+            reads = self._read(self._stored_planes(), self._stored_shadow(), converted,
+                               [at + length - o for o in new_offsets])
+            if on_planes and self._batch_ready(batch) and any(converted) \
+                    and planes_attendable(self.format, self.geometry.widths):
+                reads = self._plane_reads(at + length, new_offsets, reads, list(converted))
+            elif on_planes:
+                reads = decoded_reads(LatentAttentionState.of(reads), [at + length - o for o in new_offsets])
         self._width += length
         self._offsets = new_offsets
         for row, offset in enumerate(new_offsets):
@@ -172,7 +235,10 @@ class EncodedLatentCache(RightJustifiedRows):
                 if self.start > 0:
                     self._minimum[row] = offset
         self._drop_shadow_if_converted()
-        return LatentAttentionState.of(reads)
+        return reads if isinstance(reads, LatentReads) else LatentAttentionState.of(reads)
+
+    def _batch_ready(self, batch: int) -> bool:
+        return self._batch is not None and len(self._converted) == batch
 
     def _stored_planes(self) -> list[mx.array]:
         return self._planes.views()

@@ -14,6 +14,7 @@ from ..contracts import LatentAttentionState
 from .geometry import LatentGeometry
 from ..justified import RightJustifiedRows
 from ..rows import check_f32, check_row, check_row_length, non_negative, pad_left, prefill_leads, zero_prefill_leads
+from .plane_attention import LatentReads, decoded_reads
 
 
 @dataclass
@@ -84,6 +85,19 @@ class MLACache(ReuseFloor, RightJustifiedRows):
         self._width += length
         self._offsets = [o + length for o in self._offsets]
         return self._read()
+
+    def store_latent(self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None) -> LatentReads:
+        """``append_latent`` with its reads as ``LatentReads`` (float32 storage: the reads are the stored bits)."""
+        return decoded_reads(self.append_latent(latent, rope, index_keys), self.left_pad)
+
+    def latent_reads(self) -> LatentReads:
+        return decoded_reads(self.read_latent(), self.left_pad if self._batch is not None else [])
+
+    def attend(
+        self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None
+    ) -> mx.array:
+        """Absorbed attention over every stored position (``LatentReads.attend``); ``[B, H, L, r]`` float32."""
+        return self.latent_reads().attend(q_latent, q_rope, scale, mask)
 
     def _read(self) -> LatentAttentionState:
         return LatentAttentionState.of(self._columns.views())

@@ -24,6 +24,7 @@ from ..justified import check_keep_counts, check_merge_sources, padding_rows, ro
 from .pages import LatentPages, _positive
 from ..rows import (append_inputs, check_keep, check_row, check_row_length, check_token_room, non_negative, pad_left,
     prefill_leads, zero_prefill_leads)
+from .plane_attention import LatentReads, PlaneRow, decoded_reads, planes_attendable, quantized_family
 
 
 class PagedLatentCache(ReuseFloor):
@@ -103,6 +104,54 @@ class PagedLatentCache(ReuseFloor):
             row.append(planes if batch == 1 else [p[b : b + 1] for p in planes])
         self._rows, self._leading = rows, leading
         return LatentAttentionState.of(self._read(rows, len(families)))
+
+    def store_latent(self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None) -> LatentReads:
+        """Append like ``append_latent`` but decode nothing: an encoded format attends on each row's gathered pages of
+        codes (``plane_attention``); float32 pages read as ``append_latent`` does."""
+        families = append_inputs(self.geometry, latent, rope, index_keys, self.batch_size)
+        batch, length = latent.shape[0], latent.shape[1]
+        offsets = self.row_offsets or [0] * batch
+        check_token_room(self.geometry, offsets, length)
+        rows = self._rows or [LatentPages(self.block_size) for _ in range(batch)]
+        leading = self._leading or [0] * batch
+        families = zero_prefill_leads(families, prefill_leads(offsets))
+        planes = self._codec.encode(families)
+        for b, row in enumerate(rows):  # checked above; the writes cannot fail
+            row.append(planes if batch == 1 else [p[b : b + 1] for p in planes])
+        self._rows, self._leading = rows, leading
+        return self.latent_reads()
+
+    def latent_reads(self) -> LatentReads:
+        """``LatentReads`` of every stored position: on the gathered pages of codes when the format allows."""
+        rows, width = list(self._rows), self.offset
+        pads = [width - row.offset for row in rows]
+        if not planes_attendable(self.format, self.geometry.widths) or not rows:
+            count = len(self.geometry.widths)
+            return decoded_reads(LatentAttentionState.of(self._read(rows, count)) if rows else self.read_latent(), pads)
+        fmt, codec = self.format, self._codec
+
+        def plane_rows() -> list[PlaneRow]:
+            out = []
+            for row in rows:
+                groups = codec.split(row.gather())
+                out.append(PlaneRow(*(quantized_family(fmt, groups[f]) for f in (0, 1))))
+            return out
+
+        def decode(family: int) -> mx.array:
+            per_row = []
+            for row, pad in zip(rows, pads):
+                values = codec.encodings[family].decode(codec.split(row.gather())[family]) if row.offset else \
+                    mx.zeros((1, 0, self.geometry.widths[family]), dtype=mx.float32)
+                per_row.append(pad_left(values, pad))
+            return per_row[0] if len(per_row) == 1 else mx.concatenate(per_row, axis=0)
+
+        return LatentReads(width, pads, decode, plane_rows)
+
+    def attend(
+        self, q_latent: mx.array, q_rope: mx.array | None, scale: float, mask: mx.array | None = None
+    ) -> mx.array:
+        """Absorbed attention over every stored position (``LatentReads.attend``); ``[B, H, L, r]`` float32."""
+        return self.latent_reads().attend(q_latent, q_rope, scale, mask)
 
     def _read(self, rows: Sequence[LatentPages], families: int) -> list[mx.array]:
         """Every row decoded and joined right-justified: per family ``[B, T, W]``."""

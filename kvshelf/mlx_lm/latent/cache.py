@@ -17,6 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from ...errors import InvalidCacheState
 from ...latent_legos.latent.geometry import LatentGeometry
 from ...latent_legos.latent.scheme import KvScheme, composed_latent_cache
+from .attention import install as install_latent_attention
 from .dsa import DSALatentCache
 from .faces import MLALatentCache
 
@@ -55,6 +56,7 @@ def make_prompt_cache(
     if not isinstance(scheme, KvScheme):
         raise InvalidCacheState(f"scheme must be a KvScheme (got {type(scheme).__name__})")
     caches = mlx_make_prompt_cache(model, max_kv_size=max_kv_size)
+    install_latent_attention()  # decode steps over encoded planes reach kvshelf's attention (latent_attention)
     layers = list(getattr(model, "layers", []))
     if len(layers) != len(caches):
         return caches  # not one cache per decoder layer: nothing here is known to be an MLA layer's cache

@@ -27,8 +27,11 @@ from typing import Any
 import mlx.core as mx
 
 from ...errors import InvalidCacheState
+from ...latent_legos.contracts import LatentAttentionState
 from ...latent_legos.kv.masks import attention_mask
 from ...latent_legos.kv.model_face import MlxLmBatchFace, batch_positions
+from .attention import LatentKeys
+from .attention import install as install_latent_attention
 
 F32 = mx.float32
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -146,7 +149,13 @@ class LatentLayer(MlxLmBatchFace):
 
 
 class MLALatentCache(LatentLayer):
-    """The ``KVCache`` face of one MLA layer over a latent lego (see the module docstring)."""
+    """The ``KVCache`` face of one MLA layer over a latent lego (see the module docstring).
+
+    ``attend_on_planes`` (default True): a decode step over encoded planes hands mlx-lm ``LatentKeys`` and is
+    attended on the planes (``attention``); False decodes every stored position and hands mlx-lm float32
+    reads, as before (an A/B switch for accuracy and speed comparisons)."""
+
+    attend_on_planes = True
 
     def __init__(self, lego: Any, dtype: mx.Dtype | None = None) -> None:
         super().__init__(lego, dtype)
@@ -157,17 +166,36 @@ class MLALatentCache(LatentLayer):
         latent = heads_of_one("latent (keys)", keys, g.kv_lora_rank)
         rope = heads_of_one("rope key (values)", values, g.rope_head_dim)
         self.dtype = self.dtype or keys.dtype
-        state = self.lego.append_latent(latent, rope)
+        self._reads = [None, None]  # last step's reads hold views of the buffers: drop them so the append is in place
+        if latent.shape[1] == 1 and self.attend_on_planes and hasattr(self.lego, "store_latent"):
+            reads = self.lego.store_latent(latent, rope)
+            if reads.on_planes or reads.mixed:  # mlx-lm's attention reaches the planes through LatentKeys
+                install_latent_attention()
+                keys = LatentKeys(reads, latent.shape[0], g.kv_lora_rank, self.dtype)
+                self._reads = [keys, None]  # the RoPE read is the model's to drop: nothing decoded stays held here
+                return keys, self._as_model(reads.rope)
+            state = LatentAttentionState(reads.latent, reads.rope)
+        else:
+            state = self.lego.append_latent(latent, rope)
         self._reads = [self._as_model(state.latent), self._as_model(state.rope)]
         return self._reads[0], self._reads[1]
 
     def _read(self, i: int) -> mx.array | None:
+        if isinstance(self._reads[0], LatentKeys):
+            return self._reads[0].array() if i == 0 else self._as_model(self._reads[0].reads.rope)
         if self._reads[i] is None and not self.empty():
             state = self.lego.read_latent()
             self._reads = [self._as_model(state.latent), self._as_model(state.rope)]
         return self._reads[i]
 
     def _assign(self, i: int, value: mx.array) -> None:
+        if isinstance(self._reads[0], LatentKeys):
+            width = self._reads[0].shape[3] if i == 0 else self.lego.geometry.rope_head_dim
+            shape = (*self._reads[0].shape[:3], width)
+            if not isinstance(value, mx.array) or tuple(value.shape) != shape:
+                got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__
+                raise InvalidCacheState(f"an MLA latent cache takes back only an array shaped like its read (got {got})")
+            return  # the planes are the read; an assigned copy (mlx-lm's mx.depends chain) changes nothing stored
         current = self._read(i)
         if current is None or not isinstance(value, mx.array) or value.shape != current.shape:
             got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__

@@ -1,0 +1,245 @@
+"""Attention on the encoded latent planes (``store_latent`` / ``attend`` / ``LatentReads``, the mlx-lm faces'
+``LatentKeys``): bit for bit a ``mx.quantized_matmul`` reference on the same planes, within a stated tolerance of
+decode-then-attend, padding never attended through trims, rollbacks, merges and filters, tiny mlx-lm models
+decoding the same greedy tokens, and a decode step that allocates less than one decoded plane.
+
+Tolerances against decode-then-attend: affine planes decode to the values ``quantized_matmul`` uses, so only the
+summation order differs (``AFFINE_TOL``, relative to the output's largest magnitude); TurboQuant's decode rounds
+every value to bfloat16 first and the product on the planes does not, so the two differ by about one bfloat16
+ulp of the values (``TURBO_TOL``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm_models import MLA_NAMES, PROMPT, build, greedy
+
+from kvshelf.latent_legos import KvScheme
+from kvshelf.latent_legos.contracts import LatentAttentionState
+from kvshelf.latent_legos.latent.encoded import EncodedLatentCache
+from kvshelf.latent_legos.formats import AffineFormat, TurboFormat
+from kvshelf.latent_legos.latent.geometry import LatentGeometry
+from kvshelf.latent_legos.latent.paged import PagedLatentCache
+from kvshelf.latent_legos.latent.plane_attention import attend_decoded
+from kvshelf.mlx_lm import make_prompt_cache
+from kvshelf.mlx_lm.latent.attention import LatentKeys
+from kvshelf.mlx_lm.latent.cache import MLALatentCache
+
+AFFINE_TOL, TURBO_TOL = 1e-5, 2e-2
+FORMATS = {
+    "affine8/64": AffineFormat(8, 64), "affine4/32": AffineFormat(4, 32),
+    "turbo-k8": TurboFormat(8, 3), "turbo-k4": TurboFormat(4, 3), "turbo-k3": TurboFormat(3, 3),
+}
+GEOMETRY = LatentGeometry(128, 64)
+HEADS = 4
+
+
+def _normal(shape, seed):
+    return mx.random.normal(shape, key=mx.random.key(seed))
+
+
+def _reference_family(fmt, planes):
+    """The planes of one family in mlx's affine layout, derived here from the stored planes by the encoding's
+    definition (affine: as stored; TurboQuant: ``(idx + zero) * scale``, 8-bit codes shifted to unsigned)."""
+    if isinstance(fmt, AffineFormat):
+        return (*planes, fmt.bits, fmt.group_size)
+    codes, scales, zeros = planes
+    s = scales.astype(mx.float32)
+    if fmt.k_bits == 8:
+        unsigned = (codes.astype(mx.int32) + 128).astype(mx.uint8)
+        return unsigned.view(mx.uint32), s, s * (zeros.astype(mx.float32) - 128.0), 8, 32
+    return codes.view(mx.uint32), s, s * zeros.astype(mx.float32), fmt.k_bits, 32
+
+
+def _qmm(x, family, transpose):
+    w, s, b, bits, group = family
+    return mx.quantized_matmul(x, w[:, None], s[:, None], b[:, None], transpose=transpose, group_size=group, bits=bits)
+
+
+def reference_row(fmt, planes, q, qr, scale, mask=None):
+    """One row's absorbed attention written out with ``mx.quantized_matmul`` on its stored planes."""
+    _, H, L, r = q.shape
+    latent, rope = (_reference_family(fmt, group) for group in planes[:2])
+    T = planes[0][0].shape[1]
+    scores = _qmm((q * scale).reshape(1, 1, H * L, r), latent, True)
+    scores = scores + _qmm((qr * scale).reshape(1, 1, H * L, qr.shape[-1]), rope, True)
+    scores = scores.reshape(1, H, L, T)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.finfo(mx.float32).min)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return _qmm(weights.reshape(1, 1, H * L, T), latent, False).reshape(1, H, L, r)
+
+
+def _tolerance(fmt):
+    return AFFINE_TOL if isinstance(fmt, AffineFormat) else TURBO_TOL
+
+
+def _queries(batch, length, seed):
+    return _normal((batch, HEADS, length, GEOMETRY.kv_lora_rank), seed), _normal((batch, HEADS, length, 64), seed + 1)
+
+
+def _check_rows(cache: EncodedLatentCache, out, q, qr, scale):
+    """Every row of ``out`` equals the reference on that row's own planes (bit for bit: its padding columns never
+    enter) and is within tolerance of decode-then-attend over the row alone."""
+    for b in range(cache.batch_size):
+        row = cache.row_state(b)
+        ref = reference_row(cache.format, row.planes, q[b : b + 1], qr[b : b + 1], scale)
+        assert mx.array_equal(out[b : b + 1], ref).item(), b
+        alone = cache.extract_row(b).read_latent()
+        decoded = attend_decoded(alone, q[b : b + 1], scale, qr[b : b + 1])
+        bound = _tolerance(cache.format) * max(1.0, mx.abs(decoded).max().item())
+        assert mx.abs(out[b : b + 1] - decoded).max().item() <= bound, b
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_decode_step_on_the_planes_is_the_quantized_matmul_reference_and_close_to_decode_then_attend(name):
+    fmt = FORMATS[name]
+    cache = EncodedLatentCache(GEOMETRY, fmt)
+    cache.append_latent(_normal((1, 300, 128), 1), _normal((1, 300, 64), 2))
+    reads = cache.store_latent(_normal((1, 1, 128), 3), _normal((1, 1, 64), 4))
+    assert reads.on_planes
+    q, qr = _queries(1, 1, 5)
+    out = reads.attend(q, qr, 0.07)
+    _check_rows(cache, out, q, qr, 0.07)
+    assert mx.array_equal(out, cache.attend(q, qr, 0.07)).item()
+
+
+@pytest.mark.parametrize("name", ["affine8/64", "turbo-k8", "turbo-k4"])
+def test_paged_caches_attend_on_gathered_pages_of_codes(name):
+    fmt = FORMATS[name]
+    paged, flat = PagedLatentCache(GEOMETRY, fmt, block_size=16), EncodedLatentCache(GEOMETRY, fmt)
+    rows = [(_normal((1, n, 128), n), _normal((1, n, 64), n + 1)) for n in (37, 5, 20)]
+    for cache in (paged, flat):
+        singles = []
+        for latent, rope in rows:
+            single = cache.make_empty_batch()
+            single.append_latent(latent, rope)
+            singles.append(single)
+        cache.merge_rows(singles)
+        cache.trim(2)
+    q, qr = _queries(3, 1, 9)
+    step = (_normal((3, 1, 128), 11), _normal((3, 1, 64), 12))
+    got = paged.store_latent(*step)
+    assert got.on_planes
+    flat.store_latent(*step)
+    out = got.attend(q, qr, 0.1)
+    _check_rows(flat, out, q, qr, 0.1)  # the same codes as the unpaged cache's rows, bit for bit
+
+
+def test_float32_rows_keep_decode_then_attend_exactly():
+    cache = EncodedLatentCache(GEOMETRY, FORMATS["turbo-k8"], start=64)
+    cache.append_latent(_normal((1, 10, 128), 1), _normal((1, 10, 64), 2))
+    reads = cache.store_latent(_normal((1, 1, 128), 3), _normal((1, 1, 64), 4))
+    assert not reads.on_planes  # still reading its float32 shadow (f32 first)
+    state = cache.read_latent()
+    q, qr = _queries(1, 1, 5)
+    expected = attend_decoded(LatentAttentionState(state.latent, state.rope), q, 0.1, qr)
+    assert mx.array_equal(reads.attend(q, qr, 0.1), expected).item()
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("decode"), st.integers(1, 3)),
+    st.tuples(st.just("trim"), st.integers(0, 4)),
+    st.tuples(st.just("rollback"), st.integers(1, 4)),
+    st.tuples(st.just("filter"), st.integers(0, 2**6)),
+), max_size=6)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), ops=OPS,
+       fmt=st.sampled_from(["affine4/32", "turbo-k8", "turbo-k4"]), seed=st.integers(0, 1000))
+def test_attention_on_planes_over_any_rows_lengths_trims_rollbacks_merges_and_filters(lengths, ops, fmt, seed):
+    fmt = FORMATS[fmt]
+    singles = []
+    for i, n in enumerate(lengths):
+        single = EncodedLatentCache(GEOMETRY, fmt)
+        single.append_latent(_normal((1, n, 128), seed + i), _normal((1, n, 64), seed + 50 + i))
+        singles.append(single)
+    cache = EncodedLatentCache(GEOMETRY, fmt)
+    cache.merge_rows(singles)  # rows of unequal length: left padding that must never be attended
+    for k, (op, arg) in enumerate(ops):
+        rows = cache.batch_size
+        if op == "decode":
+            latent, rope = _normal((rows, arg, 128), seed + 100 + k), _normal((rows, arg, 64), seed + 200 + k)
+            reads = cache.store_latent(latent, rope)
+            assert reads.on_planes
+            q, qr = _queries(rows, arg, seed + 300 + k)
+            width = cache.offset
+            causal = mx.arange(width)[None, :] <= (width - arg + mx.arange(arg))[:, None]
+            out = reads.attend(q, qr, 0.1, causal[None, None])
+            for b in range(rows):
+                row = cache.row_state(b)
+                ref = reference_row(fmt, row.planes, q[b : b + 1], qr[b : b + 1], 0.1,
+                                    causal[None, None][..., width - row.offset :])
+                assert mx.array_equal(out[b : b + 1], ref).item()
+        elif op == "trim":
+            cache.trim(min(arg, min(cache.row_offsets) - 1) if min(cache.row_offsets) > 1 else 0)
+        elif op == "rollback":
+            cache.spec_round_begin()
+            cache.append_latent(_normal((rows, arg, 128), seed + 400 + k), _normal((rows, arg, 64), seed + 500 + k))
+            cache.spec_round_rollback([(b + k) % (arg + 1) for b in range(rows)])
+        elif op == "filter":
+            keep = [b for b in range(rows) if (arg >> b) & 1] or [rows - 1]
+            cache.filter_rows(keep)
+    q, qr = _queries(cache.batch_size, 1, seed + 999)
+    _check_rows(cache, cache.attend(q, qr, 0.1), q, qr, 0.1)
+
+
+GREEDY_STEPS = 16
+STEP_KL = 1e-3  # per decode step, the tiny models' logits on planes vs decode-then-attend
+
+
+def _kl(reference, other):
+    lp = reference - mx.logsumexp(reference, axis=-1, keepdims=True)
+    lq = other - mx.logsumexp(other, axis=-1, keepdims=True)
+    return mx.sum(mx.exp(lp) * (lp - lq)).item()
+
+
+@pytest.mark.parametrize("name", MLA_NAMES)
+@pytest.mark.parametrize("scheme", [KvScheme.affine(8, 32), KvScheme.turbo(8, 3), KvScheme.affine(4, 32)],
+                         ids=["affine8", "turbo8", "affine4"])
+@pytest.mark.parametrize("paged", [None, 8])
+def test_tiny_mlx_lm_models_decode_the_same_greedy_tokens_on_the_planes(name, scheme, paged):
+    model = build(name)
+    on_planes = make_prompt_cache(model, scheme, paged_block_size=paged)
+    decoded = make_prompt_cache(model, scheme, paged_block_size=paged)
+    for cache in decoded:
+        if isinstance(cache, MLALatentCache):
+            cache.attend_on_planes = False  # today's decode-then-attend
+    tokens, logits = greedy(model, PROMPT, on_planes, steps=GREEDY_STEPS)
+    expected, expected_logits = greedy(model, PROMPT, decoded, steps=GREEDY_STEPS)
+    assert tokens == expected
+    kl = max(_kl(want, got) for got, want in zip(logits, expected_logits))
+    print(f"{name} {scheme.kind} paged={paged}: max step KL on planes vs decode-then-attend {kl:.2e}")
+    assert kl < STEP_KL
+    if name == "deepseek_v3":
+        assert all(isinstance(c._reads[0], LatentKeys) for c in on_planes)  # the decode steps read the planes
+
+
+def test_a_decode_step_over_16k_encoded_positions_allocates_less_than_one_decoded_plane():
+    T, geometry = 16384, LatentGeometry(512, 64)
+    for fmt in (AffineFormat(8, 64), TurboFormat(8, 3), TurboFormat(4, 3)):
+        cache = EncodedLatentCache(geometry, fmt)
+        cache.append_latent(_normal((1, T, 512), 1), _normal((1, T, 64), 2))
+        q, qr = mx.random.normal((1, 16, 1, 512)), mx.random.normal((1, 16, 1, 64))
+        step = (mx.random.normal((1, 1, 512)), mx.random.normal((1, 1, 64)))
+        for _ in range(2):  # the first step after the prefill may still grow the buffers
+            mx.eval(cache.attend(q, qr, 0.05), cache.state, q, qr, *step)
+            cache.store_latent(*step)
+        mx.eval(cache.state)
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        out = cache.store_latent(*step).attend(q, qr, 0.05)
+        mx.eval(out, cache.state)
+        mx.synchronize()
+        decoded_plane = T * 512 * 4
+        assert mx.get_peak_memory() - before < decoded_plane, fmt
+        # between steps the cache holds its planes only: no float32 array with a row per stored position and a
+        # family's width (scales and biases are one value per group)
+        held = cache.state
+        assert not [a for a in held if a.dtype == mx.float32 and a.shape[-1] in geometry.widths]
+        assert cache.nbytes < 0.4 * cache.offset * geometry.f32_bytes_per_token()
