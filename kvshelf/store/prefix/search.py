@@ -39,6 +39,7 @@ today.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -144,6 +145,7 @@ class PrefixSearch:
         self.pos = _Positions(self.n, block)
         self.keys: dict[int, bytes] = {}
         self.states: dict[int, Any] = {}  # level -> the streaming hash after pos[level] tokens
+        self.hashed: list[int] = []       # the levels in ``states``, ascending
         self.counts: dict[int, int] = {}
         self.best: Found | None = None
         self.seen: set[bytes] = set()
@@ -155,26 +157,32 @@ class PrefixSearch:
         a lookup hash the prompt about once, not once per probe."""
         key = self.keys.get(i)
         if key is None:
-            at = self.pos[i]
-            below = max((j for j in self.states if j < i), default=None)
-            if below is None:
+            at, where = self.pos[i], bisect_left(self.hashed, i)
+            if where == 0:
                 h, done = xxhash.xxh3_128(self.nsk), 0
             else:
+                below = self.hashed[where - 1]
                 h, done = self.states[below].copy(), self.pos[below]
             h.update(memoryview(self.prompt.head(at))[done:at])
             self.states[i] = h
+            self.hashed.insert(where, i)
             key = self.keys[i] = h.digest()
         return key
 
-    def _probe(self, levels) -> None:
-        todo = sorted({i for i in levels if i not in self.counts})  # ascending: each hash continues the last
+    def _probe(self, levels: list[int]) -> None:
+        """Count the records of ``levels`` (ascending, so each hash continues the last) not counted yet: one round."""
+        if len(levels) == 1:  # a source that answers one per round: the lean path (a binary search's every step)
+            if levels[0] not in self.counts:
+                self.counts[levels[0]] = self.source.counts([self._key(levels[0])])[0]
+            return
+        todo = [i for i in levels if i not in self.counts]
         if todo:
             self.counts.update(zip(todo, self.source.counts([self._key(i) for i in todo])))
 
-    def _largest(self, lo: int, hi: int, pred) -> int:
-        """The largest i in [lo, hi] with pred(i) (pred(lo) holds and pred is monotone). One probe a round: a binary
-        search. ``k`` a round: evenly spaced, the top of the range among them (a whole prompt stored, or the level
-        right below holding new records, are common answers)."""
+    def _largest(self, lo: int, hi: int, above: int) -> int:
+        """The largest i in [lo, hi] with more than ``above`` records (lo has; counts fall as i grows). One probe a
+        round: a binary search. ``k`` a round: evenly spaced, the top of the range among them (a whole prompt
+        stored, or the level right below holding new records, are common answers)."""
         while lo < hi:
             if self.k == 1:
                 probes = [(lo + hi + 1) // 2]
@@ -183,7 +191,7 @@ class PrefixSearch:
                 probes = sorted({*range(lo + step, hi + 1, step), hi})
             self._probe(probes)
             for i in probes:
-                if pred(i):
+                if self.counts[i] > above:
                     lo = i
                 else:
                     hi = i - 1
@@ -211,7 +219,7 @@ class PrefixSearch:
                 break
         if lo < 0:
             return -1
-        return self._largest(lo, hi, lambda i: self.counts[i] > 0)
+        return self._largest(lo, hi, 0)
 
     def _next_level(self, level: int, count: int) -> int:
         """The deepest boundary below ``level`` holding more records than ``count`` (-1: none)."""
@@ -220,7 +228,7 @@ class PrefixSearch:
         self._probe([0])
         if self.counts[0] <= count:
             return -1
-        return self._largest(0, level - 1, lambda i: self.counts[i] > count)
+        return self._largest(0, level - 1, count)
 
     # --- the search -----------------------------------------------------------------------------------------------
     def run(self) -> Found | None:
@@ -284,22 +292,27 @@ class PrefixSearch:
             if len(batch) >= self.source.candidates_per_round:
                 self._examine(batch)
                 batch = []
-        self._examine(batch)
+        if batch:
+            self._examine(batch)
         return True
 
     def _examine(self, batch: list[tuple[int, bytes]]) -> None:
         """Read the batch's summaries (one round), keep those usable at their prediction, then verify their tokens
         best first (``tokens_per_round`` a round) while one can still beat the best."""
-        found = [(predicted, self.source.snapshot(ref)) for predicted, ref in batch]
-        found = [(predicted, sid) for predicted, sid in found if sid is not None]
+        source = self.source
+        found = []
+        for predicted, ref in batch:
+            sid = source.snapshot(ref)
+            if sid is not None:
+                found.append((predicted, sid))
         if not found:
             return
-        viable = []
-        for (predicted, sid), s in zip(found, self.source.summaries([sid for _, sid in found])):
-            if s is not None and usable(predicted, s):
-                viable.append(_Candidate(predicted, sid, s, self.source.recency(sid, s)))
-        viable.sort(key=lambda c: (c.predicted, c.recency), reverse=True)
-        per = max(1, self.source.tokens_per_round)
+        viable = [_Candidate(predicted, sid, s, source.recency(sid, s))
+                  for (predicted, sid), s in zip(found, source.summaries([sid for _, sid in found]))
+                  if s is not None and usable(predicted, s)]
+        if len(viable) > 1:
+            viable.sort(key=lambda c: (c.predicted, c.recency), reverse=True)
+        per = max(1, source.tokens_per_round)
         at = 0
         while at < len(viable):
             group = []
@@ -312,7 +325,7 @@ class PrefixSearch:
                     group.append(c)
             if not group:
                 continue
-            for c, stored in zip(group, self.source.tokens([c.sid for c in group])):
+            for c, stored in zip(group, source.tokens([c.sid for c in group])):
                 self._verify(c, stored)
 
     def _verify(self, c: _Candidate, stored: np.ndarray | None) -> None:
