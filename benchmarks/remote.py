@@ -130,8 +130,8 @@ def _restore_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
 def _lookup_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
     from kvshelf.latent_legos import LatentGeometry, MLACache
     from kvshelf.store.identity import namespace_key
-    from kvshelf.store.prefix.search import LazyTokens
-    from kvshelf.store.remote.search import RemoteLookup
+    from kvshelf.store.prefix.search import LazyTokens, PrefixSearch
+    from kvshelf.store.remote.search import RedisRecords
 
     n = 4096 if size == "small" else 32768
     trunk = data.token_ids(n - 1024, seed=77, high=100_000)
@@ -163,8 +163,9 @@ def _lookup_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
     as_list = prompt.tolist()
     value_list = time_reps(lambda _: tier.lookup(LazyTokens(as_list), "", None), 50, unit="ms", collect=False)
     local_list = time_reps(lambda _: store.lookup(as_list), 50, unit="ms", collect=False)
-    probe = RemoteLookup(tier.client, tier.keys, namespace_key(store.id_key, ""), LazyTokens(prompt))
-    probe.run()
+    nsk = namespace_key(store.id_key, "")
+    probe = RedisRecords(tier.client, tier.keys, nsk)  # counts the round trips of one lookup
+    PrefixSearch(probe, nsk, LazyTokens(prompt)).run()
     store.close()
     server.flush()
     what = f"{len(prompt)}-token prompt, {n_snapshots} snapshots"

@@ -1,6 +1,7 @@
 """The shared prefix index keeps the local rule (API.md "Usable prefix of a stored snapshot") across hosts: host B,
 with nothing local, finds exactly the longest usable prefix over every snapshot host A published (a brute-force
-oracle; floors and untrimmable caches mixed in), token-verified; and the circuit breaker's states."""
+oracle; floors and untrimmable caches mixed in), token-verified; the one prefix search gives the same length over
+host A's own index and over the shared one; and the circuit breaker's states."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from lookup_oracle import IDENTITY, PROVIDER, caches, oracle, stores
 from redis_servers import RedisServer
 
 from kvshelf import open_store
+from kvshelf.store.identity import namespace_key
+from kvshelf.store.prefix.index_records import IndexRecords
+from kvshelf.store.prefix.search import LazyTokens, PrefixSearch
 from kvshelf.store.remote import CircuitBreaker
+from kvshelf.store.remote.search import RedisRecords
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,30 @@ def test_remote_lookup_finds_the_longest_usable_prefix_over_all_snapshots(two_ho
         assert tokens[:want] == prompt[:want] and want >= floor and (trimmable or want == len(tokens))
         r = b.restore_prefix(prompt, namespace=ns)
         assert r.length == want and r.caches[0].offset == want and r.tokens == prompt[:want]
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=stores())
+def test_one_search_gives_the_same_length_over_the_local_index_and_redis(two_hosts, case) -> None:
+    """Host A holds its sessions locally and has published them: ``PrefixSearch`` over its index read transaction
+    and over the Redis records finds the same (oracle) length; a prompt whose first token no snapshot starts with
+    costs the Redis source one round trip."""
+    snaps, prompt = case
+    a, _ = two_hosts
+    ns = uuid.uuid4().hex
+    for i, (tokens, trimmable, floor) in enumerate(snaps):
+        a.save(f"s{i}", tokens, caches(len(tokens), trimmable, floor), namespace=ns)
+    assert a.tier.flush(30)
+    nsk, want = namespace_key(a.id_key, ns), oracle(snaps, prompt)
+    for form in (prompt, np.array(prompt, dtype=np.int64)):
+        with a.index.read() as txn:
+            local = PrefixSearch(IndexRecords(txn), nsk, LazyTokens(form)).run()
+        redis = RedisRecords(a.tier.client, a.tier.keys, nsk)
+        remote = PrefixSearch(redis, nsk, LazyTokens(form)).run()
+        lengths = [0 if found is None else found.length for found in (local, remote)]
+        assert lengths == [want, want], (lengths, want)
+        if len(prompt) >= 2 and all(tokens[0] != prompt[0] for tokens, _, _ in snaps):
+            assert redis.round_trips == 1
 
 
 def test_unusable_neighbours_do_not_hide_a_usable_remote_snapshot(two_hosts) -> None:

@@ -69,14 +69,17 @@ def test_a_miss_costs_one_index_probe(tmp_path, monkeypatch):
     """An 8192-token prompt that shares nothing with 40 stored snapshots: a miss is one prefix-index probe, converts
     no more than the first 256 tokens and reads no blob. (Speed itself is measured in benchmarks/, measure 7: about
     0.03 ms on this machine; unit tests count work instead of timing it.)"""
+    from kvshelf.store.identity import namespace_key
     from kvshelf.store.prefix import search as lookup_module
+    from kvshelf.store.prefix.hashing import boundary_hash, tokens_array
+    from kvshelf.store.prefix.index_records import IndexRecords
 
-    probes, converted = [], []
-    real_count, real_head = lookup_module._Lookup._count, lookup_module.LazyTokens.head
+    probes, converted = [], []  # every boundary whose record count a lookup reads; tokens converted
+    real_counts, real_head = IndexRecords.counts, lookup_module.LazyTokens.head
 
-    def count(self, i):
-        probes.append(i)
-        return real_count(self, i)
+    def counts(self, boundaries):
+        probes.extend(boundaries)
+        return real_counts(self, boundaries)
 
     def head(self, k):
         out = real_head(self, k)
@@ -91,10 +94,10 @@ def test_a_miss_costs_one_index_probe(tmp_path, monkeypatch):
             c.append_latent(mx.zeros((1, 512, 8)), mx.zeros((1, 512, 8)), None)
             store.save(f"s{k}", system + token_ids(256, seed=100 + k), [c])
         cold = token_ids(8192, seed=999)
-        monkeypatch.setattr(lookup_module._Lookup, "_count", count)
+        monkeypatch.setattr(IndexRecords, "counts", counts)
         monkeypatch.setattr(lookup_module.LazyTokens, "head", head)
         blobs_before = store.counters["blobs_read"]
         assert store.lookup(cold) is None
-        assert probes == [0]
+        assert probes == [boundary_hash(namespace_key(store.id_key, ""), tokens_array(cold[:1]), 1)]
         assert max(converted) <= 256
         assert store.counters["blobs_read"] == blobs_before

@@ -12,6 +12,7 @@ from store_cases import RingCache, open_test_store, ring_provider, same_caches, 
 from kvshelf import Identity
 from kvshelf.errors import IdentityMismatch, InvalidCacheState, SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
+from kvshelf.store.identity import namespace_key
 from kvshelf.store.prefix.hashing import boundary_hash, continuation, positions, tokens_array
 from kvshelf.store.prefix.records import lineage_id
 
@@ -157,14 +158,14 @@ def test_identity_and_namespace_isolation(tmp_path):
 def test_lookup_costs(tmp_path, monkeypatch):
     """A miss is one index probe; a hit on a long prompt costs O(log n) probes, however many snapshots share it.
     (Times are measured in benchmarks/, measure 7; here the work is counted.)"""
-    from kvshelf.store.prefix import search as lookup_module
+    from kvshelf.store.prefix.index_records import IndexRecords
 
-    probes = []
-    real_count = lookup_module._Lookup._count
+    probes = []  # every boundary whose record count a lookup reads
+    real_counts = IndexRecords.counts
 
-    def count(self, i):
-        probes.append(i)
-        return real_count(self, i)
+    def counts(self, boundaries):
+        probes.extend(boundaries)
+        return real_counts(self, boundaries)
 
     g = LatentGeometry(kv_lora_rank=8, rope_head_dim=8)
     system = token_ids(2048, seed=1)
@@ -175,9 +176,9 @@ def test_lookup_costs(tmp_path, monkeypatch):
             store.save(f"s{k}", system + token_ids(64, seed=100 + k), [c])
         prompt_miss = token_ids(4096, seed=999)
         prompt_hit = system + token_ids(64, seed=130) + token_ids(1000, seed=3)
-        monkeypatch.setattr(lookup_module._Lookup, "_count", count)
+        monkeypatch.setattr(IndexRecords, "counts", counts)
         assert store.lookup(prompt_miss) is None
-        assert probes == [0]
+        assert probes == [boundary_hash(namespace_key(store.id_key, ""), tokens_array(prompt_miss), 1)]
         probes.clear()
         h = store.lookup(prompt_hit)
         assert (h.session_id, h.length) == ("s30", 2048 + 64)

@@ -1,42 +1,58 @@
-"""The prefix search behind ``Store.lookup``: the longest usable stored prefix of a prompt, exactly.
+"""The one prefix search: the longest usable stored prefix of a prompt, over any ``RecordSource``.
 
-Every session's current snapshot records every boundary of its tokens (``prefix.py``), with the 16 tokens that follow
-the boundary in the record (dups sorted by them) and the session's lineage id, which ``heads`` resolves to the
-snapshot (``records.py``). Along the prompt's boundaries the number of records is non-increasing, so:
+Every session's current snapshot records every boundary of its tokens (``hashing.py``), with the 16 tokens that
+follow the boundary in the record (records sorted by them) and a ref that the source resolves to the snapshot
+(``source.py``: a lineage id in the local index, a snapshot id on Redis). Along the prompt's boundaries the number of
+records is non-increasing, so:
 
-1. the deepest boundary any snapshot shares with the prompt is found by galloping then binary search (O(log n) gets;
-   a list prompt is converted only as far as that reads);
+1. the deepest boundary any snapshot shares with the prompt is found by galloping then searching on the record
+   counts, ``probes_per_round`` boundaries per round (1 locally: a binary search, O(log n) gets; 8 on Redis: a k-ary
+   search, one pipelined round trip a round). The prompt is hashed once: a streaming xxh3 state is kept per level
+   hashed and the next one continues from the nearest below (the digests are ``hashing.boundary_hash``'s), and a
+   list prompt is converted only as far as that reads;
 2. at that boundary every record's *predicted* usable length is exact from the record alone: ``p = min(boundary +
    matching following tokens, len(prompt) - 1)``. Records are visited outward from the prompt's own continuation,
-   so predictions only fall; a record is examined (summary read: floor, trimmability, length; then its tokens are
-   compared, never trusting the hash) only while its prediction can still beat the best usable one so far;
-3. the search then jumps (binary search on the record counts) to the next boundary below that has records the deeper
+   so predictions only fall; a record is examined (its summary read: floor, trimmability, length, recency; then its
+   tokens compared, never trusting the hash) only while its prediction can still beat the best usable one so far.
+   A verified length never exceeds the prediction (tokens are compared up to it), so a candidate whose prediction
+   and recency together cannot beat the best is settled from its summary without reading its tokens;
+3. the search then jumps (searching on the counts again) to the next boundary below that has records the deeper
    ones did not have (only those are new there; the ones that continue the prompt a whole block further were seen
    above and are skipped in one cursor move) and stops as soon as nothing first met below can reach the best.
 
 So an unusable snapshot at the deepest boundary (a floor above the shared prefix, an untrimmable cache that would
 need a cut) never hides a usable one further down, and thousands of snapshots sharing a system prompt cost a few
-cursor moves. Ties in length go to the most recently used among the first ``TIE_CANDIDATES`` equal ones examined.
-Work is bounded (``MAX_EXAMINED`` summaries, ``MAX_STEPS`` records visited): only a store built to defeat it (hundreds
-of unusable snapshots predicted longer than the answer) can exhaust that, and then the best found so far is returned.
+cursor moves. Usable is one rule (``usable``, API.md): ``p > 0``, ``p >= floor`` and ``p == length`` unless the
+caches are trimmable. Ties in length go to the highest ``source.recency`` (the local index: the most recently used,
+counting this handle's unwritten uses; Redis: the most recently made) among the first ``TIE_CANDIDATES`` equal ones
+examined. (Where the Redis side's choice changed: its own search kept the first equal candidate its window
+offered unless a later one was verified in the same round trip of two, and never scanned a level for a tie alone;
+now the most recently made equal one wins, which costs one more round trip when it is not the candidate whose tokens
+came with the summaries.) Work is bounded by the source (``Bounds``: levels, summaries, records visited): only a
+store built to defeat it (hundreds of unusable snapshots predicted longer than the answer) can exhaust that, and then
+the best found so far is returned.
+
+``PrefixSearch(source, nsk, prompt, block).run()`` is the entry; ``_Lookup`` keeps the call the store's façade makes
+today.
 """
 
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
+from typing import Any, NamedTuple
+
 import numpy as np
+import xxhash
 
-from ..index import schema as mf
-from ..index.schema import Summary
-from .hashing import boundary_hash, common_prefix, continuation, level_bound, tokens_array
-
+from .hashing import BLOCK_TOKENS, common_prefix, continuation, level_bound, tokens_array
+from .index_records import IndexRecords
+from .source import REF_BYTES, RecordSource, Summary
 
 TIE_CANDIDATES = 32   # equal-length usable candidates compared for recency
-MAX_EXAMINED = 256    # summaries read per lookup at most
-MAX_STEPS = 8192      # prefix records visited per lookup at most
 _PAD = b"\xff" * 8
-_BIG = b"\xff" * 16   # sorts after every sid: skips the records equal to the query in one move
+_BIG = b"\xff" * 16   # sorts after every ref: skips the records equal to the query in one move
 
 
 class LazyTokens:
@@ -70,8 +86,17 @@ class LazyTokens:
         return self._arr
 
 
+class Found(NamedTuple):
+    """A lookup's answer: the usable length, the snapshot's summary and id, and the (length, recency) it won by."""
+
+    length: int
+    summary: Any
+    sid: bytes
+    rank: tuple
+
+
 class _Positions:
-    """``prefix.positions(n, block)`` without building the list (a 32k prompt has 2,000 boundaries)."""
+    """``hashing.positions(n, block)`` without building the list (a 32k prompt has 2,000 boundaries)."""
 
     def __init__(self, n: int, block: int):
         self.n, self.block = n, block
@@ -96,99 +121,153 @@ def _matching(record: bytes | memoryview, query: bytes) -> int:
     return len(query) // 8
 
 
-class _Lookup:
-    """One lookup in one read transaction (see the module docstring)."""
+def usable(p: int, s: Summary) -> bool:
+    """API.md's rule: a snapshot gives ``p`` tokens iff ``p > 0``, ``p >= `` its floor, and ``p`` is its whole
+    length unless its caches can be cut."""
+    return p > 0 and p >= s.minimum_reusable_offset and (p == s.length or s.trimmable)
 
-    def __init__(self, store, txn, nsk: bytes, prompt: LazyTokens):
-        self.store, self.txn, self.nsk, self.prompt = store, txn, nsk, prompt
-        self.block = store.block
-        self.touched = store._touched()  # uses this handle remembers but has not written yet
+
+class _Candidate(NamedTuple):
+    predicted: int
+    sid: bytes
+    summary: Any
+    recency: float
+
+
+class PrefixSearch:
+    """One lookup over one ``RecordSource`` (see the module docstring). ``run`` → ``Found`` or None."""
+
+    def __init__(self, source: RecordSource, nsk: bytes, prompt: LazyTokens, block: int = BLOCK_TOKENS):
+        self.source, self.nsk, self.prompt, self.block = source, nsk, prompt, block
+        self.bounds = source.bounds
+        self.k = max(1, source.probes_per_round)
         self.n = prompt.n
-        self.pos = _Positions(self.n, self.block)
+        self.pos = _Positions(self.n, block)
         self.keys: dict[int, bytes] = {}
+        self.states: dict[int, Any] = {}  # level -> the streaming hash after pos[level] tokens
+        self.hashed: list[int] = []       # the levels in ``states``, ascending
         self.counts: dict[int, int] = {}
-        self.best: tuple | None = None   # (p, summary, sid, rank)
+        self.best: Found | None = None
         self.seen: set[bytes] = set()
         self.examined = self.steps = self.ties = 0
 
     # --- records per boundary -------------------------------------------------------------------------------------
     def _key(self, i: int) -> bytes:
+        """Level ``i``'s boundary hash, hashed on from the nearest level below already hashed, so all the probes of
+        a lookup hash the prompt about once, not once per probe."""
         key = self.keys.get(i)
         if key is None:
-            key = self.keys[i] = boundary_hash(self.nsk, self.prompt.head(self.pos[i]), self.pos[i])
+            at, where = self.pos[i], bisect_left(self.hashed, i)
+            if where == 0:
+                h, done = xxhash.xxh3_128(self.nsk), 0
+            else:
+                below = self.hashed[where - 1]
+                h, done = self.states[below].copy(), self.pos[below]
+            h.update(memoryview(self.prompt.head(at))[done:at])
+            self.states[i] = h
+            self.hashed.insert(where, i)
+            key = self.keys[i] = h.digest()
         return key
 
-    def _count(self, i: int) -> int:
-        count = self.counts.get(i)
-        if count is None:
-            count = self.counts[i] = self.txn.dup_count("prefix", self._key(i))
-        return count
+    def _probe(self, levels: list[int]) -> None:
+        """Count the records of ``levels`` (ascending, so each hash continues the last) not counted yet: one round."""
+        if len(levels) == 1:  # a source that answers one per round: the lean path (a binary search's every step)
+            if levels[0] not in self.counts:
+                self.counts[levels[0]] = self.source.counts([self._key(levels[0])])[0]
+            return
+        todo = [i for i in levels if i not in self.counts]
+        if todo:
+            self.counts.update(zip(todo, self.source.counts([self._key(i) for i in todo])))
+
+    def _largest(self, lo: int, hi: int, above: int) -> int:
+        """The largest i in [lo, hi] with more than ``above`` records (lo has; counts fall as i grows). One probe a
+        round: a binary search. ``k`` a round: evenly spaced, the top of the range among them (a whole prompt
+        stored, or the level right below holding new records, are common answers)."""
+        while lo < hi:
+            if self.k == 1:
+                probes = [(lo + hi + 1) // 2]
+            else:
+                step = -(-(hi - lo) // self.k)
+                probes = sorted({*range(lo + step, hi + 1, step), hi})
+            self._probe(probes)
+            for i in probes:
+                if self.counts[i] > above:
+                    lo = i
+                else:
+                    hi = i - 1
+                    break
+        return lo
 
     def _deepest(self) -> int:
-        """Index of the deepest boundary of the prompt that some snapshot records (-1: none)."""
-        if self._count(0) == 0:
-            return -1
-        lo, step = 0, 1
-        hi = len(self.pos) - 1  # invariant: pos[lo] recorded; beyond hi not
-        while lo + step <= hi:   # gallop, so a shallow match never converts the whole prompt
-            if self._count(lo + step) == 0:
-                hi = lo + step - 1
+        """Index of the deepest boundary of the prompt that some snapshot records (-1: none). Gallops first (levels
+        2^j - 1 and the last), so a shallow match never converts or hashes the whole prompt and a miss is one
+        round: one level at a time for a source that answers one per round (stopping at the first empty one), all
+        of them in one round for a source that batches (they are only log2 n + 2)."""
+        last = len(self.pos) - 1
+        gallop = [(1 << j) - 1 for j in range(last.bit_length()) if (1 << j) - 1 < last] + [last]
+        per = 1 if self.k == 1 else len(gallop)
+        lo, hi = -1, last  # invariant: lo recorded (or -1: none known); beyond hi not
+        for r in range(0, len(gallop), per):
+            self._probe(gallop[r:r + per])
+            for i in gallop[r:r + per]:
+                if self.counts[i] > 0:
+                    lo = i
+                else:
+                    hi = i - 1
+                    break
+            if hi < last or lo == last:
                 break
-            lo += step
-            step *= 2
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._count(mid) > 0:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        if lo < 0:
+            return -1
+        return self._largest(lo, hi, 0)
 
     def _next_level(self, level: int, count: int) -> int:
         """The deepest boundary below ``level`` holding more records than ``count`` (-1: none)."""
-        if level == 0 or self._count(0) <= count:
+        if level == 0:
             return -1
-        lo, hi = 0, level - 1  # invariant: count(lo) > count
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._count(mid) > count:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _bound(self, level: int) -> int:
-        return level_bound(self.pos, level, self.n)
+        self._probe([0])
+        if self.counts[0] <= count:
+            return -1
+        return self._largest(0, level - 1, count)
 
     # --- the search -----------------------------------------------------------------------------------------------
-    def run(self):
+    def run(self) -> Found | None:
         if self.n < 2:
             return None
         level = self._deepest()
-        deepest = level
-        while level >= 0:
-            if self.best is not None and (self.best[0] > self._bound(level) or
-                                          (self.best[0] == self._bound(level) and self.ties >= TIE_CANDIDATES)):
+        deepest, scanned = level, 0
+        while level >= 0 and scanned < self.bounds.levels:
+            bound = level_bound(self.pos, level, self.n)
+            if self.best is not None and (self.best.length > bound or
+                                          (self.best.length == bound and self.ties >= TIE_CANDIDATES)):
                 break
+            scanned += 1
             if not self._scan(level, skip_equal=level < deepest):
                 break
-            if self.best is not None and self.best[0] >= self.pos[level]:
+            if self.best is not None and self.best.length >= self.pos[level]:
                 break  # anything first met below shares fewer than pos[level] tokens
-            level = self._next_level(level, self._count(level))
+            level = self._next_level(level, self.counts[level])
         return self.best
 
+    def _may_beat(self, predicted: int) -> bool:
+        return self.best is None or predicted > self.best.length or (
+            predicted == self.best.length and self.ties < TIE_CANDIDATES)
+
     def _scan(self, level: int, skip_equal: bool) -> bool:
-        """Visit the records at ``level`` outward from the prompt's continuation. False: the work budget is spent."""
-        key, at = self._key(level), self.pos[level]
+        """Visit the records at ``level`` outward from the prompt's continuation, examining the new ones in the
+        source's batches. False: the work budget is spent."""
+        at = self.pos[level]
         query = continuation(self.prompt.head(min(self.n, at + self.block)), at, self.block)
-        right = self.txn.dup_from("prefix", key, query + _BIG if skip_equal else query)
-        left = self.txn.dup_below("prefix", key, query)
+        right, left = self.source.records(self._key(level), query + _BIG if skip_equal else query, query)
+        right, left = iter(right), iter(left)
         r, l_ = next(right, None), next(left, None)
         rm = _matching(r, query) if r is not None else -1
         lm = _matching(l_, query) if l_ is not None else -1
+        batch: list[tuple[int, bytes]] = []
         while r is not None or l_ is not None:
             self.steps += 1
-            if self.steps > MAX_STEPS:
+            if self.steps > self.bounds.steps:
+                self._examine(batch)
                 return False
             if rm >= lm:
                 record, matched = r, rm
@@ -199,47 +278,83 @@ class _Lookup:
                 l_ = next(left, None)
                 lm = _matching(l_, query) if l_ is not None else -1
             predicted = min(at + matched, self.n - 1)
-            if self.best is not None and (predicted < self.best[0] or
-                                          (predicted == self.best[0] and self.ties >= TIE_CANDIDATES)):
-                return True  # everything further out predicts no more than this
-            lineage = bytes(record[-16:])
-            if lineage in self.seen:
+            if not self._may_beat(predicted):
+                break  # everything further out predicts no more than this
+            ref = bytes(record[-REF_BYTES:])
+            if ref in self.seen:
                 continue
-            self.seen.add(lineage)
+            self.seen.add(ref)
             self.examined += 1
-            if self.examined > MAX_EXAMINED:
+            if self.examined > self.bounds.examined:
+                self._examine(batch)
                 return False
-            sid = self.txn.get("heads", lineage)  # the session's current snapshot (records.py)
-            if sid is not None:
-                self._consider(bytes(sid), predicted, at + self.block + 1)
+            batch.append((predicted, ref))
+            if len(batch) >= self.source.candidates_per_round:
+                self._examine(batch)
+                batch = []
+        if batch:
+            self._examine(batch)
         return True
 
-    def _consider(self, sid: bytes, predicted: int, reach: int) -> None:
-        raw = self.txn.get("summaries", sid)
-        if raw is None:
+    def _examine(self, batch: list[tuple[int, bytes]]) -> None:
+        """Read the batch's summaries (one round), keep those usable at their prediction, then verify their tokens
+        best first (``tokens_per_round`` a round) while one can still beat the best."""
+        source = self.source
+        found = []
+        for predicted, ref in batch:
+            sid = source.snapshot(ref)
+            if sid is not None:
+                found.append((predicted, sid))
+        if not found:
             return
-        s = mf.decode(raw, Summary, f"summary {sid.hex()}")
-        if not _usable(predicted, s):
+        viable = [_Candidate(predicted, sid, s, source.recency(sid, s))
+                  for (predicted, sid), s in zip(found, source.summaries([sid for _, sid in found]))
+                  if s is not None and usable(predicted, s)]
+        if len(viable) > 1:
+            viable.sort(key=lambda c: (c.predicted, c.recency), reverse=True)
+        per = max(1, source.tokens_per_round)
+        at = 0
+        while at < len(viable):
+            group = []
+            while at < len(viable) and len(group) < per:
+                c = viable[at]
+                at += 1
+                if self.best is not None and c.predicted == self.best.length:
+                    self.ties += 1  # an equal one: the best already holds its length
+                if self.best is None or (c.predicted, c.recency) > self.best.rank:
+                    group.append(c)
+            if not group:
+                continue
+            for c, stored in zip(group, source.tokens([c.sid for c in group])):
+                self._verify(c, stored)
+
+    def _verify(self, c: _Candidate, stored: np.ndarray | None) -> None:
+        if stored is None or len(stored) != c.summary.length:
+            return  # gone, replaced or damaged meanwhile
+        if self.best is not None and (c.predicted, c.recency) <= self.best.rank:
             return
-        toks = self.txn.get("tokens", sid)
-        if toks is None:
+        # tokens, never the hash: the whole predicted prefix is compared (a match never reaches past the record)
+        p = common_prefix(stored[:c.predicted], self.prompt.head(c.predicted)[:c.predicted])
+        if not usable(p, c.summary):
             return
-        stored = mf.tokens_of(toks, f"tokens record of snapshot {sid.hex()} (session {s.session_id!r})")
-        # tokens, not hashes: the whole shared prefix is compared (a match never reaches past the next boundary)
-        p = min(common_prefix(stored, self.prompt.head(min(self.n, reach))[:reach]), self.n - 1)
-        if not _usable(p, s):
-            return
-        rank = (p, max(s.last_used_ns, self.touched.get(sid, 0)))
-        if self.best is not None and p == self.best[0]:
-            self.ties += 1
-        elif self.best is None or p > self.best[0]:
+        rank = (p, c.recency)
+        if self.best is None or p > self.best.length:
             self.ties = 0
-        if self.best is None or rank > self.best[3]:
-            self.best = (p, s, sid, rank)
+        if self.best is None or rank > self.best.rank:
+            self.best = Found(p, c.summary, c.sid, rank)
 
 
-def _usable(p: int, s: Summary) -> bool:
-    return p > 0 and p >= s.minimum_reusable_offset and (p == s.length or s.trimmable)
+class _Lookup:
+    """The façade's entry as ``Store.lookup`` calls it today (``_Lookup(store, txn, nsk, prompt).run()`` → ``(p,
+    summary, sid, rank)`` or None): the one search over the store's index in the read transaction ``txn``, ties
+    counting the uses this handle remembers but has not written yet. The clean call, once the façade holds them:
+    ``PrefixSearch(IndexRecords(txn, touched), nsk, prompt, block).run()``."""
+
+    def __init__(self, store, txn, nsk: bytes, prompt: LazyTokens):
+        self.search = PrefixSearch(IndexRecords(txn, store._touched()), nsk, prompt, store.block)
+
+    def run(self) -> Found | None:
+        return self.search.run()
 
 
-__all__ = ["LazyTokens", "TIE_CANDIDATES", "MAX_EXAMINED", "MAX_STEPS"]
+__all__ = ["Found", "LazyTokens", "PrefixSearch", "TIE_CANDIDATES", "usable"]

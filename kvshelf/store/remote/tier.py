@@ -31,7 +31,7 @@ from ...errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNot
 from ..index import schema as mf
 from ..objects.protocol import BackendUnavailable
 from ..identity import namespace_key
-from ..prefix.search import LazyTokens
+from ..prefix.search import LazyTokens, PrefixSearch
 from ..index.schema import Manifest
 from ..results import PrefixHit, Restored
 from . import fetch, local
@@ -39,7 +39,7 @@ from .breaker import CircuitBreaker
 from .bytestore import RedisByteStore
 from .client import DEFAULT_PREFIX, check_prefix, connect, redact
 from .errors import translate
-from .search import RemoteLookup, boundary_members
+from .search import RedisRecords, boundary_members
 from .keys import Keys
 from .fetch import Missing as _Missing
 from .records import (
@@ -260,7 +260,8 @@ class RemoteTier:
         nsk = namespace_key(self.store.id_key, namespace)
         try:
             with translate("lookup"):
-                best = RemoteLookup(self.client, self.keys, nsk, prompt, exclude=self._unloadable).run()
+                best = PrefixSearch(RedisRecords(self.client, self.keys, nsk, exclude=self._unloadable), nsk,
+                                    prompt).run()
         except _REMOTE_ERRORS:
             self.breaker.failure()
             self.counters["lookup_errors"] += 1
@@ -269,7 +270,7 @@ class RemoteTier:
         if best is None or (local_hit is not None and best[0] <= local_hit.length):
             self.counters["misses"] += 1
             return local_hit
-        p, s, sid = best
+        p, s, sid = best.length, best.summary, best.sid
         self.counters["hits"] += 1
         with self._memo_lock:  # serving threads look up concurrently
             self._memo[sid.hex()] = (nsk, s.namespace)
