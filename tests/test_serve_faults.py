@@ -23,7 +23,7 @@ from store_cases import flip_chunk_byte
 from tiny_model_dir import make_model_dir, words
 
 from kvshelf import open_store
-from kvshelf.mlx_lm.serve import model_identity
+from kvshelf.mlx_lm import model_identity
 
 SYSTEM = words(200)
 TURNS = ["hello world what is the cache", "and the disk of the store", "one more short question"]

@@ -16,7 +16,7 @@ from serve_harness import SAVED_LINE, Server, conversation
 from tiny_model_dir import make_model_dir, words
 
 from kvshelf import open_store
-from kvshelf.mlx_lm.serve import model_identity
+from kvshelf.mlx_lm import model_identity
 
 SYSTEM = words(200)
 TURNS = ["hello world what is the cache", "and the disk of the store", "one more short question"]
