@@ -29,15 +29,7 @@ MiB = 1 << 20
 SCRATCH_ROOT = Path(os.environ.get("KVSHELF_BENCH_SCRATCH", Path(__file__).resolve().parent / ".scratch"))
 
 
-@dataclass
-class Sample:
-    """One timed (or counted) quantity: every repetition plus its min and median."""
-
-    unit: str
-    reps: list[float]
-
-    @property
-    def _shown(path: Path) -> str:
+def _shown(path: Path) -> str:
     """A path as results files show it: relative to the repository when inside it (results are committed; where
     this checkout happens to live says nothing about the measurement)."""
     try:
@@ -46,7 +38,15 @@ class Sample:
         return str(path)
 
 
-def min(self) -> float:
+@dataclass
+class Sample:
+    """One timed (or counted) quantity: every repetition plus its min and median."""
+
+    unit: str
+    reps: list[float]
+
+    @property
+    def min(self) -> float:
         return min(self.reps)
 
     @property
