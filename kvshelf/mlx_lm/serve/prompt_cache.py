@@ -370,10 +370,10 @@ class TieredPromptCache:
         flushed = self.flush(timeout)
         if flushed:
             self._store_for.close()
-        self.log.info("kvshelf write-behind %s: %d saved, %d duplicate, %d failed, %d skipped (queue full), "
-                      "%d abandoned", "flushed" if flushed else "abandoned at the deadline",
-                      self.counters["writes_done"], self.counters["writes_duplicate"], self.counters["writes_failed"],
-                      self.counters["writes_skipped_full"], self._pending)
+        self.log.info("kvshelf write-behind %s: %d saved, %d failed, %d skipped (queue full), %d abandoned, "
+                      "%d duplicate (not written)", "flushed" if flushed else "abandoned at the deadline",
+                      self.counters["writes_done"], self.counters["writes_failed"],
+                      self.counters["writes_skipped_full"], self._pending, self.counters["writes_duplicate"])
         return flushed
 
 
