@@ -37,6 +37,7 @@ from .objects.protocol import put_unsynced
 from .space.budget import evict_to_budget
 from .liveness.removers_lock import RemoversLock
 from .space.full_disk import FullDiskMixin
+from .space.pins import Pins
 from .identity import Identity, namespace_key
 from .index.lmdb_env import Index
 from .index.protocol import IndexStore
@@ -108,6 +109,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
             openlock.release(self._lock_key)
             raise
         self.leases = LeaseBook(self.root)
+        self.pins = Pins(self.index, self.id_key, lambda: self.max_bytes, self.root)  # space/pins.py
         self.block = BLOCK_TOKENS
         self._lock = threading.RLock()
         self._init_leasing()
@@ -238,6 +240,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         if raw is None:
             return None
         s = mf.decode(raw, mf.Summary, f"summary {sid.hex()}")
+        self.pins.forget(txn, s)  # a removed session keeps no pin (space/pins.py)
         tomb = msgspec.msgpack.encode([keys.summary_session_key(s), s.created_at, reason])
         return sid, ledger.drop(self.index, txn, sid), tomb
 
@@ -280,6 +283,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
 
     def stats(self) -> dict[str, Any]:
         doc = super().stats()
+        doc["pinned_bytes"] = self.pins.pinned_bytes()  # space/pins.py
         return {**doc, "remote": self.tier.stats()} if self.tier is not None else doc
 
     # ------------------------------------------------------------------ records
@@ -352,6 +356,19 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
                 raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to delete")
             self._after_drop(*result)
         self._keep_reserve()  # space was freed: hold back again what the next delete may need
+
+    # ------------------------------------------------------------------ pins (space/pins.py)
+    def pin(self, session_id: str, namespace: str = "", ttl: float | None = None):
+        """Never evict the session (budget, LRU) until ``unpin`` or ``ttl`` seconds after its last use."""
+        inputs.check_session(session_id, namespace)
+        self._check_open()
+        return self.pins.pin(session_id, namespace, ttl)
+
+    def unpin(self, session_id: str, namespace: str = "") -> bool:
+        """Drop the session's pin (False when it had none); the budget may evict it again."""
+        inputs.check_session(session_id, namespace)
+        self._check_open()
+        return self.pins.unpin(session_id, namespace)
 
     def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
         """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""

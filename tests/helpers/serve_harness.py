@@ -52,7 +52,9 @@ class Server:
         if store is None:
             cmd = [sys.executable, "-m", "mlx_lm", "server"]
         else:
-            cmd = [sys.executable, "-m", "kvshelf.tools.cli", "serve", "--store", str(store)]
+            # write-behind lines are DEBUG (one INFO line per request): the tests wait on them
+            cmd = [sys.executable, "-m", "kvshelf.tools.cli", "serve", "--store", str(store),
+                   "--kvshelf-log-level", "DEBUG"]
         cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *extra]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process's lifetime
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(env),

@@ -126,6 +126,18 @@ def test_a_broken_plugin_is_a_clear_error(tmp_path):
     assert done.returncode != 0 and "failed to import" in done.stderr, done.stderr[-3000:]
 
 
+def test_the_core_and_the_library_face_of_mlx_lm_never_import_prometheus_client():
+    """Only ``kvshelf serve`` needs prometheus_client (its /metrics): the core and TieredPromptCache work without."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvshelf, kvshelf.store, kvshelf.tools.cli, kvshelf.mlx_lm; "
+            "from kvshelf.mlx_lm import TieredPromptCache; assert 'prometheus_client' not in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_the_package_declares_the_plugin_and_the_extra():
     """``pip install -e .`` registers the entry point; an uninstalled checkout reads the same declaration."""
     import tomllib
@@ -134,7 +146,8 @@ def test_the_package_declares_the_plugin_and_the_extra():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["kvshelf.codecs"] == {"mlx-lm": "kvshelf.mlx_lm.plugin:codecs"}
-    assert project["optional-dependencies"]["mlx-lm"] == ["mlx-lm>=0.32,<0.33"]
+    assert project["optional-dependencies"]["mlx-lm"] == ["mlx-lm>=0.32,<0.33", "prometheus_client>=0.20"]
     assert "mlx-lm>=0.32,<0.33" in project["optional-dependencies"]["test"]
+    assert "prometheus_client>=0.20" in project["optional-dependencies"]["test"]
     assert [(p.name, p.value) for p in source_tree_points()] == [("mlx-lm", "kvshelf.mlx_lm.plugin:codecs")]
     assert "mlx-lm" in {p.name for p in plugin_points()}

@@ -171,14 +171,3 @@ def test_adapter_and_draft_model_are_part_of_the_identity(model_dir, tmp_path):
     assert tuned.model_id.startswith(base.model_id + "+adapter:") and tuned.config_fingerprint != base.config_fingerprint
     draft = make_model_dir(tmp_path / "draft", "llama", seed=2)
     assert model_identity(model_dir, draft_model=draft).config_fingerprint != base.config_fingerprint
-
-
-def test_a_store_that_cannot_be_opened_leaves_the_server_on_ram(model_dir, tmp_path):
-    blocked = tmp_path / "not-a-directory"
-    blocked.write_text("a file where the store should be")
-    with Server(model_dir, blocked, tmp_path / "s.log") as server:
-        msgs = conversation(words(30), ["hello world"], [])
-        a, b = server.chat(msgs, max_tokens=4), server.chat(msgs, max_tokens=4)
-        assert a["text"] == b["text"] and b["cached_tokens"] > 0  # RAM still serves the repeat
-        server.wait_log(r"kvshelf store .* unavailable for .* serving from RAM only")
-        assert [p["source"] for p in server.prefix_lines()] == ["none", "ram"]

@@ -17,9 +17,22 @@ share nothing. ``TieredPromptCache`` has the very interface the server calls (``
   logged and counted, and the answer comes from RAM (or a cold prefill). A damaged disk entry is a miss (the
   store quarantines it). The store's ``max_bytes`` and LRU govern the disk.
 
-One log line per fetch (the server fetches once per request) says where the prefix came from::
+- write only what is new: before a write-behind is captured (captured = evaluated and hashed), the store is asked
+  whether it can already give back these exact tokens (a lookup of the tokens plus one: a usable prefix of all of
+  them is the answer). If so the write is skipped and counted ``duplicate``: a replayed conversation, a
+  restored prefix inserted again and a shared system prompt write nothing and hash nothing. Write-behinds shorter
+  than ``min_write_tokens`` are not worth a pack and are skipped too.
+
+One INFO log line per fetch (the server fetches once per request) says where the prefix came from and, for a miss,
+why; write-behind lines are DEBUG::
 
     kvshelf prefix source=disk cached=812 prompt=845 ram=0 ms=4.1
+    kvshelf prefix source=none cached=0 prompt=845 ram=0 ms=0.3 reason=nothing_stored
+
+Sources: ``ram``, ``disk``, ``remote`` (the store's shared tier gave the prefix), ``none``. Every fetch and every
+write-behind outcome is also handed to ``observer`` (``observe_fetch(FetchOutcome)``, ``observe_write(outcome,
+bytes_written, tokens)``): the server's metrics and status page; and the fetch outcome is kept for the HTTP handler
+(``outcome_for``), which sends it back as the ``X-Kvshelf-Prefix`` header.
 """
 
 from __future__ import annotations
@@ -28,18 +41,57 @@ import functools
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from ...errors import SnapshotNotFound
+from ...errors import CorruptData, SnapshotNotFound
 
 log = logging.getLogger("kvshelf.serve")
 
-COUNTERS = ("fetches", "ram_hits", "disk_hits", "misses", "disk_tokens", "ram_tokens", "lookup_errors",
-            "writes_queued", "writes_done", "writes_failed", "writes_skipped_full", "writes_skipped_unstorable",
+COUNTERS = ("fetches", "ram_hits", "disk_hits", "remote_hits", "misses", "disk_tokens", "ram_tokens",
+            "remote_tokens", "lookup_errors", "writes_queued", "writes_done", "writes_failed", "writes_skipped_full",
+            "writes_skipped_unstorable", "writes_duplicate", "writes_skipped_short", "bytes_written",
             "store_unavailable")
+SOURCES = ("ram", "disk", "remote", "none")
+# why a request got nothing: the metric label ``reason`` of kvshelf_misses_total and the log line's reason=
+MISS_REASONS = ("nothing_stored", "below_min_disk_tokens", "store_unavailable", "damaged_entry", "unstorable_tokens")
+WRITE_OUTCOMES = ("saved", "duplicate", "queue_full", "failed", "below_min_write_tokens", "unstorable")
+OUTCOMES_KEPT = 1024  # fetch outcomes waiting for their HTTP handler (a handler that never asks: dropped)
+
+
+@dataclass(frozen=True)
+class FetchOutcome:
+    """Where one request's prefix came from: ``source`` (SOURCES), ``cached`` tokens of ``prompt``, the RAM tier's
+    own length, the miss ``reason`` (None unless source is none), the fetch's seconds and its wall time."""
+
+    source: str
+    cached: int
+    prompt: int
+    ram: int
+    reason: str | None
+    seconds: float
+    at: float
+
+    def header(self) -> str:
+        """The ``X-Kvshelf-Prefix`` header value."""
+        return f"source={self.source} cached={self.cached} prompt={self.prompt}"
+
+
+class _NoObserver:
+    def observe_fetch(self, outcome: FetchOutcome) -> None:
+        return None
+
+    def observe_write(self, outcome: str, bytes_written: int, tokens: int) -> None:
+        return None
+
+
+def prompt_key(tokens: Sequence[int]) -> int:
+    """The key a fetch outcome is kept under until the request's handler asks for it (the same prompt list)."""
+    return hash((len(tokens), tuple(tokens)))
 
 
 def session_id_for(tokens: Sequence[int]) -> str:
@@ -76,7 +128,7 @@ class TieredPromptCache:
 
     def __init__(self, ram, store=None, *, store_for: Callable[[Any], Any] | None = None, namespace: str = "",
                  queue_entries: int = 8, queue_bytes: int = 1 << 30, min_disk_tokens: int = 16,
-                 logger: logging.Logger | None = None):
+                 min_write_tokens: int = 1, observer: Any = None, logger: logging.Logger | None = None):
         if (store is None) == (store_for is None):
             raise ValueError("give exactly one of store= and store_for=")
         if queue_entries < 1 or queue_bytes < 0:
@@ -86,11 +138,16 @@ class TieredPromptCache:
         self.namespace = namespace
         self.queue_entries, self.queue_bytes = queue_entries, queue_bytes
         self.min_disk_tokens = max(1, int(min_disk_tokens))
+        self.min_write_tokens = max(1, int(min_write_tokens))
+        self.observer = observer if observer is not None else _NoObserver()
+        self._outcomes: OrderedDict[int, deque] = OrderedDict()
+        self._outcome_cond = threading.Condition()
         self.log = logger or log
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._cond = threading.Condition()
         self._pending = 0
         self._pending_bytes = 0
+        self._inflight: set[str] = set()  # sessions queued and not yet written: a second one is a duplicate
         self._closed = False
 
     # ------------------------------------------------------------------ LRUPromptCache's interface
@@ -115,17 +172,55 @@ class TieredPromptCache:
         cache, rest = self.ram.fetch_nearest_cache(model, tokens)
         ram_len = len(tokens) - len(rest) if cache is not None else 0
         source, cached = ("ram", ram_len) if cache is not None else ("none", 0)
+        reason = None
         if len(tokens) - 1 > ram_len and _storable(tokens):
-            restored = self._from_disk(model, tokens, ram_len)
+            restored, reason = self._from_disk(model, tokens, ram_len)
             if restored is not None:
-                cache, cached = restored
-                rest, source = tokens[cached:], "disk"
-        self.counters[{"ram": "ram_hits", "disk": "disk_hits", "none": "misses"}[source]] += 1
+                cache, cached, source = restored
+                rest = tokens[cached:]
+        elif not _storable(tokens):
+            reason = "unstorable_tokens"
+        self.counters[f"{source}_hits" if source != "none" else "misses"] += 1
         if source != "none":
             self.counters[f"{source}_tokens"] += cached
-        self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f", source, cached, len(tokens),
-                      ram_len, (time.perf_counter() - t0) * 1e3)
+            reason = None
+        else:
+            reason = reason or "nothing_stored"
+        seconds = time.perf_counter() - t0
+        outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time())
+        self._keep_outcome(tokens, outcome)
+        self.observer.observe_fetch(outcome)
+        self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f%s", source, cached, len(tokens),
+                      ram_len, seconds * 1e3, f" reason={reason}" if reason else "")
         return cache, rest
+
+    # ------------------------------------------------------------------ outcomes for the HTTP handler
+    def _keep_outcome(self, tokens: Sequence[int], outcome: FetchOutcome) -> None:
+        key = prompt_key(tokens)
+        with self._outcome_cond:
+            self._outcomes.setdefault(key, deque(maxlen=16)).append(outcome)
+            self._outcomes.move_to_end(key)
+            while len(self._outcomes) > OUTCOMES_KEPT:
+                self._outcomes.popitem(last=False)
+            self._outcome_cond.notify_all()
+
+    def outcome_for(self, tokens: Sequence[int], timeout: float = 0.0) -> FetchOutcome | None:
+        """The (oldest unclaimed) fetch outcome of this prompt, waiting up to ``timeout`` seconds for the fetch
+        (mlx-lm may hand a streaming handler its context just before the fetch). Each outcome is claimed once."""
+        key = prompt_key(tokens)
+        deadline = time.monotonic() + timeout
+        with self._outcome_cond:
+            while True:
+                queue = self._outcomes.get(key)
+                if queue:
+                    outcome = queue.popleft()
+                    if not queue:
+                        del self._outcomes[key]
+                    return outcome
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._outcome_cond.wait(left)
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:
@@ -145,30 +240,58 @@ class TieredPromptCache:
         return store
 
     def _from_disk(self, model: Any, tokens: list[int], ram_len: int):
+        """((caches, length, source), None) for a usable store prefix longer than RAM's, else (None, reason)."""
         store = self._store(model)
         if store is None:
-            return None
+            return None, "store_unavailable"
         for _attempt in range(2):
             try:
                 hit = store.lookup(tokens, self.namespace)
-                if hit is None or hit.length <= ram_len or hit.length < self.min_disk_tokens:
-                    return None
+                if hit is None or hit.length <= ram_len:
+                    return None, "nothing_stored"
+                if hit.length < self.min_disk_tokens:
+                    return None, "below_min_disk_tokens"
+                tier = getattr(store, "tier", None)
+                source = "remote" if tier is not None and tier.knows(hit.snapshot_id) else "disk"
                 restored = store.restore_snapshot(hit.snapshot_id, hit.length)
-                return restored.caches, hit.length
-            except SnapshotNotFound:  # evicted or replaced between lookup and restore (another server): look again
-                continue
+                return (restored.caches, hit.length, source), None
+            except SnapshotNotFound:  # evicted or replaced between lookup and restore (another server), or a remote
+                continue              # fault (the shared tier says so as not found): look again, then a miss
             except Exception as exc:  # noqa: BLE001 - a corrupt chunk is quarantined by the store: a miss here
                 self.counters["lookup_errors"] += 1
                 self.log.warning("kvshelf disk prefix failed, serving from RAM: %s: %s", type(exc).__name__, exc)
-                return None
-        return None
+                damaged = isinstance(exc, CorruptData)
+                return None, "damaged_entry" if damaged else "store_unavailable"
+        return None, "nothing_stored"
+
+    def _already_stored(self, store, tokens: list[int]) -> bool:
+        """True when the store can give back exactly these tokens' caches: a lookup of the tokens plus one token
+        whose longest usable prefix is all of ``tokens`` (token-verified, no chunk read, nothing hashed). That
+        snapshot may be longer (a later turn, trimmable); recurrent or rotating layers are usable only at their
+        exact length, so for them it is a snapshot of exactly these tokens."""
+        try:
+            hit = store.lookup([*tokens, 0], self.namespace)
+        except Exception:  # noqa: BLE001 - cannot tell: write it (the store replaces, chunks are shared anyway)
+            return False
+        return hit is not None and hit.length == len(tokens)
 
     def _write_behind(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
         if not tokens or not _storable(tokens):  # image placeholders are negative ids: RAM only
             self.counters["writes_skipped_unstorable"] += 1
+            self.observer.observe_write("unstorable", 0, len(tokens))
+            return
+        if len(tokens) < self.min_write_tokens:
+            self.counters["writes_skipped_short"] += 1
+            self.observer.observe_write("below_min_write_tokens", 0, len(tokens))
             return
         store = self._store(model)
         if store is None:
+            return
+        session = session_id_for(tokens)
+        if session in self._inflight or self._already_stored(store, tokens):
+            self.counters["writes_duplicate"] += 1
+            self.observer.observe_write("duplicate", 0, len(tokens))
+            self.log.debug("kvshelf write-behind skipped: the store holds these %d tokens already", len(tokens))
             return
         nbytes = sum(int(getattr(c, "nbytes", 0) or 0) for c in prompt_cache)
         with self._cond:
@@ -177,43 +300,55 @@ class TieredPromptCache:
             if self._pending >= self.queue_entries or (self._pending and
                                                        self._pending_bytes + nbytes > self.queue_bytes):
                 self.counters["writes_skipped_full"] += 1
+                self.observer.observe_write("queue_full", 0, len(tokens))
                 self.log.warning("kvshelf write-behind skipped: queue full (%d writes, %d bytes pending)",
                                  self._pending, self._pending_bytes)
                 return
             self._pending += 1
             self._pending_bytes += nbytes
+            self._inflight.add(session)
         try:
-            future = store.save_async(session_id_for(tokens), list(tokens), prompt_cache, namespace=self.namespace)
+            future = store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace)
         except Exception as exc:  # noqa: BLE001 - e.g. a cache class no codec knows, a closed store
-            self._done(nbytes)
+            self._done(nbytes, session)
             self.counters["writes_failed"] += 1
+            self.observer.observe_write("failed", 0, len(tokens))
             self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
             return
         self.counters["writes_queued"] += 1
-        self.log.info("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self._pending)
-        future.add_done_callback(functools.partial(self._finished, nbytes=nbytes, n_tokens=len(tokens)))
+        self.log.debug("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self._pending)
+        future.add_done_callback(functools.partial(self._finished, nbytes=nbytes, n_tokens=len(tokens),
+                                                   session=session))
 
-    def _finished(self, future, nbytes: int, n_tokens: int) -> None:
+    def _finished(self, future, nbytes: int, n_tokens: int, session: str) -> None:
         exc = future.exception()
         if exc is None:
             info = future.result()
             self.counters["writes_done"] += 1
-            self.log.info("kvshelf write-behind saved tokens=%d new_bytes=%d reused_bytes=%d ms=%.1f session=%s",
+            self.counters["bytes_written"] += info.bytes_written
+            self.observer.observe_write("saved", info.bytes_written, info.length)
+            self.log.debug("kvshelf write-behind saved tokens=%d new_bytes=%d reused_bytes=%d ms=%.1f session=%s",
                           info.length, info.bytes_written, info.bytes_reused, info.seconds * 1e3, info.session_id)
         else:
             self.counters["writes_failed"] += 1
+            self.observer.observe_write("failed", 0, n_tokens)
             self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", n_tokens, type(exc).__name__, exc)
-        self._done(nbytes)
+        self._done(nbytes, session)
 
-    def _done(self, nbytes: int) -> None:
+    def _done(self, nbytes: int, session: str) -> None:
         with self._cond:
             self._pending -= 1
             self._pending_bytes -= nbytes
+            self._inflight.discard(session)
             self._cond.notify_all()
 
     @property
     def pending_writes(self) -> int:
         return self._pending
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write finished (or ``timeout`` seconds passed); True when none is left."""
@@ -235,9 +370,10 @@ class TieredPromptCache:
         flushed = self.flush(timeout)
         if flushed:
             self._store_for.close()
-        self.log.info("kvshelf write-behind %s: %d saved, %d failed, %d skipped (queue full), %d abandoned",
-                      "flushed" if flushed else "abandoned at the deadline", self.counters["writes_done"],
-                      self.counters["writes_failed"], self.counters["writes_skipped_full"], self._pending)
+        self.log.info("kvshelf write-behind %s: %d saved, %d failed, %d skipped (queue full), %d abandoned, "
+                      "%d duplicate (not written)", "flushed" if flushed else "abandoned at the deadline",
+                      self.counters["writes_done"], self.counters["writes_failed"],
+                      self.counters["writes_skipped_full"], self._pending, self.counters["writes_duplicate"])
         return flushed
 
 
@@ -245,4 +381,5 @@ def _storable(tokens: Sequence[int]) -> bool:
     return all(t >= 0 for t in tokens)
 
 
-__all__ = ["COUNTERS", "TieredPromptCache", "session_id_for"]
+__all__ = ["COUNTERS", "FetchOutcome", "MISS_REASONS", "SOURCES", "TieredPromptCache", "WRITE_OUTCOMES", "prompt_key",
+           "session_id_for"]

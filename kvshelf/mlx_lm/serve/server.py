@@ -7,14 +7,21 @@ batching, logging set-up) and changes one thing.
 The injection point: ``mlx_lm.server.run()`` builds ``LRUPromptCache(prompt_cache_size)`` and hands it to
 ``ResponseGenerator(model_provider, prompt_cache)``; the generation thread then only calls the prompt cache's
 ``fetch_nearest_cache`` / ``insert_cache`` / ``trim_to`` / ``nbytes`` / ``len`` / ``stats_by_type``. While
-``main`` runs, the module attribute ``mlx_lm.server.ResponseGenerator`` is a subclass whose constructor wraps that
-very ``LRUPromptCache`` (kept as the RAM tier) in a :class:`TieredPromptCache` and passes it on. Nothing else of
-mlx-lm is replaced; the subclass adds no behaviour besides the wrapping.
+``main`` runs, ``mlx_lm.server.run`` is ``_run`` (below): the same steps, except that the generator is a subclass
+whose constructor gets a :class:`TieredPromptCache` wrapping that very ``LRUPromptCache`` (kept as the RAM tier),
+and the HTTP handler is a subclass adding kvshelf's routes and header. Nothing else of mlx-lm is replaced.
 
 Stores: one handle per model identity (``model_identity``: path or repo, config.json and safetensors headers,
 tokenizer files, KV settings), opened for the default model before the HTTP server starts and lazily for models a
 request names. A store that cannot be opened (busy, damaged, missing permissions) leaves the server on RAM only
 and is retried every ``--store-retry`` seconds. Several servers may share one store directory.
+
+Start-up (``startup.py``): the model's files, the store directory and the ``--remote`` URL are checked before
+anything heavy; then the default model is loaded and its store opened in the main thread, and ``--warm-prompts`` are
+prefilled (``warm.py``), all before the HTTP server listens: a start-up mistake is a clear message and exit 1. For
+this, ``mlx_lm.server.run`` is replaced (while ``main`` runs) by ``_run``, which does what mlx-lm's ``run`` does
+in that order and hands mlx-lm's ``_run_http_server`` our handler (``http_routes.py``: ``/metrics``, the status page
+``/kvshelf`` and ``/kvshelf/stats``, the ``X-Kvshelf-Prefix`` header).
 
 Shutdown: SIGTERM and SIGINT stop the HTTP server and the generation thread the way mlx-lm stops on Ctrl-C, then
 the pending write-behinds are flushed for at most ``--flush-timeout`` seconds; what is not written by then is
@@ -35,9 +42,15 @@ from typing import Any
 
 import mlx_lm.server as mlx_server  # this module is the serving entry point: no mlx-lm, no `kvshelf serve`
 
+from ...errors import KvShelfError
 from ...store import open_store
+from . import startup, warm
+from .http_routes import handler_class, set_current_context
+from .metrics import ServeMetrics
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
+from .startup import StartupError
+from .status_page import status
 
 log = logging.getLogger("kvshelf.serve")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -75,14 +88,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take a disk prefix only when it is at least this long (default 16)")
     p.add_argument("--store-retry", type=float, default=30.0, metavar="SECONDS",
                    help="retry opening a store that failed to open after this long (default 30)")
+    p.add_argument("--min-write-tokens", type=int, default=None, metavar="N",
+                   help="write a cache behind only when it holds at least N tokens (default: --min-disk-tokens)")
+    p.add_argument("--warm-prompts", default=None, metavar="FILE",
+                   help='JSON Lines of {"messages": [...]} or {"prompt": "..."}: prefilled into the store (what it '
+                        "does not hold yet) before the server listens")
+    p.add_argument("--pin-warm", action="store_true", help="pin the warm prompts: the budget never evicts them")
+    p.add_argument("--pin-ttl", type=parse_duration, default=None, metavar="DURATION",
+                   help="with --pin-warm: a pin lapses this long after the prompt's last use (e.g. 7d; default never)")
+    p.add_argument("--max-pinned-bytes", type=parse_size, default=None, metavar="N",
+                   help="pins may hold at most this much (default: half of --max-bytes)")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="the shared tier: redis://, rediss://, redis+cluster:// or valkey:// (a fault is a miss)")
+    p.add_argument("--remote-prefix", default="kvshelf:", metavar="PREFIX", help="key prefix (default kvshelf:)")
+    p.add_argument("--remote-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to the shared tier and redis-py, e.g. keep_local=false, password=..., "
+                        "socket_timeout=0.5 (repeatable; JSON values)")
+    p.add_argument("--kvshelf-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="kvshelf's own log level (default INFO: one line per request; DEBUG adds the "
+                        "write-behinds)")
     return p
+
+
+_DURATION = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``30s``, ``15m``, ``2h``, ``7d`` -> seconds (> 0)."""
+    t = text.strip().lower()
+    unit = t[-1:] if t[-1:] in _DURATION else "s"
+    try:
+        value = float(t[:-1] if t[-1:] in _DURATION else t) * _DURATION[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90, 30s, 15m, 2h, 7d)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a duration must be > 0, got {text!r}")
+    return value
 
 
 class StoreOpener:
     """``store_for(model_key)`` for the server: one store handle per model identity, opened on first use."""
 
-    def __init__(self, store_dir: str, cli_args: argparse.Namespace, *, max_bytes: int | None, retry: float):
+    def __init__(self, store_dir: str, cli_args: argparse.Namespace, *, max_bytes: int | None, retry: float,
+                 remote: str | None = None, remote_prefix: str = "kvshelf:", remote_options: dict | None = None,
+                 max_pinned_bytes: int | None = None):
         self.store_dir, self.cli_args, self.max_bytes, self.retry = store_dir, cli_args, max_bytes, retry
+        self.remote, self.remote_prefix, self.remote_options = remote, remote_prefix, dict(remote_options or {})
+        self.max_pinned_bytes = max_pinned_bytes
         self._by_key: dict[Any, Any] = {}
         self._by_identity: dict[Any, Any] = {}
         self._failed: dict[Any, float] = {}
@@ -98,6 +150,39 @@ class StoreOpener:
         return model_identity(model_path, adapter_path=adapter_path, draft_model=draft_path,
                               chat_template=getattr(a, "chat_template", None) or None, cache_settings=settings)
 
+    def open_now(self, model_key: Any):
+        """Open the store for ``model_key`` or raise ``StartupError`` (the default model, before listening)."""
+        with self._lock:
+            try:
+                return self._open(model_key)
+            except Exception as exc:  # noqa: BLE001 - every cause is a start-up failure, said in one line
+                raise StartupError(f"--store {self.store_dir}: cannot open the store for model {model_key[0]}: "
+                                   f"{type(exc).__name__}: {exc}") from None
+
+    def _open(self, model_key: Any):
+        if model_key in self._by_key:
+            return self._by_key[model_key]
+        identity = self.identity_for(model_key)
+        store = self._by_identity.get(identity)
+        if store is None:
+            store = open_store(self.store_dir, identity=identity, max_bytes=self.max_bytes,
+                               max_pending_bytes=1 << 62,  # the tiered cache bounds the queue itself
+                               remote=self.remote, remote_prefix=self.remote_prefix,
+                               remote_options=self.remote_options or None)
+            store.pins.set_limit(self.max_pinned_bytes)
+            self._by_identity[identity] = store
+            log.info("kvshelf store %s open for model %s (config %s, tokenizer %s, budget %s%s)",
+                     self.store_dir, identity.model_id, identity.config_fingerprint[:12],
+                     identity.tokenizer_hash[:12], self.max_bytes if self.max_bytes is not None else "none",
+                     f", remote {store.tier.where}" if store.tier is not None else "")
+        self._failed.pop(model_key, None)
+        self._by_key[model_key] = store
+        return store
+
+    def stores(self) -> list:
+        with self._lock:
+            return list(self._by_identity.values())
+
     def __call__(self, model_key: Any):
         with self._lock:
             if model_key in self._by_key:
@@ -106,23 +191,12 @@ class StoreOpener:
             if failed_at is not None and time.monotonic() - failed_at < self.retry:
                 return None
             try:
-                identity = self.identity_for(model_key)
-                store = self._by_identity.get(identity)
-                if store is None:
-                    store = open_store(self.store_dir, identity=identity, max_bytes=self.max_bytes,
-                                       max_pending_bytes=1 << 62)  # the tiered cache bounds the queue itself
-                    self._by_identity[identity] = store
-                    log.info("kvshelf store %s open for model %s (config %s, tokenizer %s, budget %s)",
-                             self.store_dir, identity.model_id, identity.config_fingerprint[:12],
-                             identity.tokenizer_hash[:12], self.max_bytes if self.max_bytes is not None else "none")
+                return self._open(model_key)
             except Exception as exc:  # noqa: BLE001 - the server runs on RAM alone until a retry succeeds
                 self._failed[model_key] = time.monotonic()
                 log.warning("kvshelf store %s unavailable for %s, serving from RAM only (retry in %.0fs): %s: %s",
                             self.store_dir, model_key, self.retry, type(exc).__name__, exc)
                 return None
-            self._failed.pop(model_key, None)
-            self._by_key[model_key] = store
-            return store
 
     def close(self) -> None:
         with self._lock:
@@ -140,31 +214,131 @@ class _NoStore:
     def __call__(self, _model_key: Any):
         return None
 
+    def stores(self) -> list:
+        return []
+
     def close(self) -> None:
         return None
 
 
-def _generator_class(base: type, opts: argparse.Namespace, made: list) -> type:
+class Serving:
+    """What one ``kvshelf serve`` process adds to mlx-lm: the store opener, the tiered prompt cache (around the
+    ``LRUPromptCache`` mlx-lm's ``run`` would build), the metrics and the status document."""
+
+    def __init__(self, opts: argparse.Namespace, cli: argparse.Namespace, ram, *, distributed: bool):
+        self.opts, self.cli = opts, cli
+        if distributed:  # every rank holds its own shard of the KV heads: one identity cannot name them; RAM only
+            log.warning("kvshelf serve: distributed serving keeps prompt caches in RAM only (no disk tier)")
+            self.opener = _NoStore()
+        else:
+            self.opener = StoreOpener(opts.store, cli, max_bytes=opts.max_bytes, retry=opts.store_retry,
+                                      remote=opts.remote, remote_prefix=opts.remote_prefix,
+                                      remote_options=opts.remote_options, max_pinned_bytes=opts.max_pinned_bytes)
+        self.metrics = ServeMetrics(self.state)
+        min_write = opts.min_write_tokens if opts.min_write_tokens is not None else opts.min_disk_tokens
+        self.tiered = TieredPromptCache(ram, store_for=self.opener, namespace=opts.cache_namespace,
+                                        queue_entries=opts.write_queue, queue_bytes=opts.write_queue_bytes,
+                                        min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
+                                        observer=self.metrics)
+
+    def state(self) -> dict[str, Any]:
+        return {"stores": self.opener.stores(), "pending_writes": self.tiered.pending_writes,
+                "pending_bytes": self.tiered.pending_bytes, "queue_entries": self.tiered.queue_entries}
+
+    def status(self) -> dict[str, Any]:
+        from ...store.remote.client import redact
+
+        return status(self.metrics, self.state(), model=self.cli.model, store_dir=self.opts.store,
+                      remote=redact(self.opts.remote) if self.opts.remote else None)
+
+
+def _generator_class(base: type, serving_of: dict) -> type:
     class KvShelfResponseGenerator(base):
-        """mlx-lm's ResponseGenerator, handed a TieredPromptCache around the LRUPromptCache ``run()`` built."""
+        """mlx-lm's ResponseGenerator, handed the TieredPromptCache around the LRUPromptCache ``run()`` built."""
 
         def __init__(self, model_provider, prompt_cache):
-            cli = model_provider.cli_args
-            opener = StoreOpener(opts.store, cli, max_bytes=opts.max_bytes, retry=opts.store_retry)
-            if getattr(model_provider, "is_distributed", False):
-                # every rank holds its own shard of the KV heads: one identity cannot name them; RAM only
-                log.warning("kvshelf serve: distributed serving keeps prompt caches in RAM only (no disk tier)")
-                opener = _NoStore()
-            tiered = TieredPromptCache(prompt_cache, store_for=opener, namespace=opts.cache_namespace,
-                                       queue_entries=opts.write_queue, queue_bytes=opts.write_queue_bytes,
-                                       min_disk_tokens=opts.min_disk_tokens)
-            made.append(tiered)
-            if cli.model is not None:  # open before the first request, so a slow open is not a slow request
-                opener((cli.model, cli.adapter_path, cli.draft_model))
-            super().__init__(model_provider, tiered)
-            made.append(self)
+            self.kvshelf = serving_of["serving"]
+            super().__init__(model_provider, self.kvshelf.tiered)
+
+        def generate(self, request, generation_args, progress_callback=None):
+            set_current_context(None)
+            ctx, response = super().generate(request, generation_args, progress_callback)
+            set_current_context(ctx)  # the handler's thread: its X-Kvshelf-Prefix header names this request's fetch
+            return ctx, response
+
+        def _log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
+            if log.isEnabledFor(logging.DEBUG):
+                super()._log_cache_stats()
 
     return KvShelfResponseGenerator
+
+
+def _run_function(opts: argparse.Namespace, made: list):
+    """A replacement for ``mlx_lm.server.run``: the same steps, with the model loaded, the store opened and the
+    warm prompts prefilled before the HTTP server listens (each failure a ``StartupError``)."""
+
+    def run(host, port, model_provider, server_class=mlx_server.ThreadingHTTPServer,
+            handler_class_=mlx_server.APIHandler):
+        group = mlx_server.mx.distributed.init()
+        cli = model_provider.cli_args
+        if cli.model is not None:
+            try:
+                model_provider.load_default()
+            except Exception as exc:  # noqa: BLE001 - whatever mlx-lm raised, the operator reads one line
+                raise StartupError(f"--model {cli.model}: the model does not load: {type(exc).__name__}: "
+                                   f"{exc}") from None
+        ram = mlx_server.LRUPromptCache(cli.prompt_cache_size)
+        serving = Serving(opts, cli, ram, distributed=model_provider.is_distributed)
+        made.append(serving.tiered)
+        if cli.model is not None and not model_provider.is_distributed:
+            store = serving.opener.open_now((cli.model, cli.adapter_path, cli.draft_model))
+            if opts.warm_prompts is not None:
+                _warm(opts, cli, model_provider, store)
+        generator = _generator_class(mlx_server.ResponseGenerator, {"serving": serving})(model_provider, ram)
+        made.append(generator)
+        if group.rank() == 0:
+            mlx_server._run_http_server(host, port, generator, server_class=server_class,
+                                        handler_class=handler_class(handler_class_, serving))
+        else:
+            generator.join()
+
+    return run
+
+
+def _warm(opts: argparse.Namespace, cli: argparse.Namespace, model_provider, store) -> None:
+    try:
+        items = warm.read_warm_prompts(opts.warm_prompts)
+    except KvShelfError as exc:
+        raise StartupError(f"--warm-prompts: {exc}") from None
+    model = model_provider.model
+    warm.warm(model, model_provider.tokenizer, store, items, namespace=opts.cache_namespace, pin=opts.pin_warm,
+              pin_ttl=opts.pin_ttl, chat_template_args=getattr(cli, "chat_template_args", None) or {},
+              prefill_step=getattr(cli, "prefill_step_size", 2048) or 2048)
+
+
+def _check_before_start(opts: argparse.Namespace, rest: list[str]) -> None:
+    """The cheap checks, before mlx-lm parses its options or loads anything (``startup.py``)."""
+    opts.remote_options = startup.parse_remote_options(opts.remote_option)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default=None)
+    model = pre.parse_known_args(rest)[0].model
+    if model is not None:
+        startup.check_model_dir(model)
+    startup.check_store_dir(opts.store)
+    startup.check_remote(opts.remote, opts.remote_prefix, opts.remote_options)
+    if opts.warm_prompts is not None:
+        try:
+            warm.read_warm_prompts(opts.warm_prompts)
+        except KvShelfError as exc:
+            raise StartupError(f"--warm-prompts: {exc}") from None
+        if model is None:
+            raise StartupError("--warm-prompts needs --model (the prompts are prefilled with the default model)")
+    if opts.pin_ttl is not None and not opts.pin_warm:
+        raise StartupError("--pin-ttl applies to --pin-warm: give both or neither")
+
+
+def _fail_start(exc: BaseException) -> None:
+    print(f"kvshelf serve: cannot start: {exc}", file=sys.stderr, flush=True)
 
 
 def _install_signals() -> None:
@@ -181,6 +355,12 @@ def _install_signals() -> None:
     signal.signal(signal.SIGINT, first)
 
 
+def _stop_generators(made: list) -> None:
+    for generator in made:
+        if not isinstance(generator, TieredPromptCache):
+            generator.stop_and_join()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvshelf serve``; ``argv`` are its arguments (ours and mlx_lm.server's, in any order). Does not return
     once the server ran: the process exits 0 when every pending write was flushed, 1 when some were abandoned or
@@ -194,9 +374,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         mlx_server.main()
         return 0
     opts, rest = parser.parse_known_args(argv)
+    try:
+        _check_before_start(opts, rest)
+    except StartupError as exc:
+        _fail_start(exc)
+        return 1
+    logging.getLogger("kvshelf.serve").setLevel(getattr(logging, opts.kvshelf_log_level))
     made: list = []  # the TieredPromptCache, then the generator that owns it
-    original = mlx_server.ResponseGenerator
-    mlx_server.ResponseGenerator = _generator_class(original, opts, made)
+    original = mlx_server.run
+    mlx_server.run = _run_function(opts, made)
     _install_signals()
     saved_argv = sys.argv
     sys.argv = ["kvshelf serve", *rest]
@@ -205,15 +391,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         mlx_server.main()
     except KeyboardInterrupt:
         pass
+    except StartupError as exc:  # before listening: one clear line, exit 1
+        _fail_start(exc)
+        log.error("kvshelf serve: cannot start: %s", exc)
+        failed = True
+        _stop_generators(made)
     except Exception:  # e.g. the port is taken: mlx-lm would leave its generation thread running (a hung process)
         log.exception("kvshelf serve: the server failed")
         failed = True
-        for generator in made:
-            if not isinstance(generator, TieredPromptCache):
-                generator.stop_and_join()
+        _stop_generators(made)
     finally:
         sys.argv = saved_argv
-        mlx_server.ResponseGenerator = original
+        mlx_server.run = original
     caches = [c for c in made if isinstance(c, TieredPromptCache)]
     flushed = all([cache.close(timeout=opts.flush_timeout) for cache in caches])  # noqa: C419 - close every one
     logging.shutdown()
@@ -224,4 +413,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     os._exit(0 if flushed and not failed else 1)
 
 
-__all__ = ["StoreOpener", "build_parser", "main", "parse_size"]
+__all__ = ["Serving", "StoreOpener", "build_parser", "main", "parse_duration", "parse_size"]

@@ -30,7 +30,8 @@ from ...errors import CorruptData, KvShelfError
 _T = TypeVar("_T")
 SCAN_BATCH = 512  # records per read transaction of a streaming listing (Batching.scan)
 PLAIN_TABLES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine",
-                "heads")
+                "heads",
+                "pins")  # space/pins.py: sessions the budget never evicts
 DUP_TABLES = ("prefix",)
 
 

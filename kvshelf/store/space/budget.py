@@ -23,6 +23,8 @@ def evict_to_budget(store, protect: bytes | None = None) -> int:
                 sid = keys.lru_sid(key)
                 if sid == protect or sid.hex() in leased:
                     continue
+                if store.pins.protects(txn, sid):  # pinned (space/pins.py): never a victim
+                    continue
                 return store._remove(txn, sid, "evicted")
             return None
 

@@ -1,0 +1,83 @@
+"""kvshelf's HTTP additions to mlx-lm's own request handler: ``GET /metrics``, ``GET /kvshelf``,
+``GET /kvshelf/stats`` and the ``X-Kvshelf-Prefix`` response header.
+
+Why a subclass of mlx-lm's ``APIHandler`` and nothing more: every OpenAI route, header, CORS rule and streaming
+detail stays mlx-lm's. Three GET paths are answered here, every other request goes to mlx-lm unchanged. The header
+needs to know which fetch was this request's: the generator hands the request's generation context (its prompt
+tokens) to the handler thread (``current_context``), and ``end_headers`` (which every mlx-lm response calls once)
+asks the prompt cache for the fetch outcome of that prompt. A non-streaming response ends its headers after the
+generation, so the outcome is there; a streaming one may end them just before the fetch, so it waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from .metrics import CONTENT_TYPE
+from .status_page import render
+
+HEADER = "X-Kvshelf-Prefix"
+STREAM_WAIT = 30.0  # seconds a streaming response's headers wait for the fetch (it precedes the first token anyway)
+_current = threading.local()
+
+
+def set_current_context(ctx: Any) -> None:
+    """Called in the handler's thread by the generator's ``generate``: this request's generation context."""
+    _current.ctx = ctx
+
+
+def handler_class(base: type, serving: Any) -> type:
+    """mlx-lm's ``APIHandler`` subclass for ``serving`` (a ``server.Serving``: metrics, status, prompt cache)."""
+
+    class KvShelfHandler(base):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            path = self.path.split("?", 1)[0].rstrip("/") or "/"
+            if path == "/metrics":
+                self._reply(200, CONTENT_TYPE, serving.metrics.exposition())
+            elif path == "/kvshelf":
+                self._reply(200, "text/html; charset=utf-8", render(serving.status()).encode())
+            elif path == "/kvshelf/stats":
+                self._reply(200, "application/json", json.dumps(serving.status()).encode())
+            else:
+                super().do_GET()
+
+        def do_POST(self):  # noqa: N802
+            _current.ctx = None  # a keep-alive connection's previous request must not lend its context
+            super().do_POST()
+
+        def end_headers(self):
+            if self.command == "POST":
+                ctx, _current.ctx = getattr(_current, "ctx", None), None
+                if ctx is not None and getattr(ctx, "prompt", None) is not None:
+                    wait = STREAM_WAIT if getattr(self, "stream", False) and not _has_images(self) else 0.0
+                    outcome = serving.tiered.outcome_for(ctx.prompt, timeout=wait)
+                    if outcome is not None:
+                        self.send_header(HEADER, outcome.header())
+                        self.send_header("Access-Control-Expose-Headers", HEADER)
+            super().end_headers()
+
+        def _reply(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            super().end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+
+    return KvShelfHandler
+
+
+def _has_images(handler: Any) -> bool:
+    """A request with images is fetched under another key (mlx-lm's vision cache key): no outcome to wait for."""
+    body = getattr(handler, "body", None)
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in ("image_url", "input_image") for p in m["content"])
+        for m in messages)
+
+
+__all__ = ["HEADER", "handler_class", "set_current_context"]
