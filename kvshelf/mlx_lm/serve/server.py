@@ -9,7 +9,8 @@ The injection point: ``mlx_lm.server.run()`` builds ``LRUPromptCache(prompt_cach
 ``fetch_nearest_cache`` / ``insert_cache`` / ``trim_to`` / ``nbytes`` / ``len`` / ``stats_by_type``. While
 ``main`` runs, the module attribute ``mlx_lm.server.ResponseGenerator`` is a subclass whose constructor wraps that
 very ``LRUPromptCache`` (kept as the RAM tier) in a :class:`TieredPromptCache` and passes it on. Nothing else of
-mlx-lm is replaced; the subclass adds no behaviour besides the wrapping.
+mlx-lm is replaced; besides the wrapping, the subclass only routes resumable requests (greedy or seeded) to
+``generations.ServeGenerations``, which checkpoints them and resumes their retries (docs/RESUMING.md).
 
 Stores: one handle per model identity (``model_identity``: path or repo, config.json and safetensors headers,
 tokenizer files, KV settings), opened for the default model before the HTTP server starts and lazily for models a
@@ -38,6 +39,7 @@ import mlx_lm.server as mlx_server  # this module is the serving entry point: no
 from ...store import open_store
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
+from .generations import ServeGenerations  # generation checkpoints (RESUMING.md)
 
 log = logging.getLogger("kvshelf.serve")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -75,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take a disk prefix only when it is at least this long (default 16)")
     p.add_argument("--store-retry", type=float, default=30.0, metavar="SECONDS",
                    help="retry opening a store that failed to open after this long (default 30)")
+    # --- generation checkpoints (generations.py) ---
+    p.add_argument("--generation-checkpoint-every", type=int, default=256, metavar="N",
+                   help="checkpoint running greedy/seeded requests every N tokens so that a retry after a crash "
+                        "resumes (default 256; 0 off)")
     return p
 
 
@@ -159,10 +165,22 @@ def _generator_class(base: type, opts: argparse.Namespace, made: list) -> type:
                                        queue_entries=opts.write_queue, queue_bytes=opts.write_queue_bytes,
                                        min_disk_tokens=opts.min_disk_tokens)
             made.append(tiered)
+            # --- generation checkpoints (generations.py): set before mlx-lm's constructor starts its thread ---
+            self.generations = ServeGenerations(opts.generation_checkpoint_every, opener)
             if cli.model is not None:  # open before the first request, so a slow open is not a slow request
                 opener((cli.model, cli.adapter_path, cli.draft_model))
             super().__init__(model_provider, tiered)
             made.append(self)
+
+        # --- generation checkpoints (generations.py): resumable requests are served by us, one at a time ---
+        def _is_batchable(self, args):
+            taken = self.generations.takes(args)  # counts the requests that are not resumable
+            return super()._is_batchable(args) and not taken
+
+        def _serve_single(self, request, stream):
+            if not self.generations.serve(request, stream, provider=self.model_provider, tokenize=self._tokenize,
+                                          state_machine=self._make_state_machine, prompt_cache=self.prompt_cache):
+                super()._serve_single(request, stream)
 
     return KvShelfResponseGenerator
 
