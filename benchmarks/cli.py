@@ -38,6 +38,7 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "decode": ("14",),
     "decode_planes": ("24",),  # compressed latents attended on their planes, against mlx-lm's KVCache
     "serve": ("31",),
+    "resume": ("32",),  # generation checkpoints: a retried generation resumes
     "remote": ("21", "22", "23"),  # the shared tier: needs redis-server / redis-benchmark
 }
 KNOWN = tuple(sorted({*ALL, *(m for ms in OPTIONAL.values() for m in ms)}, key=int))

@@ -26,6 +26,7 @@ mlx-lm's batch, whose rows cannot be checkpointed. ``counters`` is a plain dict 
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Any
 
@@ -38,6 +39,17 @@ from ..checkpoint_writer import COUNTERS, CheckpointWriter
 from ..resumable import checkpointed_steps
 
 log = logging.getLogger("kvshelf.serve")
+
+
+def checkpoint_every_arg(text: str) -> int:
+    """``--generation-checkpoint-every``: an int >= 0 (0: off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
+    return value
 
 
 def resumable(args: Any) -> bool:
@@ -205,4 +217,4 @@ class ServeGenerations:
         prompt_cache.insert_cache(provider.model_key, all_tokens, cache)
 
 
-__all__ = ["ServeGenerations", "request_key", "resumable"]
+__all__ = ["ServeGenerations", "checkpoint_every_arg", "request_key", "resumable"]

@@ -39,7 +39,7 @@ import mlx_lm.server as mlx_server  # this module is the serving entry point: no
 from ...store import open_store
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
-from .generations import ServeGenerations  # generation checkpoints (RESUMING.md)
+from .generations import ServeGenerations, checkpoint_every_arg  # generation checkpoints (RESUMING.md)
 
 log = logging.getLogger("kvshelf.serve")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-retry", type=float, default=30.0, metavar="SECONDS",
                    help="retry opening a store that failed to open after this long (default 30)")
     # --- generation checkpoints (generations.py) ---
-    p.add_argument("--generation-checkpoint-every", type=int, default=256, metavar="N",
+    p.add_argument("--generation-checkpoint-every", type=checkpoint_every_arg, default=256, metavar="N",
                    help="checkpoint running greedy/seeded requests every N tokens so that a retry after a crash "
                         "resumes (default 256; 0 off)")
     return p
