@@ -35,3 +35,8 @@ from .serve.model_identity import model_identity
 from .serve.prompt_cache import TieredPromptCache
 
 __all__ += ["TieredPromptCache", "model_identity"]
+
+# --- generations that survive a crash: stream_generate with checkpoints (docs/RESUMING.md) ----------------------
+from .resumable import resumable_generate
+
+__all__ += ["resumable_generate"]

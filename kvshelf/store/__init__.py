@@ -13,6 +13,7 @@ from .index.schema import BlobRef, ChunkMeta, Manifest
 from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .liveness.open_lock import StoreBusy
 from .store import Store, open_store
+from .generations import GenerationCheckpoint, continuation_key
 
 __all__ = [
     "BlobRef",
@@ -20,6 +21,7 @@ __all__ = [
     "ChunkMeta",
     "Finding",
     "GcReport",
+    "GenerationCheckpoint",
     "Identity",
     "LocalByteStore",
     "Manifest",
@@ -31,5 +33,6 @@ __all__ = [
     "SnapshotInfo",
     "Store",
     "StoreBusy",
+    "continuation_key",
     "open_store",
 ]

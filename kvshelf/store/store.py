@@ -54,6 +54,7 @@ from .restore.reader import ReadingMixin
 from .admin.surface import ToolsSurface
 from .save.hash_reuse import UnchangedBook
 from .save.background import BackgroundWriter
+from .generations import GenerationCheckpoint, GenerationCheckpoints
 
 
 class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSurface):
@@ -388,6 +389,23 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
                                        s.created_at, used / 1e9))
         out.sort(key=lambda s: -s.last_used)
         return out
+
+    # ------------------------------------------------------------------ generation checkpoints (generations.py)
+    def save_generation_checkpoint(self, key: str, tokens: Sequence[int], caches: Sequence[Any], *,
+                                   prompt_length: int, pending_token: int, sampler_state: bytes | None,
+                                   background: bool = False):
+        """A checkpoint of an in-flight generation under continuation ``key`` (see ``generations.py``)."""
+        return GenerationCheckpoints(self).save(key, tokens, caches, prompt_length=prompt_length,
+                                                pending_token=pending_token, sampler_state=sampler_state,
+                                                background=background)
+
+    def find_generation_checkpoint(self, key: str, prompt_tokens: Sequence[int]) -> GenerationCheckpoint | None:
+        """The longest checkpoint of ``key`` for exactly this prompt, restored, or None."""
+        return GenerationCheckpoints(self).find(key, prompt_tokens)
+
+    def drop_generation_checkpoints(self, key: str) -> int:
+        """Delete every checkpoint of ``key`` (its generation completed); how many there were."""
+        return GenerationCheckpoints(self).drop(key)
 
 
 def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,

@@ -10,6 +10,8 @@ The injection point: ``mlx_lm.server.run()`` builds ``LRUPromptCache(prompt_cach
 ``main`` runs, ``mlx_lm.server.run`` is ``_run`` (below): the same steps, except that the generator is a subclass
 whose constructor gets a :class:`TieredPromptCache` wrapping that very ``LRUPromptCache`` (kept as the RAM tier),
 and the HTTP handler is a subclass adding kvshelf's routes and header. Nothing else of mlx-lm is replaced.
+Resumable requests (greedy or seeded) go to ``generations.ServeGenerations``, which checkpoints them and resumes
+their retries (docs/RESUMING.md).
 
 Stores: one handle per model identity (``model_identity``: path or repo, config.json and safetensors headers,
 tokenizer files, KV settings), opened for the default model before the HTTP server starts and lazily for models a
@@ -51,6 +53,7 @@ from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
 from .startup import StartupError
 from .status_page import status
+from .generations import ServeGenerations, checkpoint_every_arg  # generation checkpoints (RESUMING.md)
 
 log = logging.getLogger("kvshelf.serve")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -107,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvshelf-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="kvshelf's own log level (default INFO: one line per request; DEBUG adds the "
                         "write-behinds)")
+    # --- generation checkpoints (generations.py) ---
+    p.add_argument("--generation-checkpoint-every", type=checkpoint_every_arg, default=256, metavar="N",
+                   help="checkpoint running greedy/seeded requests every N tokens so that a retry after a crash "
+                        "resumes (default 256; 0 off)")
     return p
 
 
@@ -258,6 +265,8 @@ def _generator_class(base: type, serving_of: dict) -> type:
 
         def __init__(self, model_provider, prompt_cache):
             self.kvshelf = serving_of["serving"]
+            # generation checkpoints (generations.py): set before mlx-lm's constructor starts its thread
+            self.generations = ServeGenerations(self.kvshelf.opts.generation_checkpoint_every, self.kvshelf.opener)
             super().__init__(model_provider, self.kvshelf.tiered)
 
         def generate(self, request, generation_args, progress_callback=None):
@@ -269,6 +278,16 @@ def _generator_class(base: type, serving_of: dict) -> type:
         def _log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
             if log.isEnabledFor(logging.DEBUG):
                 super()._log_cache_stats()
+
+        # --- generation checkpoints (generations.py): resumable requests are served by us, one at a time ---
+        def _is_batchable(self, args):
+            taken = self.generations.takes(args)  # counts the requests that are not resumable
+            return super()._is_batchable(args) and not taken
+
+        def _serve_single(self, request, stream):
+            if not self.generations.serve(request, stream, provider=self.model_provider, tokenize=self._tokenize,
+                                          state_machine=self._make_state_machine, prompt_cache=self.prompt_cache):
+                super()._serve_single(request, stream)
 
     return KvShelfResponseGenerator
 
