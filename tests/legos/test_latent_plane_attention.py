@@ -270,3 +270,28 @@ def test_turbo_k8_codes_are_held_as_offset_binary_and_persisted_as_the_encodings
             pools = cache.persisted_pools(cache.pages[0].pools)
             assert pools[0].dtype == mx.int8
             assert all(mx.array_equal(a, b).item() for a, b in zip(cache.held_pools(pools), cache.pages[0].pools))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
+def test_the_installed_attention_leaves_plain_mlx_lm_models_and_caches_bit_identical(name, monkeypatch):
+    """``install()`` replaces ``scaled_dot_product_attention`` in mlx-lm's base and model modules; a model on
+    mlx-lm's own caches (``KVCache`` and the quantized path) must decode the same bits as with mlx-lm's function."""
+    import sys
+
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+    from mlx_lm_models import quantized_cache
+
+    from kvshelf.mlx_lm.latent import attention
+
+    attention.install()
+    model = build(name)
+    module = sys.modules[type(model).__module__]
+    assert module.scaled_dot_product_attention is attention.scaled_dot_product_attention
+    caches = [lambda: mlx_make_prompt_cache(model)] + ([lambda: quantized_cache(model)] if name == "llama" else [])
+    for make in caches:
+        patched = greedy(model, PROMPT, make(), steps=6)
+        with monkeypatch.context() as m:
+            m.setattr(module, "scaled_dot_product_attention", attention.scaled_dot_product_attention.mlx_lm_original)
+            plain = greedy(model, PROMPT, make(), steps=6)
+        assert patched[0] == plain[0]
+        assert all(mx.array_equal(a, b).item() for a, b in zip(patched[1], plain[1]))
