@@ -26,7 +26,7 @@ def test_step_rows_measure_every_face_against_mlx_lm_in_one_run():
     # encoded planes hold less than mlx-lm's float32 latent, and 4-bit less than 8-bit
     four, eight = (held[f"memory held after a step affine {b} @ 64 tok"].ratio for b in (4, 8))
     assert four < eight < 1
-    longest = decode_planes.longest_context_rows(facts, 64)
+    longest = decode_planes.longest_context_rows(facts, (64,))
     assert all(r.value.median > 0 and r.check == "ratio-min" for r in longest)
 
 

@@ -243,3 +243,55 @@ def test_a_decode_step_over_16k_encoded_positions_allocates_less_than_one_decode
         held = cache.state
         assert not [a for a in held if a.dtype == mx.float32 and a.shape[-1] in geometry.widths]
         assert cache.nbytes < 0.4 * cache.offset * geometry.f32_bytes_per_token()
+
+
+def test_turbo_k8_codes_are_held_as_offset_binary_and_persisted_as_the_encodings_bytes():
+    """A TurboQuant k8 cache holds its signed codes with the top bit flipped (the uint8 bytes are ``idx + 128``,
+    what ``quantized_matmul`` reads, so no step copies the codes to flip them); row states and pages written to a
+    snapshot carry the encoding's own int8 codes, and taking them back restores the held bytes."""
+    from kvshelf.latent_legos.encodings.family import family_encoding
+
+    fmt = TurboFormat(8, 3)
+    latent, rope = _normal((1, 40, 128), 3), _normal((1, 40, 64), 4)
+    stored = family_encoding(fmt, 128).encode(latent)
+    for cache in (EncodedLatentCache(GEOMETRY, fmt), PagedLatentCache(GEOMETRY, fmt, 16)):
+        cache.append_latent(latent, rope)
+        held_codes = cache.state[0] if isinstance(cache, EncodedLatentCache) else cache.pages[0].gather()[0]
+        assert held_codes.dtype == mx.int8
+        expected = (stored[0].astype(mx.int32) + 128).astype(mx.uint8)
+        assert mx.array_equal(held_codes.view(mx.uint8), expected).item()
+        if isinstance(cache, EncodedLatentCache):
+            persisted = cache.row_state(0).planes[0]
+            assert all(mx.array_equal(a, b).item() and a.dtype == b.dtype for a, b in zip(persisted, stored))
+            again = cache.make_empty_batch()
+            again.merge_row_states([cache.row_state(0)])
+            assert all(mx.array_equal(a, b).item() for a, b in zip(again.state, cache.state))
+        else:
+            pools = cache.persisted_pools(cache.pages[0].pools)
+            assert pools[0].dtype == mx.int8
+            assert all(mx.array_equal(a, b).item() for a, b in zip(cache.held_pools(pools), cache.pages[0].pools))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
+def test_the_installed_attention_leaves_plain_mlx_lm_models_and_caches_bit_identical(name, monkeypatch):
+    """``install()`` replaces ``scaled_dot_product_attention`` in mlx-lm's base and model modules; a model on
+    mlx-lm's own caches (``KVCache`` and the quantized path) must decode the same bits as with mlx-lm's function."""
+    import sys
+
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+    from mlx_lm_models import quantized_cache
+
+    from kvshelf.mlx_lm.latent import attention
+
+    attention.install()
+    model = build(name)
+    module = sys.modules[type(model).__module__]
+    assert module.scaled_dot_product_attention is attention.scaled_dot_product_attention
+    caches = [lambda: mlx_make_prompt_cache(model)] + ([lambda: quantized_cache(model)] if name == "llama" else [])
+    for make in caches:
+        patched = greedy(model, PROMPT, make(), steps=6)
+        with monkeypatch.context() as m:
+            m.setattr(module, "scaled_dot_product_attention", attention.scaled_dot_product_attention.mlx_lm_original)
+            plain = greedy(model, PROMPT, make(), steps=6)
+        assert patched[0] == plain[0]
+        assert all(mx.array_equal(a, b).item() for a, b in zip(patched[1], plain[1]))

@@ -70,7 +70,8 @@ class PagedCodec:
             pools = [mx.zeros((0, block_size, w), dtype=mlx_dtype(d)) for d, w in flat_layout]
             table, num_blocks, offset = [], 0, 0
         else:
-            pools, table, num_blocks, offset = list(pages.pools), list(pages.block_table), pages.num_blocks, pages.offset
+            pools, table, num_blocks, offset = (cache.persisted_pools(pages.pools), list(pages.block_table),
+                                                pages.num_blocks, pages.offset)
         named = [(name, pool, None) for name, pool in zip(self._names(geometry, fmt), pools)]
         entry = CacheEntry(
             kind=KIND,
@@ -111,7 +112,8 @@ class PagedCodec:
         self.validate(entry, index)
         validate.check_arrays(entry, index, arrays, verify)
         layout = entry.pages
-        return LatentPages.restored(layout.block_size, list(arrays), list(layout.block_table), layout.num_blocks, entry.offset)
+        pools = self._empty(entry, index).held_pools(arrays)  # TurboQuant k8 codes are held pre-flipped
+        return LatentPages.restored(layout.block_size, pools, list(layout.block_table), layout.num_blocks, entry.offset)
 
     def _empty(self, entry: CacheEntry, index: int | None) -> PagedLatentCache:
         return PagedLatentCache(geometry_of(entry, index), format_of(entry, index), entry.pages.block_size)

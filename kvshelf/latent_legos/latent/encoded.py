@@ -74,7 +74,8 @@ class EncodedLatentCache(RightJustifiedRows):
 
     @property
     def state(self) -> list[mx.array]:
-        """The stored planes (then the shadow), ``[B, offset, w]`` views; spare capacity is never exposed."""
+        """The held planes (then the shadow), ``[B, offset, w]`` views; spare capacity is never exposed. Held, not
+        persisted, form (``family_codec``): what a snapshot writes goes through ``row_state``."""
         return self._stored()
 
     @property
@@ -189,7 +190,7 @@ class EncodedLatentCache(RightJustifiedRows):
 
         def decode(family: int) -> mx.array:
             group = codec.split([p[:, :width, :] for p in self._planes.views()])[family]
-            return zero_leading([codec.encodings[family].decode(group)], pads)[0]
+            return zero_leading([codec.decode_family(family, group)], pads)[0]
 
         return LatentReads(width, pads, decode, rows)
 
@@ -301,7 +302,7 @@ class EncodedLatentCache(RightJustifiedRows):
         self._require_serial_rows("row_state")
         start, offset = self._width - self._offsets[row], self._offsets[row]
         if self._planes:
-            planes = self._codec.split([p[row : row + 1, start:, :] for p in self._planes.views()])
+            planes = self._codec.split(self._codec.stored([p[row : row + 1, start:, :] for p in self._planes.views()]))
         else:
             planes = self._codec.empty_planes(1)
         shadow = None
@@ -347,7 +348,7 @@ class EncodedLatentCache(RightJustifiedRows):
         converted = [s.shadow is None for s in states]
         planes, shadow = [], None
         if width:
-            flat = [self._codec.split_flat(s.planes) for s in states]
+            flat = [self._codec.held(self._codec.split_flat(s.planes)) for s in states]
             for i, (w, dtype) in enumerate(self._codec.flat_plane_shapes()):
                 rows = [pad_left(f[i], width - s.offset) if s.offset else mx.zeros((1, width, w), dtype=dtype)
                         for s, f in zip(states, flat)]
@@ -405,6 +406,8 @@ class EncodedLatentCache(RightJustifiedRows):
                 check_f32(f"batched shadow family {f}", values, (rows, width, w))
         minimums = [non_negative(m, "minimum_reusable_offset") for m in minimums]
         self._begin_rows(rows)
+        if width and self._codec.flips_codes:  # held form; the left padding stays zero bytes, as merge_row_states
+            planes = zero_leading(self._codec.held(planes), [width - o for o in offsets])  # leaves it
         self._publish([*planes, *(shadow or [])] if width else [])
         self._width, self._offsets = width, offsets
         self._converted, self._minimum = converted, minimums

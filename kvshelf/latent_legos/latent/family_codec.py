@@ -6,6 +6,14 @@
 Every encoding works in groups along the last axis and every family width is a whole number of groups, so the
 families of a short append (a decode step) are encoded in one pass over their concatenation and the planes cut back
 per family: the same bits as encoding each family alone, with half the (per-operation dominated) cost of a step.
+
+Held form and stored form: TurboQuant's 8-bit key codes are signed (int8), while ``mx.quantized_matmul`` reads
+unsigned codes. A cache therefore holds them *held*: the same int8 plane with the top bit of every code flipped, so
+its bytes viewed as uint8 are the offset-binary codes ``idx + 128`` that attention on the planes reads in place
+(``plane_attention``), with no per-step copy of the codes. ``encode`` returns and ``decode`` takes the held form;
+whatever leaves or enters a cache as persisted planes (row states, batched restores, pages written to or read from
+a snapshot) passes ``stored``/``held``, which flip the bit back (the flip is its own inverse, so the persisted bytes
+are exactly the encoding's). Every other format's held form is its stored form.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import mlx.core as mx
 from ...errors import InvalidCacheState
 from ..formats import AffineFormat, LatentFormat, TurboFormat
 
+_TOP_BIT = mx.array(0x80, dtype=mx.uint8)
 JOINT_MAX_POSITIONS = 256  # longer appends encode per family (the concatenation would copy a whole prefill)
 
 
@@ -52,6 +61,40 @@ class FamilyCodec:
         return cuts
 
     @property
+    def flips_codes(self) -> bool:
+        """Whether the held form differs from the stored form (TurboQuant at 8 key bits)."""
+        return isinstance(self.format, TurboFormat) and self.format.k_bits == 8
+
+    def _flip(self, planes: Sequence[mx.array]) -> list[mx.array]:
+        """Every family's code plane with its top bits flipped (int8 stays int8)."""
+        if not self.flips_codes:
+            return list(planes)
+        out, at = list(planes), 0
+        for count in self.plane_counts:
+            codes = out[at]
+            out[at] = (codes.view(mx.uint8) ^ _TOP_BIT).view(mx.int8)
+            at += count
+        return out
+
+    def held(self, planes: Sequence[mx.array]) -> list[mx.array]:
+        """Stored (persisted) flat planes -> the form a cache holds (see the module docstring)."""
+        return self._flip(planes)
+
+    def stored(self, planes: Sequence[mx.array]) -> list[mx.array]:
+        """Held flat planes -> the persisted form (the encoding's own bytes)."""
+        return self._flip(planes)
+
+    def held_family(self, family: int, group: Sequence[mx.array]) -> list[mx.array]:
+        """One family's stored planes -> held (a family's code plane is its first)."""
+        if not self.flips_codes:
+            return list(group)
+        return [(group[0].view(mx.uint8) ^ _TOP_BIT).view(mx.int8), *group[1:]]
+
+    def decode_family(self, family: int, group: Sequence[mx.array]) -> mx.array:
+        """One family's held planes decoded, ``[B, L, W_family]`` float32."""
+        return self.encodings[family].decode(self.held_family(family, group))  # the flip is its own inverse
+
+    @property
     def total_planes(self) -> int:
         return sum(self.plane_counts)
 
@@ -61,8 +104,10 @@ class FamilyCodec:
             return list(families)
         if self._joint is not None and len(families) == len(self.widths) and families[0].shape[1] <= JOINT_MAX_POSITIONS:
             joint = self._joint.encode(mx.concatenate(list(families), axis=-1))
+            if self.flips_codes:
+                joint = [(joint[0].view(mx.uint8) ^ _TOP_BIT).view(mx.int8), *joint[1:]]
             return [joint[i][..., start:stop] for i, start, stop in self._cuts]
-        return [plane for enc, values in zip(self.encodings, families) for plane in enc.encode(values)]
+        return self.held([plane for enc, values in zip(self.encodings, families) for plane in enc.encode(values)])
 
     def split(self, planes: Sequence[mx.array]) -> list[list[mx.array]]:
         """The flat plane list grouped per family."""
@@ -78,11 +123,11 @@ class FamilyCodec:
         return [plane for group in groups for plane in group]
 
     def decode(self, planes: Sequence[mx.array], families: int | None = None) -> list[mx.array]:
-        """The flat plane list -> f32 ``[B, L, W_f]`` per family (the first ``families`` only, if given)."""
+        """The held flat plane list -> f32 ``[B, L, W_f]`` per family (the first ``families`` only, if given)."""
         groups = self.split(planes)[: families if families is not None else len(self.widths)]
         if self.encodings is None:
             return [g[0] for g in groups]
-        return [enc.decode(g) for enc, g in zip(self.encodings, groups)]
+        return [self.decode_family(f, g) for f, g in enumerate(groups)]
 
     def plane_shapes(self) -> list[tuple[tuple[int, ...], list[mx.Dtype]]]:
         """Per family, its planes' widths and dtypes."""

@@ -72,12 +72,21 @@ class PagedLatentCache(ReuseFloor):
 
     @property
     def pages(self) -> list[LatentPages]:
-        """Each row's pages (borrowed; the SSD form)."""
+        """Each row's pages (borrowed), in held form: ``persisted_pools`` gives the bytes a snapshot writes."""
         return list(self._rows)
 
     @property
     def state(self) -> list[mx.array]:
+        """Every row's pools in held form (``family_codec``; ``persisted_pools`` gives what a snapshot writes)."""
         return [pool for row in self._rows for pool in row.pools]
+
+    def persisted_pools(self, pools: Sequence[mx.array]) -> list[mx.array]:
+        """Held pools (``pages[i].pools``) -> the persisted planes' bytes (TurboQuant k8 codes flip back)."""
+        return self._codec.stored(pools)
+
+    def held_pools(self, pools: Sequence[mx.array]) -> list[mx.array]:
+        """Persisted pools -> the held form ``adopt_rows`` takes (the inverse of ``persisted_pools``)."""
+        return self._codec.held(pools)
 
     def bytes_per_token(self) -> int:
         return self._codec.bytes_per_token()
@@ -140,7 +149,7 @@ class PagedLatentCache(ReuseFloor):
         def decode(family: int) -> mx.array:
             per_row = []
             for row, pad in zip(rows, pads):
-                values = codec.encodings[family].decode(codec.split(row.gather())[family]) if row.offset else \
+                values = codec.decode_family(family, codec.split(row.gather())[family]) if row.offset else \
                     mx.zeros((1, 0, self.geometry.widths[family]), dtype=mx.float32)
                 per_row.append(pad_left(values, pad))
             return per_row[0] if len(per_row) == 1 else mx.concatenate(per_row, axis=0)

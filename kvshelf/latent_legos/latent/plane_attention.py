@@ -12,8 +12,8 @@ little-endian into uint32), so absorbed-MLA attention runs on the planes themsel
 Affine planes (``mx.quantize``: packed uint32, float32 scales and biases) are read as stored. TurboQuant's key code
 is ``(idx + zero) * scale`` per group of 32 with float16 scale and zero; its bit-packed codes below 8 bits are
 already mlx's packing (code i at stream bits ``[i·b, (i+1)·b)``), so they are read through a uint32 view; its
-8-bit codes are signed, so the step flips their top bit (offset binary, ``q = idx + 128``) into a uint8 array of
-the codes' size. Per step the scales and ``bias = scale · (zero - offset)`` are widened to float32 ``[T, groups]``
+8-bit codes are signed, so caches hold them with the top bit flipped (``family_codec``'s held form: offset binary,
+``q = idx + 128``, transcoded once at append and flipped back only for persistence), read through a view as well. Per step the scales and ``bias = scale · (zero - offset)`` are widened to float32 ``[T, groups]``
 (1/32 of a decoded plane's values). Decode-then-attend rounds TurboQuant reads to bfloat16 first; the product on
 the planes does not, so the two differ in the last bits (see ``docs/latent-attention.md``).
 
@@ -69,8 +69,8 @@ def quantized_family(fmt: LatentFormat, planes: Sequence[mx.array]) -> Quantized
     if isinstance(fmt, TurboFormat):
         codes, scales, zeros = planes
         scales = scales.astype(_F32)
-        if fmt.k_bits == 8:
-            codes = codes.view(mx.uint8) ^ mx.array(0x80, dtype=mx.uint8)
+        if fmt.k_bits == 8:  # held pre-flipped (family_codec): the bytes are offset binary, idx + 128
+            codes = codes.view(mx.uint8)
             biases = scales * (zeros.astype(_F32) - 128.0)
         else:
             biases = scales * zeros.astype(_F32)
