@@ -1,10 +1,11 @@
 """The session store façade: one directory, an index (LMDB) and a byte store (packs), opened under one identity.
 
-The rooms behind it, one concern each: ``keys`` (every key layout), ``ledger`` (commit / drop / refcounts),
-``leasing`` + ``leases`` (write transactions, readers' leases, the one place objects are unlinked), ``saving``
-(capture → one pack → one commit), ``restoring`` (straight into the final MLX arrays), ``budget`` (eviction),
-``surface`` (the offline tools' calls), ``maintenance`` (verify, gc, rebuild), ``lookup`` (the prefix search),
-``fulldisk`` + ``reserve`` + ``objlocks`` (a full disk never blocks a read, a delete or a gc).
+``Store`` checks its arguments (``inputs``: the one place session ids, namespaces and tokens are checked), builds
+its collaborators in order and delegates to them; it holds no logic of its own beyond that. The collaborators share
+one ``StoreContext`` (``context.py``) and receive the other collaborators they call in their constructors:
+``liveness`` (write transactions, remembered uses, reclaim, leases, removal, the save gate), ``space`` (full disk,
+budget), ``integrity`` (quarantine, verify, gc, rebuild), ``save``, ``restore`` and ``admin`` (the offline tools'
+surface, ``store.admin``).
 
 Durability order: a save's pack (chunks + its manifest in the trailer) is fsynced and renamed, its directory fsynced,
 then ONE LMDB write transaction indexes it. Objects that lost their last reference are unlinked only in a later
@@ -13,59 +14,67 @@ write transaction that re-checks the ledger and the live leases, so a crash leav
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import os
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import Any
 
-import msgspec
-
 from ..codecs import CodecProvider, default_provider
-from ..errors import (CorruptData, IdentityMismatch, InvalidCacheState, KvShelfError, SnapshotNotFound,
-                      WrongArgumentType)
+from ..errors import InvalidCacheState, KvShelfError, SnapshotNotFound, WrongArgumentType
 from . import inputs
-from .index import keys, ledger
-from .liveness import object_locks as objlocks, open_lock as openlock, removers_lock as removers
-from .save import saver as saving
-from .integrity import legacy_v1 as sealing
-from .index import schema as mf
-from .objects.protocol import put_unsynced
-from .space.budget import evict_to_budget
-from .liveness.removers_lock import RemoversLock
-from .space.full_disk import FullDiskMixin
-from .space.pins import Pins
+from .admin.index_swap import IndexSwap
+from .admin.surface import StoreAdmin
+from .context import StoreContext
 from .identity import Identity, namespace_key
-from .index.lmdb_env import Index
-from .index.protocol import IndexStore
-from .liveness.lease_files import LeaseBook
-from .liveness.leasing import LeasingMixin
-from .objects.local import LocalByteStore, ensure_dir
-from .prefix.search import LazyTokens, _Lookup
 from .index.schema import Manifest
+from .integrity.gc import Gc
+from .integrity.legacy_v1 import seal_v1_manifests
+from .integrity.quarantine import Quarantine
+from .integrity.rebuild import Rebuild
+from .integrity.verify import Verifier
+from .index.protocol import IndexStore
+from .liveness import open_lock as openlock
+from .liveness.leases import Leases
 from .liveness.open_lock import StoreBusy
+from .liveness.reclaim import Reclaimer
+from .liveness.removal import Removal
+from .liveness.transactions import Transactions
 from .prefix.hashing import BLOCK_TOKENS
-from .results import PrefixHit, SessionInfo, SnapshotInfo
-from .integrity.quarantine import QuarantineMixin
-from .restore.reader import ReadingMixin
-from .admin.surface import ToolsSurface
-from .save.hash_reuse import UnchangedBook
+from .prefix.index_records import IndexRecords
+from .prefix.search import LazyTokens, PrefixSearch
+from .remote.tier import RemoteTier
+from .restore.reader import Reader
+from .restore.snapshots import Snapshots
+from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .save.background import BackgroundWriter
+from .save.saver import Saver, chunk_metadata
+from .space.budget import Budget
+from .space.full_disk import FullDisk
+from .space.pins import Pins
 from .generations import GenerationCheckpoint, GenerationCheckpoints
 
+# The offline tools' calls: ``store.admin.<name>``. The same names on ``Store`` forward there (kept for callers
+# written before ``store.admin`` existed; new tools code calls ``store.admin``). ``stats``, ``verify``, ``gc`` and
+# ``rebuild_index`` are user calls too: on ``Store`` they stay.
+TOOL_CALLS = ("manifest", "iter_manifests", "chunk_info", "iter_chunks", "iter_packs", "chunk_location",
+              "stored_objects", "orphans", "leased_hashes", "open_blob", "summaries", "rebuild_report", "lease",
+              "put_blobs", "rewrite_blob", "repack", "replace_manifest", "replace_snapshot", "exclusive",
+              "replace_index", "empty_index", "copy_index", "stats", "verify", "gc", "rebuild_index")
 
-class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSurface):
+
+class Store:
     """One store directory opened under one ``Identity``. Thread-safe; several processes may open it at once.
 
-    ``admin=True`` (with no identity) opens it identity-blind for offline tools: the tools surface works on every
-    identity's snapshots, while the identity-scoped calls (save, restore, lookup, sessions, delete) refuse.
-    ``byte_store`` replaces the local directory of packs by any ``backend.ByteStore`` and ``index_store`` the LMDB
-    index by any ``indexstore.IndexStore`` (``MemoryIndexStore``: a throwaway store); the store speaks only those
-    two protocols. The directory still holds the locks (and, by default, both of them).
+    ``admin=True`` (with no identity) opens it identity-blind for offline tools (``identity_blind`` says so): the
+    tools' calls work on every identity's snapshots, while the identity-scoped calls (save, restore, lookup,
+    sessions, delete) refuse. ``store.admin`` is the tools' surface (``StoreAdmin``), on every handle.
+    ``byte_store`` replaces the local directory of packs by any ``ByteStore`` and ``index_store`` the LMDB index by
+    any ``IndexStore`` (``MemoryIndexStore``: a throwaway store); the store speaks only those two protocols. The
+    directory still holds the locks (and, by default, both of them).
     """
+
+    blob_metadata = staticmethod(chunk_metadata)
 
     def __init__(self, path: str | os.PathLike, identity: Identity | None, *, max_bytes: int | None = None,
                  chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
@@ -81,49 +90,36 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
             raise InvalidCacheState(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
             raise InvalidCacheState(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
-        self.root = os.path.abspath(os.fspath(path))
-        ensure_dir(self.root)
-        os.chmod(self.root, 0o700)
-        self.identity, self.max_bytes, self.chunk_tokens = identity, max_bytes, chunk_tokens
-        self.verify_reads, self.provider, self.lease_seconds = verify, provider or default_provider, lease_seconds
-        self.admin = admin
-        self.id_key = identity.key if identity is not None else None
-        self.bytes = byte_store if byte_store is not None else LocalByteStore(self.root,
-                                                                              os.path.join(self.root, "tmp"))
-        if isinstance(self.bytes, LocalByteStore):
-            ensure_dir(os.path.join(self.root, "packs"))  # made once here, not inside a save (its own fsync)
-        lock_dir = os.path.join(self.root, "locks")
-        ensure_dir(lock_dir)
-        self._gate_path = os.path.join(lock_dir, "save.lock")
-        os.close(os.open(self._gate_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        self.removers = RemoversLock(os.path.join(lock_dir, "removers.lock"))  # removers.py
-        objlocks.make_sentinel(self.root)
-        self._lock_key = os.path.realpath(self.root)
-        openlock.acquire(self._lock_key)  # before LMDB maps the index: "open" is exact (openlock.py)
-        try:
-            reap = getattr(self.bytes, "reap_tmp", None)
-            if reap is not None:
-                reap()
-            self.index = (index_store if index_store is not None else
-                          Index(os.path.join(self.root, "index"), map_size=map_size))
-        except BaseException:
-            openlock.release(self._lock_key)
-            raise
-        self.leases = LeaseBook(self.root)
-        self.pins = Pins(self.index, self.id_key, lambda: self.max_bytes, self.root)  # space/pins.py
-        self.block = BLOCK_TOKENS
-        self._lock = threading.RLock()
-        self._init_leasing()
-        self._writer = BackgroundWriter(max_pending_bytes)
-        self.counters = {"blobs_read": 0, "bytes_read": 0, "blobs_written": 0, "bytes_written": 0,
-                         "bytes_reused": 0, "lookups": 0, "hits": 0, "quarantined": 0, "evicted": 0,
-                         "batch_layers_direct": 0, "batch_layers_fallback": 0, "chunks_hashed": 0,
-                         "bytes_hashed": 0, "chunks_hash_reused": 0, "bytes_hash_reused": 0}
-        self._unchanged = UnchangedBook()  # each session's last save here: hashes a grown save may reuse
-        self._closed = self._closing = False
-        self.tier = None  # the shared tier (kvshelf.store.remote), attached by open_store(remote=...)
-        self._init_fulldisk()  # sizes and takes the reserve (reserve.py) now that the index can say what it needs
-        sealing.seal_v1_manifests(self)  # once per index: v1 manifest files get the checksum rebuilds rely on
+        ctx, gate = StoreContext.open(path, identity, provider or default_provider, byte_store, index_store, map_size,
+                                      chunk_tokens=chunk_tokens, verify_reads=verify, max_bytes=max_bytes,
+                                      lease_seconds=lease_seconds, block=BLOCK_TOKENS)
+        self._ctx, self._gate = ctx, gate
+        self.root, self.identity, self.id_key, self.identity_blind = ctx.root, identity, ctx.id_key, admin
+        self.bytes, self.removers, self.counters, self.block = ctx.bytes, ctx.removers, ctx.counters, ctx.block
+        self.provider, self.chunk_tokens, self.max_bytes = ctx.provider, chunk_tokens, max_bytes
+        self.verify_reads, self.lease_seconds = verify, lease_seconds
+        self._reclaimer = reclaimer = Reclaimer(ctx)
+        self._txns = txns = Transactions(ctx, reclaimer)
+        self._leases = leases = Leases(ctx, reclaimer, txns.uses)
+        self.pins = pins = Pins(ctx)
+        self._removal = removal = Removal(ctx, reclaimer, followers=(pins,))
+        self._writer = writer = BackgroundWriter(max_pending_bytes)
+        gc = Gc(ctx, gate, txns, reclaimer)
+        self._full_disk = full_disk = FullDisk(ctx, txns, removal, gc)  # sizes and takes the reserve from the index
+        self._quarantine = quarantine = Quarantine(ctx, txns, full_disk, removal)
+        self._snapshots = snapshots = Snapshots(ctx)
+        self._reader = Reader(ctx, leases, snapshots, quarantine)
+        self._saver = saver = Saver(ctx, gate, txns, reclaimer, Budget(ctx, txns, reclaimer, removal, pins))
+        swap = IndexSwap(ctx, gate, txns, writer.flush)
+        self.admin = StoreAdmin(ctx, snapshots=snapshots, leases=leases, reclaimer=reclaimer, txns=txns, gate=gate,
+                                saver=saver, writer=writer, verifier=Verifier(ctx, gate, reclaimer), gc=gc,
+                                rebuild=Rebuild(ctx, swap), swap=swap, pins=pins)
+        seal_v1_manifests(ctx.index, ctx.bytes)  # once per index: v1 manifest files get the checksum rebuilds need
+
+    # the context's fields that change after open: read through, never copied
+    index = property(lambda self: self._ctx.index, lambda self, v: setattr(self._ctx, "index", v))
+    tier = property(lambda self: self._ctx.tier, lambda self, v: setattr(self._ctx, "tier", v))  # remote/, or None
+    leases = property(lambda self: self._ctx.leases, lambda self, v: setattr(self._ctx, "leases", v))
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Store":
@@ -134,70 +130,29 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
 
     def close(self) -> None:
         """Wait for queued async saves (errors are not raised here: call ``flush`` first), then close the index."""
-        if self._closed:
+        if self._ctx.closed:
             return
         self._writer.close()
         if self.tier is not None:  # after queued saves: they publish too
             self.tier.close()
-        with self._lock:
-            self._closing = True
-            timer, self._touch_timer = self._touch_timer, None
-        if timer is not None:
-            timer.cancel()
-            timer.join()
         try:
-            if self._touches:
-                try:
-                    self._txn(lambda txn: None)
-                except KvShelfError:  # damaged records or a full disk: uses are LRU order only, never data
-                    pass
+            self._txns.close()  # remembered uses are written
         finally:
-            self._closed = True
+            self._ctx.closed = True
             self.leases.close()
             self.index.close()
-            openlock.release(self._lock_key)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise KvShelfError(f"store {self.root} is closed")
+            openlock.release(self._ctx.lock_key)
 
     def _check_scoped(self, what: str) -> None:
-        self._check_open()
+        self._ctx.check_open()
         if self.id_key is None:
             raise KvShelfError(f"{what} needs a model identity: this handle on {self.root} was opened identity-blind "
                                f"(admin=True) for offline tools")
 
-    @contextmanager
-    def save_gate(self, exclusive: bool = False, timeout: float = 30.0) -> Iterator[None]:
-        """The store-wide save gate (``locks/save.lock``, flock): saves hold it shared from their first write to
-        their commit; orphan sweeps and offline jobs hold it exclusively, so an in-flight save's pack is never
-        taken for crash residue. ``StoreBusy`` when it cannot be had within ``timeout`` seconds."""
-        fd = os.open(self._gate_path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreBusy(f"the save gate of {self.root} stayed busy for {timeout:g}s (a gc, "
-                                        f"compaction or offline job holds it{'' if exclusive else ' exclusively'})")
-                    time.sleep(0.005)
-            yield
-        finally:
-            os.close(fd)  # closing the description releases the lock
-
-    def _ns_key(self, namespace: str) -> bytes:
-        self._check_scoped("a namespaced call")
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-        return namespace_key(self.id_key, namespace)
-
-    def _session_key(self, session_id: str, namespace: str) -> bytes:
-        if not isinstance(session_id, str) or not session_id or len(session_id) > 1024:
-            raise ValueError(f"session_id must be a non-empty str of at most 1024 characters, got {session_id!r}")
-        return keys.session_key(self.id_key, self._ns_key(namespace), session_id)
+    def save_gate(self, exclusive: bool = False, timeout: float = 30.0):
+        """The store-wide save gate (``liveness/save_gate.py``): saves hold it shared from their first write to their
+        commit; orphan sweeps and offline jobs hold it exclusively. ``StoreBusy`` after ``timeout`` seconds."""
+        return self._gate.hold(exclusive, timeout)
 
     # ------------------------------------------------------------------ saving
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
@@ -205,7 +160,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
-        return self._published(saving.write(self, saving.capture(self, session_id, tokens, caches, namespace)))
+        return self._published(self._saver.write(self._saver.capture(session_id, tokens, caches, namespace)))
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
                    namespace: str = "") -> Future:
@@ -213,16 +168,16 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_async")
-        cap = saving.capture(self, session_id, tokens, caches, namespace)
-        return self._writer.submit(lambda: self._published(saving.write(self, cap)), cap.nbytes)
+        cap = self._saver.capture(session_id, tokens, caches, namespace)
+        return self._writer.submit(lambda: self._published(self._saver.write(cap)), cap.nbytes)
 
     def _published(self, info: SnapshotInfo) -> SnapshotInfo:
         """Local-durable first; then the reserve grows with the longest snapshot (a delete of it must fit on a full
         disk); then the shared tier (if any) queues it for publishing, never waiting."""
-        self._keep_reserve(info.length)
+        self._full_disk.keep_reserve(info.length)
         if self.tier is not None:
             try:
-                self.tier.saved(self.manifest(info.snapshot_id))
+                self.tier.saved(self._snapshots.manifest(info.snapshot_id))
             except SnapshotNotFound:  # already evicted or replaced: nothing to publish
                 pass
         return info
@@ -230,36 +185,9 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
     def flush(self) -> None:
         self._writer.flush()
 
-    blob_metadata = staticmethod(saving.chunk_metadata)
-
-    def _evict_to_budget(self, protect: bytes | None = None) -> int:
-        return evict_to_budget(self, protect)
-
-    def _remove(self, txn, sid: bytes, reason: str = "") -> tuple[bytes, list[str], bytes] | None:
-        """Drop a snapshot for good (delete, eviction, quarantine) in ``txn``: (sid, objects freed, tombstone)."""
-        raw = txn.get("summaries", sid)
-        if raw is None:
-            return None
-        s = mf.decode(raw, mf.Summary, f"summary {sid.hex()}")
-        self.pins.forget(txn, s)  # a removed session keeps no pin (space/pins.py)
-        tomb = msgspec.msgpack.encode([keys.summary_session_key(s), s.created_at, reason])
-        return sid, ledger.drop(self.index, txn, sid), tomb
-
-    def _after_drop(self, dropped: bytes, freed: list[str], tomb: bytes, quarantined: bool = False) -> None:
-        """After a delete / eviction / quarantine: leave a tombstone (the session and its creation time, so
-        ``rebuild_index`` never brings back this snapshot or an older one of its session from a pack that outlives
-        it; not synced: it only matters if the index is lost) and unlink what is dead (the caller holds
-        ``removers.removing()`` from before its commit)."""
-        removers.before_unlink()
-        self._reclaim(freed)
-        try:
-            put_unsynced(self.bytes, keys.tomb(dropped.hex(), quarantined=quarantined), [tomb])
-        except (KvShelfError, OSError):  # e.g. a full disk: the removal itself is committed; only a rebuild of a
-            pass                         # lost index could bring the snapshot back
-
-    # ------------------------------------------------------------------ lookup
+    # ------------------------------------------------------------------ lookup and restore
     def lookup(self, prompt_tokens: Sequence[int], namespace: str = "") -> PrefixHit | None:
-        """The longest usable stored prefix of the prompt (API.md rule), or None. Reads no chunks.
+        """The longest usable stored prefix of the prompt, or None. Reads no chunks.
 
         A list prompt is converted (and checked) only as far as the lookup reads it, so a miss costs microseconds
         however long the prompt; arrays are converted whole (that is cheap)."""
@@ -267,128 +195,82 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         self._check_scoped("lookup")
         prompt = LazyTokens(prompt_tokens, "prompt_tokens")
         nsk = self._ns_key(namespace)
-        self.counters["lookups"] += 1
+        self.counters.lookups += 1
         with self.index.read() as txn:
-            best = _Lookup(self, txn, nsk, prompt).run()
-        hit = None if best is None else PrefixHit(best[1].session_id, best[2].hex(), best[0], best[1].namespace,
-                                                  best[1].length)
+            found = PrefixSearch(IndexRecords(txn, self._touched()), nsk, prompt, self.block).run()
+        hit = None if found is None else PrefixHit(found.summary.session_id, found.sid.hex(), found.length,
+                                                   found.summary.namespace, found.summary.length)
         if self.tier is not None:  # local first; the shared tier only when it gives a longer prefix
             hit = self.tier.lookup(prompt, namespace, hit)
         if hit is not None:
-            self.counters["hits"] += 1
+            self.counters.hits += 1
         return hit
 
-    def _has(self, snapshot_id: str) -> bool:
-        with self.index.read() as txn:
-            return txn.get("manifests", bytes.fromhex(snapshot_id)) is not None
+    def restore(self, session_id: str, namespace: str = "") -> Restored:
+        """The session's latest snapshot, whole."""
+        inputs.check_session(session_id, namespace)
+        self._check_scoped("restore")
+        return self._reader.restore(session_id, namespace)
 
-    def stats(self) -> dict[str, Any]:
-        doc = super().stats()
-        doc["pinned_bytes"] = self.pins.pinned_bytes()  # space/pins.py
-        return {**doc, "remote": self.tier.stats()} if self.tier is not None else doc
+    def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
+        """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
+        snapshot_id, length = inputs.check_snapshot_id(snapshot_id), inputs.check_length(length)
+        self._check_scoped("restore_snapshot")
+        return self._reader.restore_snapshot(snapshot_id, length)
 
-    # ------------------------------------------------------------------ records
-    def _check_identity(self, manifest: Manifest) -> None:
-        for name in ("model_id", "config_fingerprint", "tokenizer_hash"):
-            stored, expected = getattr(manifest, name), getattr(self.identity, name)
-            if stored != expected:
-                raise IdentityMismatch(name, stored, expected, f"snapshot {manifest.snapshot_id}")
-
-    def _manifest(self, txn, sid: bytes) -> Manifest:
-        raw = txn.get("manifests", sid)
-        if raw is None:
-            raise SnapshotNotFound(f"snapshot {sid.hex()} is not in the store at {self.root}")
-        return mf.decode(raw, Manifest, f"manifest {sid.hex()}")
-
-    def _latest(self, txn, session_id: str, namespace: str) -> Manifest:
-        """The manifest of the session's latest snapshot (``_explain_missing`` raises when there is none)."""
-        skey = self._session_key(session_id, namespace)
-        sid = txn.get("sessions", skey)
-        if sid is None:
-            self._explain_missing(txn, session_id, namespace, skey)
-        raw = txn.get("manifests", sid)
-        where = f"session {session_id!r} (namespace {namespace!r})"
-        if raw is None:  # one read transaction: a session pointing nowhere is a damaged record, not a race
-            raise CorruptData(f"{where} points to snapshot {bytes(sid).hex()}, which is not indexed "
-                              f"(a damaged index record: run `kvshelf verify`)")
-        m = mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()} of {where}")
-        if (m.session_id, m.namespace) != (session_id, namespace) or keys.identity_key_of(m) != self.id_key:
-            raise CorruptData(f"{where} points to snapshot {m.snapshot_id} of session {m.session_id!r} "
-                              f"(namespace {m.namespace!r}): a damaged index record, refused")
-        return m
-
-    def _explain_missing(self, txn, session_id: str, namespace: str, skey: bytes):
-        raw = txn.get("quarantine", skey)
-        if raw is not None:
+    def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "") -> Restored | None:
+        """Caches for the longest usable stored prefix of the prompt (reading only the chunks covering it)."""
+        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
+        for _ in range(3):
+            hit = self.lookup(prompt_tokens, namespace)
+            if hit is None:
+                return None
             try:
-                sid_hex, reason = msgspec.msgpack.decode(raw)
-            except (msgspec.DecodeError, ValueError, TypeError):
-                sid_hex, reason = "?", "its quarantine record is damaged too"
-            raise CorruptData(f"session {session_id!r} (namespace {namespace!r}) was quarantined: snapshot "
-                              f"{sid_hex}: {reason}")
-        tail = session_id.encode("utf-8", "surrogatepass")
-        for key, sid in txn.range("sessions"):
-            if key[32:] == tail and key[:16] != self.id_key:
-                other = self._manifest(txn, sid)
-                if other.namespace == namespace:
-                    self._check_identity(other)
-        raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} for model "
-                               f"{self.identity.model_id!r} in the store at {self.root}")
+                return self.restore_snapshot(hit.snapshot_id, hit.length)
+            except SnapshotNotFound:  # evicted or replaced between lookup and restore: look again
+                continue
+        return None
+
+    def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]]) -> RestoredBatch:
+        """Several rows restored straight into one batched cache per layer, rows in request order."""
+        inputs.check_requests(requests)
+        self._check_scoped("restore_batch")
+        return self._reader.restore_batch(requests)
 
     # ------------------------------------------------------------------ management
     def delete(self, session_id: str, namespace: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
         inputs.check_session(session_id, namespace)
         self._check_scoped("delete")
-        skey = self._session_key(session_id, namespace)
-
-        def drop(txn):
-            sid = txn.get("sessions", skey)
-            had_quarantine = txn.delete("quarantine", skey)  # the operator's "drop it"
-            if sid is None:
-                return "quarantine" if had_quarantine else None
-            return self._remove(txn, bytes(sid))
-
-        with self.removers.removing():  # from the commit to the unlink (verify tells residue from this)
-            result = self._freeing_txn(drop)
-            if result == "quarantine":
-                return
-            if result is None:
-                raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to delete")
-            self._after_drop(*result)
-        self._keep_reserve()  # space was freed: hold back again what the next delete may need
+        self._full_disk.delete(self._session_key(session_id, namespace), session_id, namespace)
 
     # ------------------------------------------------------------------ pins (space/pins.py)
     def pin(self, session_id: str, namespace: str = "", ttl: float | None = None):
         """Never evict the session (budget, LRU) until ``unpin`` or ``ttl`` seconds after its last use."""
         inputs.check_session(session_id, namespace)
-        self._check_open()
+        self._ctx.check_open()
         return self.pins.pin(session_id, namespace, ttl)
 
     def unpin(self, session_id: str, namespace: str = "") -> bool:
         """Drop the session's pin (False when it had none); the budget may evict it again."""
         inputs.check_session(session_id, namespace)
-        self._check_open()
+        self._ctx.check_open()
         return self.pins.unpin(session_id, namespace)
 
     def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
         """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""
         inputs.check_optional_namespace(namespace)
         self._check_scoped("sessions")
-        prefix = self.id_key if namespace is None else self.id_key + self._ns_key(namespace)
-        touched = self._touched()
-        out = []
-        with self.index.read() as txn:
-            for key, sid in txn.range("sessions", prefix, keys.after_prefix(prefix)):
-                raw = txn.get("summaries", sid)
-                if raw is None:
-                    continue
-                s = mf.decode(raw, mf.Summary, "summary")
-                used = max(s.last_used_ns, touched.get(bytes(sid), 0))
-                out.append(SessionInfo(s.session_id, s.namespace, bytes(sid).hex(), s.length, s.nbytes,
-                                       s.created_at, used / 1e9))
-        out.sort(key=lambda s: -s.last_used)
-        return out
+        return self._snapshots.sessions(namespace, self._touched())
+
+    def quarantine(self, snapshot_id: str, reason: str) -> None:
+        """Hide a snapshot for good, keeping its objects as evidence (``integrity/quarantine.py``)."""
+        self._quarantine.quarantine(snapshot_id, reason)
+
+    def drop_quarantined(self, snapshot_id: str) -> bool:
+        """An operator's decision: forget a quarantined snapshot (identity-blind). True when a record was dropped."""
+        self._ctx.check_open()
+        return self._quarantine.drop_quarantined(snapshot_id)
 
     # ------------------------------------------------------------------ generation checkpoints (generations.py)
     def save_generation_checkpoint(self, key: str, tokens: Sequence[int], caches: Sequence[Any], *,
@@ -407,6 +289,40 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         """Delete every checkpoint of ``key`` (its generation completed); how many there were."""
         return GenerationCheckpoints(self).drop(key)
 
+    # ------------------------------------------------------------------ private forwards (tests)
+    def _touched(self) -> dict[bytes, int]:
+        return self._txns.uses.touched()
+
+    def _ns_key(self, namespace: str) -> bytes:
+        self._check_scoped("a namespaced call")
+        return namespace_key(self.id_key, inputs.check_namespace(namespace))
+
+    def _session_key(self, session_id: str, namespace: str) -> bytes:
+        self._check_scoped("a session call")
+        return self._snapshots.session_key(session_id, namespace)
+
+    def _lease(self, manifest: Manifest, refs, with_where: bool = False):
+        return self._leases.take(manifest, refs, with_where)
+
+    def _release(self, key: bytes, touch: bytes | None, refs) -> None:
+        self._leases.release(key, touch, refs)
+
+    def _read_arrays(self, manifest: Manifest, p: int, direct: bool = False):
+        return self._reader.read_arrays(manifest, p, direct)
+
+
+def _tool_call(name: str):
+    @functools.wraps(getattr(StoreAdmin, name))
+    def forward(self, *args, **kwargs):
+        return getattr(self.admin, name)(*args, **kwargs)
+
+    forward.__doc__ = f"Forwards to ``store.admin.{name}``: {forward.__doc__ or ''}"
+    return forward
+
+
+for _name in TOOL_CALLS:
+    setattr(Store, _name, _tool_call(_name))
+
 
 def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,
                chunk_tokens: int = 256, admin: bool = False, remote: Any = None, remote_prefix: str = "kvshelf:",
@@ -423,18 +339,13 @@ def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max
         raise WrongArgumentType("open_store needs identity=Identity(model_id, ...): snapshots are only reused for their model")
     store = Store(path, identity, max_bytes=max_bytes, chunk_tokens=chunk_tokens, admin=admin, **options)
     if remote is not None and not admin:
-        from .remote.tier import attach
-
         try:
-            attach(store, remote, prefix=remote_prefix, **dict(remote_options or {}))
+            RemoteTier(remote, prefix=remote_prefix, **dict(remote_options or {})).bind(
+                store._ctx, store._snapshots, store.admin.lease, store.save)
         except BaseException:
             store.close()
             raise
     return store
-
-
-def identity_key_of(manifest: Manifest) -> bytes:
-    return keys.identity_key_of(manifest)
 
 
 __all__ = ["Store", "StoreBusy", "open_store"]

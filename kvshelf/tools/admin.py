@@ -57,12 +57,12 @@ def _matches(m: Manifest, filters: dict[str, str | None]) -> bool:
 
 
 def manifests(store: Store, **filters: str | None) -> list[Manifest]:
-    return [m for m in store.iter_manifests() if _matches(m, filters)]
+    return [m for m in store.admin.iter_manifests() if _matches(m, filters)]
 
 
 def _last_used(store: Store) -> dict[str, float]:
     """Snapshot id -> last use (seconds), from the store's identity-blind summaries."""
-    return {sid: summary.last_used_ns / 1e9 for sid, summary in store.summaries().items()}
+    return {sid: summary.last_used_ns / 1e9 for sid, summary in store.admin.summaries().items()}
 
 
 def format_of(entry: dict[str, Any]) -> str:
@@ -80,7 +80,7 @@ def format_of(entry: dict[str, Any]) -> str:
 
 def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
     """One row per stored session (its latest snapshot), every identity unless filtered; newest use first."""
-    chunks = dict(store.iter_chunks())
+    chunks = dict(store.admin.iter_chunks())
     used = _last_used(store)
     pins = {(p.session_key[:16], p.namespace, p.session_id): p.expires_at for p in store.pins.listing()}
     rows = []
@@ -112,7 +112,7 @@ def resolve(store: Store, target: str, **filters: str | None) -> Manifest:
     require_text(target, "session or snapshot id")
     if _SNAPSHOT_ID.match(target):
         try:
-            m = store.manifest(target)
+            m = store.admin.manifest(target)
             if _matches(m, filters):
                 return m
         except SnapshotNotFound:
@@ -148,7 +148,7 @@ def show(store: Store, target: str, **filters: str | None) -> dict[str, Any]:
     chunks = []
     for kind, refs in (("chunk", m.chunks), ("untokened", m.own)):
         for ref in refs:
-            meta = store.chunk_info(ref.hash)
+            meta = store.admin.chunk_info(ref.hash)
             chunks.append({"hash": ref.hash, "start": ref.start, "stop": ref.stop, "nbytes": ref.nbytes,
                            "stored_bytes": None if meta is None else meta.stored_bytes,
                            "encoding": None if meta is None else meta.encoding,
@@ -161,7 +161,7 @@ def show(store: Store, target: str, **filters: str | None) -> dict[str, Any]:
 def blob_totals(store: Store) -> dict[str, int]:
     """Payload and on-disk bytes of every indexed blob, and how many are compressed."""
     payload = stored = zstd = count = 0
-    for _h, meta in store.iter_chunks():
+    for _h, meta in store.admin.iter_chunks():
         count += 1
         payload += meta.nbytes
         stored += meta.stored_bytes
@@ -171,7 +171,7 @@ def blob_totals(store: Store) -> dict[str, int]:
 
 def orphans(store: Store) -> dict[str, int]:
     """Blob and manifest files no index record references (leased blobs of live readers excluded)."""
-    found = store.orphans()
+    found = store.admin.orphans()
     blobs = [size for _name, kind, size in found if kind == "orphan-blob"]
     files = [name for name, kind, _size in found if kind == "orphan-manifest"]
     return {"orphan_count": len(blobs), "orphan_bytes": sum(blobs), "orphan_manifests": len(files)}
@@ -180,7 +180,7 @@ def orphans(store: Store) -> dict[str, int]:
 def stats(store: Store, max_bytes: int | None = None) -> dict[str, Any]:
     """Totals over the whole store: deduplication ratio = bytes the snapshots reference / distinct payload bytes;
     compression ratio = distinct payload bytes / bytes on disk."""
-    ms = list(store.iter_manifests())
+    ms = list(store.admin.iter_manifests())
     totals = blob_totals(store)
     logical = sum(m.nbytes for m in ms)
     identities = Counter((m.model_id, m.config_fingerprint, m.tokenizer_hash) for m in ms)
@@ -216,13 +216,13 @@ def _affected(store: Store, where: str) -> list[tuple[str, str]]:
     match = re.search(r"snapshot ([0-9a-f]{32})", where)
     if match:
         try:
-            m = store.manifest(match.group(1))
+            m = store.admin.manifest(match.group(1))
             return [(m.session_id, m.snapshot_id)]
         except (SnapshotNotFound, CorruptData, IncompatibleFormat):
             return [("", match.group(1))]
     match = re.search(r"blob ([0-9a-f]{32})", where)
     if match:
-        users = [(m.session_id, m.snapshot_id) for m in store.iter_manifests(skip_damaged=True)
+        users = [(m.session_id, m.snapshot_id) for m in store.admin.iter_manifests(skip_damaged=True)
                  if any(r.hash == match.group(1) for r in m.blobs)]
         return users or [("", "")]
     return [("", "")]
@@ -233,7 +233,7 @@ def _header_findings(store: Store) -> list[dict[str, Any]]:
     from ..codecs import default_provider
 
     out = []
-    for m in store.iter_manifests(skip_damaged=True):  # a damaged record is the store's own finding
+    for m in store.admin.iter_manifests(skip_damaged=True):  # a damaged record is the store's own finding
         def problem(text: str, m=m) -> None:
             out.append({"kind": "bad-header", "where": f"snapshot {m.snapshot_id}", "detail": text,
                         "session_id": m.session_id, "snapshot_id": m.snapshot_id,
@@ -272,8 +272,8 @@ def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = l
             problems.append({"kind": f.kind, "where": f.where, "detail": f.detail, "session_id": session or None,
                              "snapshot_id": snapshot or None, "message": f"{f.kind}: {f.where}: {f.detail}"})
     progress(1)
-    return {"deep": deep, "snapshots": sum(1 for _ in store.iter_manifests(skip_damaged=True)),
-            "chunks": sum(1 for _ in store.iter_chunks(skip_damaged=True)), "problems": problems}
+    return {"deep": deep, "snapshots": sum(1 for _ in store.admin.iter_manifests(skip_damaged=True)),
+            "chunks": sum(1 for _ in store.admin.iter_chunks(skip_damaged=True)), "problems": problems}
 
 
 def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
@@ -328,7 +328,7 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise StoreBusy(f"{exc}; rebuild-index is an offline repair: stop the other users first") from None
         totals = blob_totals(store)
         skipped = [{"kind": f.kind, "where": f.where, "detail": f.detail, "sessions": list(f.sessions)}
-                   for f in store.rebuild_report()]
+                   for f in store.admin.rebuild_report()]
     return {"snapshots": count, **totals, "skipped": skipped, "damaged_index_kept_at": set_aside,
             "seconds": round(time.perf_counter() - started, 3)}
 

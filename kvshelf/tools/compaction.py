@@ -77,7 +77,7 @@ class CompactionReport:
 
 
 def _disk_bytes(store: Store) -> int:
-    return sum(size for _name, size in store.stored_objects()) + lmdb_files.index_bytes(store.root)
+    return sum(size for _name, size in store.admin.stored_objects()) + lmdb_files.index_bytes(store.root)
 
 
 def _leased(store: Store, manifest: Manifest, leased: set[str]) -> bool:
@@ -99,7 +99,7 @@ def _densify_into(store: Store, m: Manifest, dry_run: bool, step: CompactionStep
 
 def _current(store: Store, m: Manifest) -> Manifest | None:
     try:
-        return store.manifest(m.snapshot_id)
+        return store.admin.manifest(m.snapshot_id)
     except SnapshotNotFound:
         return None
 
@@ -127,13 +127,13 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     steps.append(step)
     last_swap = None
     if densify_pages:
-        todo = [m for m in store.iter_manifests() if not all(is_dense(e) for e in m.entries)]
+        todo = [m for m in store.admin.iter_manifests() if not all(is_dense(e) for e in m.entries)]
         for attempt in range(len(LEASE_RETRIES) + 1):  # a reader's lease lasts milliseconds: try leased ones again
             if attempt:
                 time.sleep(LEASE_RETRIES[attempt - 1])
                 todo = [_current(store, m) for m in todo]
                 todo = [m for m in todo if m is not None]
-            leased, later = store.leased_hashes(), []
+            leased, later = store.admin.leased_hashes(), []
             for m in todo:
                 if _leased(store, m, leased):
                     later.append(m)
@@ -152,9 +152,9 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     step = CompactionStep("merge")
     steps.append(step)
     if merge:
-        refs = {h: meta.refs for h, meta in store.iter_chunks()}
-        leased = store.leased_hashes()
-        for m in store.iter_manifests():
+        refs = {h: meta.refs for h, meta in store.admin.iter_chunks()}
+        leased = store.admin.leased_hashes()
+        for m in store.admin.iter_manifests():
             bins = merge_plan(m, lambda h: refs.get(h, 0), leased)
             if not bins:
                 continue
@@ -176,9 +176,9 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     steps.append(step)
     hot = CompactionStep("decompress")
     now_ns = time.time_ns()
-    leased = store.leased_hashes()
+    leased = store.admin.leased_hashes()
     leased_chunks = 0
-    for h, meta in list(store.iter_chunks()):
+    for h, meta in list(store.admin.iter_chunks()):
         cold = (now_ns - meta.last_used_ns) / 1e9 >= cold_after
         target = step if cold and meta.encoding == "raw" else hot if not cold and meta.encoding == "zstd" else None
         if target is None:
@@ -189,15 +189,15 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
             continue
         try:
             if target is hot:
-                after = meta.nbytes + raw_overhead(store, h) if dry_run else store.rewrite_blob(h, "raw")
+                after = meta.nbytes + raw_overhead(store, h) if dry_run else store.admin.rewrite_blob(h, "raw")
             elif dry_run:
                 after = estimate_zstd(store, h, level)
                 if after >= meta.stored_bytes:
                     continue
             else:
-                after = store.rewrite_blob(h, "zstd", level=level)
+                after = store.admin.rewrite_blob(h, "zstd", level=level)
                 if after is not None and after >= meta.stored_bytes:  # incompressible: keep the zero-copy form
-                    store.rewrite_blob(h, "raw")
+                    store.admin.rewrite_blob(h, "raw")
                     continue
             if after is None:
                 continue
@@ -242,18 +242,18 @@ def _repack(store: Store, dry_run: bool) -> CompactionStep:
     """``Store.repack``: every v1 chunk file and every chunk of a pack less than ``MIN_LIVE_RATIO`` live moves into
     new packs (same bytes, same hash); the emptied objects go once no reader holds them."""
     step = CompactionStep("repack")
-    packs = dict(store.iter_packs())
+    packs = dict(store.admin.iter_packs())
     sparse = {n for n, pm in packs.items() if pm.size and pm.live_bytes / pm.size < MIN_LIVE_RATIO}
-    todo = [(h, m) for h, m in store.iter_chunks() if not m.pack or m.pack in sparse]
+    todo = [(h, m) for h, m in store.admin.iter_chunks() if not m.pack or m.pack in sparse]
     step.bytes_before = sum(m.stored_bytes for _h, m in todo if not m.pack) + sum(packs[n].size for n in sparse)
     if dry_run:
         step.count = len(todo)
         step.bytes_after = sum(m.stored_bytes for _h, m in todo)
         return step
-    before = sum(size for _n, size in store.stored_objects())
-    done = store.repack(MIN_LIVE_RATIO)
+    before = sum(size for _n, size in store.admin.stored_objects())
+    done = store.admin.repack(MIN_LIVE_RATIO)
     step.count = done["chunks_moved"]
-    after = sum(size for _n, size in store.stored_objects())
+    after = sum(size for _n, size in store.admin.stored_objects())
     step.bytes_after = max(0, step.bytes_before - (before - after))
     step.note = f"{done['objects_emptied']} object(s) emptied"
     return step
@@ -266,8 +266,8 @@ def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
     data = os.path.join(store.root, "index", "data.mdb")
     step.bytes_before = step.bytes_after = os.stat(data).st_size
     try:
-        with store.exclusive():
-            copy = lmdb_files.compact_copy(store.copy_index, os.path.join(store.root, "tmp"))
+        with store.admin.exclusive():
+            copy = lmdb_files.compact_copy(store.admin.copy_index, os.path.join(store.root, "tmp"))
             step.bytes_after = os.stat(copy).st_size
             if dry_run or step.bytes_after >= step.bytes_before:
                 lmdb_files.discard(copy)
@@ -275,7 +275,7 @@ def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
                     step.bytes_after = step.bytes_before
                     step.note = "already compact"
                 return step
-            store.replace_index(lambda index_dir: lmdb_files.swap_in(copy, index_dir))
+            store.admin.replace_index(lambda index_dir: lmdb_files.swap_in(copy, index_dir))
     except StoreBusy as exc:
         step.bytes_after = step.bytes_before
         step.note = f"skipped: {exc}"

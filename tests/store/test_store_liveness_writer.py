@@ -27,7 +27,7 @@ import os, sys, time, pathlib
 sys.path[:0] = [{helpers!r}, {repo!r}]
 from codec_cases import CASES_BY_ID
 from store_cases import open_test_store, session, token_ids
-from kvshelf.store import localbytes
+from kvshelf.store.objects import local as localbytes
 write = localbytes.pwrite_all
 def park(*args, **kwargs):
     write(*args, **kwargs)  # the pack's first bytes are in its tmp file, not yet fsynced or renamed

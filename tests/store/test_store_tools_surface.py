@@ -205,7 +205,8 @@ HOLDER = textwrap.dedent("""
 OPENER = textwrap.dedent("""
     import sys, time
     from kvshelf import Identity, open_store
-    from kvshelf.store import StoreBusy, openlock
+    from kvshelf.store import StoreBusy
+    from kvshelf.store.liveness import open_lock as openlock
     openlock.OPEN_TIMEOUT = 0.3
     try:
         open_store(sys.argv[1], identity=Identity("opener")).close()

@@ -4,31 +4,37 @@ Why: packs are immutable, so a pack whose chunks were mostly dropped keeps its d
 is gone; and a v1 store keeps one file per chunk. Repacking copies each live chunk's frame as it is (same bytes,
 same hash, same encoding — verified first) into new packs, repoints the chunk records in one write transaction per
 pack (re-checking each record still points where it was read and no lease holds it), moves snapshot manifests out of
-emptied packs and v1 manifest files into manifest-only packs, and lets ``_reclaim`` unlink what emptied.
+emptied packs and v1 manifest files into manifest-only packs, and lets reclaim unlink what emptied.
 """
 
 from __future__ import annotations
 
 from ...errors import CorruptData
+from ..context import StoreContext
 from ..index import keys, ledger
 from ..index import schema as mf
 from ..objects.local import open_object
 from ..index.schema import ChunkMeta, Summary
+from ..liveness.reclaim import Reclaimer
+from ..liveness.save_gate import SaveGate
+from ..liveness.transactions import Transactions
 from ..objects.pack import PackBuilder, new_pack_name
 
 PACK_TARGET = 256 << 20  # bytes of chunks per new pack
 
 
-def repack_store(store, min_live_ratio: float = 0.5) -> dict[str, int]:
+def repack(admin, ctx: StoreContext, gate: SaveGate, txns: Transactions, reclaimer: Reclaimer,
+           min_live_ratio: float = 0.5) -> dict[str, int]:
+    """``admin`` (a ``StoreAdmin``) lists packs, chunks and leases and opens chunks; ``txns`` repoints records."""
     if not 0.0 <= min_live_ratio <= 1.0:
         raise ValueError(f"min_live_ratio must be within [0, 1], got {min_live_ratio!r}")
-    sparse = {name for name, pm in store.iter_packs() if pm.size and pm.live_bytes / pm.size < min_live_ratio}
+    sparse = {name for name, pm in admin.iter_packs() if pm.size and pm.live_bytes / pm.size < min_live_ratio}
     moved = moved_bytes = 0
     left: list[str] = []
-    with store.removers.removing():  # held to the unlink of what the moves emptied (removers.py)
-        with store.save_gate():
-            leased = store.leased_hashes()
-            todo = [(h, m) for h, m in store.iter_chunks()
+    with ctx.removers.removing():  # held to the unlink of what the moves emptied (removers.py)
+        with gate.hold():
+            leased = admin.leased_hashes()
+            todo = [(h, m) for h, m in admin.iter_chunks()
                     if (not m.pack or m.pack in sparse) and h not in leased]
             batch, size = [], 0
             for h, m in todo + [(None, None)]:
@@ -36,45 +42,45 @@ def repack_store(store, min_live_ratio: float = 0.5) -> dict[str, int]:
                     batch.append((h, m))
                     size += m.stored_bytes
                 if batch and (h is None or size >= PACK_TARGET):
-                    n, nb, gone = _move_batch(store, batch)
+                    n, nb, gone = _move_batch(admin, ctx, txns, reclaimer, batch)
                     moved, moved_bytes, left = moved + n, moved_bytes + nb, left + gone
                     batch, size = [], 0
-            with store.index.read() as txn:
+            with ctx.index.read() as txn:
                 summaries = [(bytes(k), mf.decode(v, Summary, "summary"))
                              for k, v in txn.range("summaries")]
             for sid, s in summaries:
                 if s.pack and s.pack not in sparse:
                     continue
-                raw = store.manifest(sid.hex())
+                raw = admin.manifest(sid.hex())
                 pack = new_pack_name(sid.hex(), rewrite=True)
-                psize = store.bytes.put(pack, PackBuilder().finish(mf.encode(raw)))
-                gone = store._txn(lambda txn, sid=sid, pack=pack, psize=psize: ledger.move_manifest(
-                    store.index, txn, sid, pack, psize))
+                psize = ctx.bytes.put(pack, PackBuilder().finish(mf.encode(raw)))
+                gone = txns.write(lambda txn, sid=sid, pack=pack, psize=psize: ledger.move_manifest(
+                    ctx.index, txn, sid, pack, psize))
                 if gone:
                     left += gone
                 else:
-                    store._reclaim([pack])
-        store._reclaim(left)
+                    reclaimer.reclaim([pack])
+        reclaimer.reclaim(left)
     return {"chunks_moved": moved, "bytes_moved": moved_bytes, "objects_emptied": len(set(left))}
 
 
-def _move_batch(store, batch: list[tuple[str, ChunkMeta]]) -> tuple[int, int, list[str]]:
+def _move_batch(admin, ctx: StoreContext, txns: Transactions, reclaimer: Reclaimer, batch: list[tuple[str, ChunkMeta]]) -> tuple[int, int, list[str]]:
     builder = PackBuilder()
     for h, m in batch:
         name, offset, length = keys.location(h, m)
-        with store.open_blob(h, verify=True) as reader:  # verified before anything is copied
+        with admin.open_blob(h, verify=True) as reader:  # verified before anything is copied
             reader.read_into([None] * len(reader.tensors))
-        with open_object(store.bytes, name) as r:
+        with open_object(ctx.bytes, name) as r:
             n = length if length is not None else r.size()
             frame = bytearray(n)
             r.read_into(offset, [memoryview(frame)])
         builder.add(h, [frame], m.encoding)
     pack = new_pack_name()
-    size = store.bytes.put(pack, builder.finish(b""))
+    size = ctx.bytes.put(pack, builder.finish(b""))
     before = {h: (m.pack, m.offset, m.encoding) for h, m in batch}
 
     def move(txn):
-        leased = store.leased_hashes()
+        leased = admin.leased_hashes()
         gone, n, nb = [], 0, 0
         for h, (off, length, enc) in builder.where.items():
             raw = txn.get("chunks", bytes.fromhex(h))
@@ -83,18 +89,18 @@ def _move_batch(store, batch: list[tuple[str, ChunkMeta]]) -> tuple[int, int, li
             now = mf.decode(raw, ChunkMeta, f"chunk record {h}")
             if (now.pack, now.offset, now.encoding) != before[h]:
                 continue  # moved or re-encoded meanwhile: leave it
-            gone += ledger.move_chunk(store.index, txn, h, pack, off, length, enc, size)
+            gone += ledger.move_chunk(ctx.index, txn, h, pack, off, length, enc, size)
             n, nb = n + 1, nb + length
         return n, nb, gone
 
     try:
-        n, nb, gone = store._txn(move)
+        n, nb, gone = txns.write(move)
     except CorruptData:
-        store._reclaim([pack])
+        reclaimer.reclaim([pack])
         raise
     if n == 0:
-        store._reclaim([pack])
+        reclaimer.reclaim([pack])
     return n, nb, gone
 
 
-__all__ = ["repack_store", "PACK_TARGET"]
+__all__ = ["repack", "PACK_TARGET"]

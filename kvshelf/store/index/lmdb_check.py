@@ -22,12 +22,14 @@ page size), ``mm_last_pg`` u64 at 136, ``mm_txnid`` u64 at 144.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
+import time
 
 import lmdb
 
-from ...errors import CorruptData
+from ...errors import CorruptData, StoreBusy
 from . import lmdb_pages as lmdbpages, lmdb_walk_memo as walkmemo
 
 MAGIC = 0xBEEFC0DE
@@ -136,11 +138,7 @@ def set_aside(root: str) -> str | None:
     the packs — only while no process has the store open (its ``locks/open.lock`` taken exclusively, without
     waiting: ``StoreBusy`` otherwise). Returns the new name, or None when there was no index. Nothing is deleted:
     the damaged file stays as evidence next to the rebuilt index."""
-    import fcntl
-    import time
-
-    from ...errors import StoreBusy
-    from ..liveness.open_lock import lock_path
+    from ..liveness.open_lock import lock_path  # the one lock file the store's rooms share (liveness owns it)
 
     index = os.path.join(root, "index")
     if not os.path.isdir(index):

@@ -30,7 +30,7 @@ from typing import TypeVar
 
 import lmdb
 
-from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreFull
+from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
 from . import lmdb_check as lmdbcheck
 from ..prefix import records
 from .. import syncs
@@ -84,8 +84,11 @@ _OPEN_LOCK = threading.Lock()
 
 
 class Index(Batching):
-    """The LMDB implementation of ``indexstore.IndexStore``: one environment with the store's tables; transactions
-    are ``lmdbtxn.LmdbTxn``; ``write(fn)`` retries after growing a full map."""
+    """The LMDB implementation of ``protocol.IndexStore``: one environment with the store's tables; transactions
+    are ``lmdb_txn.LmdbTxn``; ``write(fn)`` retries after growing a full map."""
+
+    supports_page_stats = True  # pages on this disk: a delete's commit may need fresh ones (space/reserve.py)
+    lmdb_directory = True  # copy_to / reopen / map_size / users (the offline tools' index swap)
 
     def __init__(self, path: str, map_size: int = 64 << 30):
         ensure_dir(path)
@@ -156,12 +159,14 @@ class Index(Batching):
         with self._lock:
             self.env.set_mapsize(0)
 
+    def translate_error(self, exc: BaseException) -> KvShelfError | None:
+        """An ``lmdb.Error`` raised while a caller consumed a streamed batch, as the ``KvShelfError`` it means."""
+        return self._error(exc) if isinstance(exc, lmdb.Error) else None
+
     def _error(self, exc: lmdb.Error) -> KvShelfError:
         if lmdbcheck.is_damage(exc):
             return lmdbcheck.translate(exc, self.path)
         if isinstance(exc, lmdb.ReadersFullError):
-            from ...errors import StoreBusy
-
             return StoreBusy(f"the index at {self.path} has no free reader slot ({exc})")
         return KvShelfError(f"the index at {self.path} failed: {type(exc).__name__}: {exc}")
 
@@ -202,6 +207,10 @@ class Index(Batching):
 
     def map_size(self) -> int:
         return self.env.info()["map_size"]
+
+    def reopen(self, map_size: int) -> "Index":
+        """A fresh handle on this directory (after the tools replaced it while this one was closed)."""
+        return Index(self.path, map_size=map_size)
 
     def copy_to(self, target: str) -> None:
         """A compacting copy of the environment into directory ``target`` (``rebuild`` / ``compact`` swap it in);
@@ -244,7 +253,4 @@ class _Read:
             raise self.index._error(exc) from exc
 
 
-
-LmdbIndexStore = Index  # the protocol's name for it (``indexstore``)
-
-__all__ = ["Index", "INDEX_FORMAT", "LmdbIndexStore"]
+__all__ = ["Index", "INDEX_FORMAT"]

@@ -122,6 +122,8 @@ class MemoryIndexStore(Batching):
     throwaway store, and as the second implementation that keeps the seam honest."""
 
     path = "<memory>"
+    supports_page_stats = False  # process memory: a delete needs no disk page
+    lmdb_directory = False
 
     def __init__(self) -> None:
         self._state: tuple[dict[str, dict], int] = ({}, 0)  # (tables, version): swapped as ONE reference

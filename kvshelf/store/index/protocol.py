@@ -1,7 +1,7 @@
 """The index-transaction seam: named tables of sorted byte keys, read snapshots and atomic write transactions.
 
 Why: the store's index must be pluggable like its bytes (``backend.ByteStore``): ``Store`` and its rooms speak only
-this protocol, so LMDB (``lmdbindex.LmdbIndexStore``, the default) and process memory (``MemoryIndexStore``) are
+this protocol, so LMDB (``lmdb_env.Index``, the default) and process memory (``MemoryIndexStore``) are
 interchangeable, and a shared tier can keep the index elsewhere. The contract every implementation keeps (one
 conformance suite, ``tests/store/test_index_store_conformance.py``):
 
@@ -18,6 +18,18 @@ conformance suite, ``tests/store/test_index_store_conformance.py``):
 * ``txn.id()`` names the snapshot: two reads with one id saw the same committed state.
 
 ``scan`` and ``batches`` (``Batching``) stream a table in short read transactions, for every implementation alike.
+
+``translate_error(exc)`` turns an exception the implementation's own library raised while a caller consumed a
+streamed batch (outside the ``read()`` block's own translation) into the ``KvShelfError`` it means, or returns None
+when ``exc`` is not the implementation's: nothing of the library leaks past this seam.
+
+Optional capabilities are *declared* as class attributes (never probed; undeclared is False, ``capability``):
+
+* ``supports_page_stats``: ``page_stats() -> (page size, {table: stats})`` — the index is pages on this disk, so a
+  delete's commit can need fresh pages (``space/reserve.py`` sizes the full-disk reserve from them);
+* ``lmdb_directory``: ``path`` is an LMDB environment directory that the offline tools copy (``copy_to(target)``),
+  replace while it is closed and open again (``reopen()``, ``map_size()``); ``users`` counts this process's open
+  handles on it.
 """
 
 from __future__ import annotations
@@ -65,6 +77,18 @@ class IndexStore(Protocol):
     def batches(self, table: str, batch: int = SCAN_BATCH, *, start: bytes | None = None,
                 stop: bytes | None = None) -> Iterator[tuple[IndexTxn, list]]: ...
     def close(self) -> None: ...
+    def translate_error(self, exc: BaseException) -> KvShelfError | None: ...
+
+
+INDEX_CAPABILITIES = ("supports_page_stats", "lmdb_directory")
+
+
+def capability(index, name: str) -> bool:
+    """Whether ``index`` declares the optional capability ``name`` (one of ``INDEX_CAPABILITIES``; see the module
+    docstring). Undeclared is False."""
+    if name not in INDEX_CAPABILITIES:
+        raise ValueError(f"unknown index-store capability {name!r}")
+    return getattr(index, name, False) is True
 
 
 def check_table(name: str, dup: bool) -> str:
@@ -76,6 +100,10 @@ def check_table(name: str, dup: bool) -> str:
 
 class Batching:
     """``scan`` / ``batches`` on any ``read()`` + ``range``: short transactions, bounded memory and reader time."""
+
+    def translate_error(self, exc: BaseException) -> KvShelfError | None:
+        """An implementation whose transactions raise only ``KvShelfError`` has nothing to translate."""
+        return None
 
     def scan(self, table: str, batch: int = SCAN_BATCH, *, start: bytes | None = None, stop: bytes | None = None,
              ids: set[int] | None = None):
@@ -132,5 +160,5 @@ def set_meta_int(txn: IndexTxn, name: bytes, value: int) -> None:
     txn.put("meta", name, int(value).to_bytes(8, "little", signed=True))
 
 
-__all__ = ["Batching", "DUP_TABLES", "IndexStore", "IndexTxn", "PLAIN_TABLES", "SCAN_BATCH", "check_table", "meta_int",
-           "set_meta_int"]
+__all__ = ["Batching", "DUP_TABLES", "INDEX_CAPABILITIES", "IndexStore", "IndexTxn", "PLAIN_TABLES", "SCAN_BATCH",
+           "capability", "check_table", "meta_int", "set_meta_int"]

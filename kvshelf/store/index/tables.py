@@ -2,7 +2,7 @@
 
 Quarantine unlinks nothing (issue 12: a corrupt chunk must leave its evidence for ``verify`` and an operator). The
 record ``[sid hex, reason, [object names]]`` keeps those objects out of every reclaim path — ``gc``'s orphan sweep
-and the unlink after a delete or eviction (``LeasingMixin._reclaim``) — until an operator drops the record
+and the unlink after a delete or eviction (``liveness.reclaim``) — until an operator drops the record
 (``Store.drop_quarantined`` or ``delete`` of the session); then ``gc`` may take what nothing else references.
 """
 

@@ -4,6 +4,9 @@ Belongs here: ``verify`` (``verify.py``, with its streamed counts in ``verify_co
 ``rebuild_index`` from the packs' trailers (``rebuild.py``), quarantine of a snapshot whose bytes failed
 verification (``quarantine.py``), tombstones (``tombs.py``) and layout v1's manifest files (``legacy_v1.py``).
 
-May import: ``store.index``, ``store.objects``, ``store.prefix``, ``store.liveness``, ``store.space``. Never the
-façade.
+Collaborators: ``Quarantine``, ``Verifier``, ``Gc``, ``Rebuild``; tombstones and v1 sealing are functions of the
+index and byte store they are given.
+
+May import: ``store.context``, ``store.index``, ``store.objects``, ``store.prefix``, ``store.liveness``,
+``store.space``, ``store.restore.chunks`` (one chunk by hash, for the deep check). Never the façade.
 """

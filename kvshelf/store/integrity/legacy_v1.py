@@ -58,32 +58,32 @@ def sid_of(name: str) -> str:
     return name[len(keys.LEGACY_MANIFESTS):-len(".msgpack")]
 
 
-def seal_v1_manifests(store) -> int:
+def seal_v1_manifests(index, byte_store) -> int:
     """Seal every unsealed v1 manifest file that agrees with the index (once per index); returns files sealed.
     Never raises on damaged data or a failing disk: what it could not do is left for the next open."""
     try:
-        with store.index.read() as txn:
+        with index.read() as txn:
             if txn.get("meta", SEALED_KEY) is not None:
                 return 0
-        names = v1_manifest_names(store.bytes)
+        names = v1_manifest_names(byte_store)
         if not names:
             return 0
-        sealed = sum(_seal_one(store, name) for name in names)
-        store.index.write(lambda txn: txn.put("meta", SEALED_KEY, b"\x01"))
+        sealed = sum(_seal_one(index, byte_store, name) for name in names)
+        index.write(lambda txn: txn.put("meta", SEALED_KEY, b"\x01"))
         return sealed
     except (KvShelfError, OSError):
         return 0
 
 
-def _seal_one(store, name: str) -> bool:
-    raw = read_object(store.bytes, name)
+def _seal_one(index, byte_store, name: str) -> bool:
+    raw = read_object(byte_store, name)
     if raw is None or mf.is_sealed(raw):
         return False  # gone meanwhile, or sealed already (a failing checksum is rebuild's and verify's to report)
     sid_hex = sid_of(name)
     try:
         on_disk = mf.decode(raw, Manifest, name)
         sid = bytes.fromhex(sid_hex)
-        with store.index.read() as txn:
+        with index.read() as txn:
             record, summary = txn.get("manifests", sid), txn.get("summaries", sid)
         if record is None or summary is None or mf.decode(summary, Summary, f"summary {sid_hex}").pack:
             return False  # not indexed, or its manifest lives in a pack now: the file is dead (gc's)
@@ -91,20 +91,20 @@ def _seal_one(store, name: str) -> bool:
             return False  # the two copies disagree: neither is trusted into a seal
     except (KvShelfError, IncompatibleFormat, ValueError):
         return False
-    store.bytes.put(name, [mf.encode(on_disk)])  # durable: tmp, fsync, rename, directory fsync
+    byte_store.put(name, [mf.encode(on_disk)])  # durable: tmp, fsync, rename, directory fsync
     return True
 
 
-def rename_legacy_manifest(store, sid_hex: str) -> None:
+def rename_legacy_manifest(byte_store, sid_hex: str) -> None:
     """A quarantined v1 snapshot keeps its manifest file as evidence, renamed ``.quarantined``."""
     src = keys.legacy_manifest(sid_hex)
-    size = store.bytes.size(src)
+    size = byte_store.size(src)
     if size is None:
         return
     buf = bytearray(size)
-    store.bytes.read_into(src, 0, [memoryview(buf)])
-    put_unsynced(store.bytes, keys.legacy_manifest(sid_hex, quarantined=True), [buf])
-    store.bytes.delete(src)
+    byte_store.read_into(src, 0, [memoryview(buf)])
+    put_unsynced(byte_store, keys.legacy_manifest(sid_hex, quarantined=True), [buf])
+    byte_store.delete(src)
 
 
 __all__ = ["SEALED_KEY", "read_object", "rename_legacy_manifest", "seal_v1_manifests", "sid_of", "v1_manifest_names"]

@@ -1,6 +1,7 @@
-"""Quarantine (mixed into ``Store``): hiding a snapshot whose bytes failed verification, keeping its evidence, and
-the operator's drop. Why a room of its own: issue 12 made quarantine keep what it hides (``evidence.py``) and made
-the removal paths that free space survive a full disk (``fulldisk.py``); none of that is the façade's business.
+"""Quarantine: hiding a snapshot whose bytes failed verification, keeping its evidence, and the operator's drop.
+
+Why apart: quarantine keeps what it hides (the objects named in its record, ``index/tables.py``) and, as a removal
+that frees space, must work on a full disk (``space/full_disk.py``); none of that is the façade's business.
 """
 
 from __future__ import annotations
@@ -9,14 +10,19 @@ import msgspec
 
 from ...errors import KvShelfError
 from .. import inputs
+from ..context import StoreContext
 from ..index import keys
 from ..index import schema as mf
 from ..index.schema import Manifest
+from ..liveness.removal import Removal
+from ..liveness.transactions import Transactions
+from ..space.full_disk import FullDisk
+from .legacy_v1 import rename_legacy_manifest
 
 
-class QuarantineMixin:
-    """Needs ``index``, ``root``, ``counters``, ``_txn``, ``_freeing_txn``, ``_remove`` and ``_after_drop``
-    (``Store``)."""
+class Quarantine:
+    def __init__(self, ctx: StoreContext, txns: Transactions, full_disk: FullDisk, removal: Removal):
+        self.ctx, self.txns, self.full_disk, self.removal = ctx, txns, full_disk, removal
 
     def quarantine(self, snapshot_id: str, reason: str) -> None:
         """Hide a snapshot for good: removed from the index, the session recorded in ``quarantine`` (so restoring
@@ -46,29 +52,27 @@ class QuarantineMixin:
                     meta = None
                 if meta is not None:
                     objects.add(keys.location(ref.hash, meta)[0])
-            removed = self._remove(txn, sid, reason[:2000])
+            removed = self.removal.drop(txn, sid, reason[:2000])
             skey = keys.summary_session_key(s)
             if txn.get("sessions", skey) is None:
                 txn.put("quarantine", skey, msgspec.msgpack.encode([snapshot_id, reason[:2000], sorted(o for o in objects if o)]))
             return s, removed
 
-        result = self._freeing_txn(drop)
+        result = self.full_disk.freeing_txn(drop)
         if result is None:
             return
         s, removed = result
-        self.counters["quarantined"] += 1
+        self.ctx.counters.quarantined += 1
         if not s.pack:  # v1: keep the manifest file as evidence, renamed
-            from .legacy_v1 import rename_legacy_manifest
-
-            rename_legacy_manifest(self, snapshot_id)
+            rename_legacy_manifest(self.ctx.bytes, snapshot_id)
         dropped, _freed, tomb = removed  # freed objects stay: evidence, reclaimed by gc after drop_quarantined
-        self._after_drop(dropped, [], tomb, quarantined=True)
+        self.removal.after(dropped, [], tomb, quarantined=True)
 
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (its record goes; ``gc`` may then reclaim the
         objects it kept). Identity-blind (works on an admin handle). True when a record was dropped."""
         snapshot_id = inputs.check_snapshot_id(snapshot_id)
-        self._check_open()
+
         def drop(txn):
             hits = []
             for key, raw in txn.range("quarantine"):
@@ -83,7 +87,7 @@ class QuarantineMixin:
                 txn.delete("quarantine", key)
             return bool(hits)
 
-        return self._txn(drop)
+        return self.txns.write(drop)
 
 
-__all__ = ["QuarantineMixin"]
+__all__ = ["Quarantine"]

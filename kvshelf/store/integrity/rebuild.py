@@ -2,7 +2,7 @@
 
 Why a room of its own: it is the one path that trusts the byte store over the index, so what it may believe is
 spelled out here: a manifest is indexed only when its checksum holds (a pack trailer, or a v1 file sealed by
-``sealing.py``), its chunks are all present in some readable pack or blob, and no tombstone says its session was
+``legacy_v1.py``), its chunks are all present in some readable pack or blob, and no tombstone says its session was
 removed at or after it (``tombs.py``); every object or manifest left out becomes a ``Finding`` in ``skipped``.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError
+from ..context import StoreContext
 from ..index import keys, ledger
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
@@ -21,26 +22,34 @@ from ..objects.pack import TOMB_DIR, is_pack, read_trailer
 from ..results import Finding
 
 
-def rebuild_store_index(store, skipped: list[Finding] | None = None) -> int:
-    """Replace the index by one built from the packs' trailers and v1 manifest files (offline: the store held
-    ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise). Nothing that fails its
-    checksum or does not decode is indexed, nor a v1 manifest file that is not sealed (no checksum to check); each
-    such object, and each manifest left out (a chunk missing, its session tombstoned), is appended to ``skipped``
-    as a ``Finding`` saying why."""
-    skipped = [] if skipped is None else skipped
-    with store.exclusive():
-        store.empty_index()
-        return _reindex(store, skipped)
+class Rebuild:
+    """``rebuild_index`` of one handle; ``swap`` (``admin.index_swap.IndexSwap``) holds the store alone and empties
+    its index. ``report`` is what the last rebuild left out and why."""
+
+    def __init__(self, ctx: StoreContext, swap):
+        self.ctx, self.swap = ctx, swap
+        self.report: list[Finding] = []
+
+    def rebuild(self) -> int:
+        """Replace the index by one built from the packs' trailers and v1 manifest files (offline: the store held
+        ``exclusive``, so no other process or handle has it open; ``StoreBusy`` otherwise). Nothing that fails its
+        checksum or does not decode is indexed, nor a v1 manifest file that is not sealed (no checksum to check);
+        each such object, and each manifest left out (a chunk missing, its session tombstoned), is put in
+        ``report`` as a ``Finding`` saying why."""
+        self.report = skipped = []
+        with self.swap.exclusive():
+            self.swap.empty_index()
+            return _reindex(self.ctx.index, self.ctx.bytes, skipped)
 
 
-def _tombs(store) -> tuple[set[str], dict[bytes, float]]:
+def _tombs(byte_store) -> tuple[set[str], dict[bytes, float]]:
     """(tombstoned snapshot ids, per session key the creation time up to which its snapshots were removed)."""
     sids, dead_until = set(), {}
-    for name in store.bytes.names(TOMB_DIR):
+    for name in byte_store.names(TOMB_DIR):
         sids.add(name[len(TOMB_DIR):].split(".")[0])
         try:
-            buf = bytearray(store.bytes.size(name) or 0)
-            store.bytes.read_into(name, 0, [memoryview(buf)])
+            buf = bytearray(byte_store.size(name) or 0)
+            byte_store.read_into(name, 0, [memoryview(buf)])
             skey, created_at, _reason = msgspec.msgpack.decode(bytes(buf))
             dead_until[skey] = max(dead_until.get(skey, float("-inf")), float(created_at))
         except (ValueError, TypeError, msgspec.DecodeError, CorruptData, ObjectMissing):
@@ -48,16 +57,16 @@ def _tombs(store) -> tuple[set[str], dict[bytes, float]]:
     return sids, dead_until
 
 
-def _reindex(store, skipped: list[Finding]) -> int:
-    tombs, dead_until = _tombs(store)
+def _reindex(index, byte_store, skipped: list[Finding]) -> int:
+    tombs, dead_until = _tombs(byte_store)
     located: ledger.Placed = {}
     sizes: dict[str, int] = {}
     found: dict[str, tuple[int, Manifest, str]] = {}
-    for name in sorted(store.bytes.names("packs/")):
+    for name in sorted(byte_store.names("packs/")):
         if not is_pack(name):
             continue
         try:
-            with open_object(store.bytes, name) as r:
+            with open_object(byte_store, name) as r:
                 contents = read_trailer(r, name)
                 sizes[name] = r.size()
         except (CorruptData, ObjectMissing) as exc:
@@ -67,14 +76,14 @@ def _reindex(store, skipped: list[Finding]) -> int:
             located.setdefault(h, (name, off, n, enc, sizes[name]))
         if contents.manifest:
             _consider(found, contents.manifest, contents.written_ns, name, tombs, skipped)
-    for name in sorted(store.bytes.names("blobs/")):
+    for name in sorted(byte_store.names("blobs/")):
         legacy = keys.parse_legacy_blob(name)
         if legacy is not None:
-            located.setdefault(legacy[0], (name, 0, store.bytes.size(name) or 0, legacy[1], 0))
+            located.setdefault(legacy[0], (name, 0, byte_store.size(name) or 0, legacy[1], 0))
         elif name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
-            buf = bytearray(store.bytes.size(name) or 0)
+            buf = bytearray(byte_store.size(name) or 0)
             try:
-                store.bytes.read_into(name, 0, [memoryview(buf)])
+                byte_store.read_into(name, 0, [memoryview(buf)])
             except (KvShelfError, OSError) as exc:
                 skipped.append(Finding("rebuild-skipped-manifest", name, f"unreadable: {exc}"))
                 continue
@@ -93,9 +102,9 @@ def _reindex(store, skipped: list[Finding]) -> int:
         if m.created_at <= dead_until.get(keys.manifest_keys(m)[2], float("-inf")):
             continue  # its session was deleted, evicted or quarantined at or after this snapshot (not a loss)
         placed = {r.hash: located[r.hash] for r in m.blobs}
-        store.index.write(lambda txn, m=m, pack=pack, placed=placed: ledger.commit(
-            store.index, txn, m, pack, sizes.get(pack, 0), placed))
-    with store.index.read() as txn:
+        index.write(lambda txn, m=m, pack=pack, placed=placed: ledger.commit(
+            index, txn, m, pack, sizes.get(pack, 0), placed))
+    with index.read() as txn:
         return txn.count("manifests")
 
 
@@ -125,4 +134,4 @@ def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[st
         found[m.snapshot_id] = (written_ns, m, pack)
 
 
-__all__ = ["rebuild_store_index"]
+__all__ = ["Rebuild"]

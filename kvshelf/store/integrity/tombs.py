@@ -4,7 +4,7 @@ Why tombstones exist: ``rebuild_index`` rebuilds the index from the manifests it
 manifest files). A dropped snapshot's pack outlives it while other snapshots still reference chunks in it, and a
 session's older snapshots (replaced by later saves, never tombstoned themselves) may survive the same way. The
 tombstone ``tomb/<sid>`` — ``[session key, created_at, reason]`` — keeps a rebuild from bringing back that snapshot
-or any snapshot of its session created at or before it (``rebuilding._tombs``).
+or any snapshot of its session created at or before it (``rebuild._tombs``).
 
 So a tombstone is needed exactly while some manifest-bearing object that the index does not hold (a *dead
 manifest*) belongs to its snapshot or to its session. Manifest-bearing objects are named after their snapshot
@@ -46,40 +46,40 @@ def _sid_of(name: str) -> str | None:
     return sid if len(sid) == 32 and set(sid) <= _HEX and (len(stem) == 32 or stem[32] == "-") else None
 
 
-def _read(store, name: str) -> bytes:
-    buf = bytearray(store.bytes.size(name) or 0)
-    store.bytes.read_into(name, 0, [memoryview(buf)])
+def _read(byte_store, name: str) -> bytes:
+    buf = bytearray(byte_store.size(name) or 0)
+    byte_store.read_into(name, 0, [memoryview(buf)])
     return bytes(buf)
 
 
 _NO_MANIFEST = b""
 
 
-def _dead_manifest_session(store, name: str) -> bytes | None:
+def _dead_manifest_session(byte_store, name: str) -> bytes | None:
     """The session key of the manifest in ``name``; ``_NO_MANIFEST`` for a pack that carries none (written by a
     tool: its uuid name looks like a snapshot id); None when it cannot be read."""
     try:
         if is_pack(name):
-            with open_object(store.bytes, name) as reader:
+            with open_object(byte_store, name) as reader:
                 raw = read_trailer(reader, name).manifest
             if not raw:
                 return _NO_MANIFEST
         else:
-            raw = _read(store, name)
+            raw = _read(byte_store, name)
         return keys.manifest_keys(mf.decode(raw, Manifest, f"manifest in {name}"))[2]
     except (CorruptData, IncompatibleFormat, ObjectMissing, KvShelfError, OSError):
         return None
 
 
-def removable_tombs(store) -> list[str]:
+def removable_tombs(index, byte_store) -> list[str]:
     """Plain tombstones (``tomb/<sid>``) that no dead manifest on disk needs any more."""
     tombs: dict[str, tuple[str, bytes | None]] = {}  # name -> (sid, session key or None when unreadable)
-    for name in store.bytes.names(TOMB_DIR):
+    for name in byte_store.names(TOMB_DIR):
         rest = name[len(TOMB_DIR):]
         if "." in rest or len(rest) != 32:
             continue  # quarantine evidence (or not ours): kept
         try:
-            skey, _created, _reason = msgspec.msgpack.decode(_read(store, name))
+            skey, _created, _reason = msgspec.msgpack.decode(_read(byte_store, name))
             tombs[name] = (rest, bytes(skey))
         except (ValueError, TypeError, msgspec.DecodeError, KvShelfError, OSError):
             tombs[name] = (rest, None)
@@ -87,25 +87,25 @@ def removable_tombs(store) -> list[str]:
         return []
     bearing: dict[str, list[str]] = {}
     for prefix in (PACK_DIR, keys.LEGACY_MANIFESTS):
-        for name in store.bytes.names(prefix):
+        for name in byte_store.names(prefix):
             sid = _sid_of(name)
             if sid is not None:
                 bearing.setdefault(sid, []).append(name)
-    with store.index.read() as txn:
+    with index.read() as txn:
         dead = {sid: names for sid, names in bearing.items()
                 if txn.get("manifests", bytes.fromhex(sid)) is None}
     needed_sessions: set[bytes] = set()
     for sid, names in dead.items():
         for name in names:
-            skey = _dead_manifest_session(store, name)
+            skey = _dead_manifest_session(byte_store, name)
             if skey is None:
-                if store.bytes.exists(name):
+                if byte_store.exists(name):
                     return []  # an unreadable dead manifest: whose it is cannot be known, keep every tombstone
                 continue
             if skey != _NO_MANIFEST:
                 needed_sessions.add(skey)
     return sorted(name for name, (sid, skey) in tombs.items()
-                  if not any(store.bytes.exists(n) for n in dead.get(sid, ()))  # its own manifest is gone
+                  if not any(byte_store.exists(n) for n in dead.get(sid, ()))  # its own manifest is gone
                   and skey is not None and skey not in needed_sessions)
 
 

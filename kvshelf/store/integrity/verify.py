@@ -3,17 +3,11 @@
 ``verify`` recomputes from the manifests what every other table must hold (refcounts, per-pack counts, the prefix
 records and heads of every session's current snapshot, sessions, LRU keys, total bytes) and compares, then checks
 the byte store against the index; it streams (``verifying.py`` says how its memory stays bounded and why a save or
-delete committing meanwhile never becomes a finding). ``gc`` removes only what the ledger says is dead
-(``ledger.object_live``) and no live lease holds, under the exclusive save gate (no save is between writing its pack
-and committing it) and LMDB's writer lock, then the tombstones nothing needs (``tombs.py``). ``rebuild_index`` is
-``rebuilding.py``.
-
-Nothing here imports ``Store``: these functions take the handle and use its rooms (``index``, ``bytes``, ``leases``).
+delete committing meanwhile never becomes a finding). ``gc`` is ``gc.py``, ``rebuild_index`` is ``rebuild.py``.
 """
 
 from __future__ import annotations
 
-import lmdb
 import msgspec
 import numpy as np
 
@@ -28,41 +22,53 @@ from ..objects.local import open_object
 from ..index.schema import Manifest, Summary
 from ..objects.pack import read_trailer
 from ..results import Finding
+from ..context import StoreContext
+from ..liveness.reclaim import Reclaimer
+from ..liveness.save_gate import SaveGate
 from .gc import object_of, orphans
 
 
 
-def _manifest_on_disk(store, sid_hex: str, summary: Summary) -> bytes | None:
+def _manifest_on_disk(byte_store, sid_hex: str, summary: Summary) -> bytes | None:
     try:
         if summary.pack:
-            with open_object(store.bytes, summary.pack) as r:
+            with open_object(byte_store, summary.pack) as r:
                 return read_trailer(r, summary.pack).manifest
-        size = store.bytes.size(keys.legacy_manifest(sid_hex))
+        size = byte_store.size(keys.legacy_manifest(sid_hex))
         if size is None:
             return None
         buf = bytearray(size)
-        store.bytes.read_into(keys.legacy_manifest(sid_hex), 0, [memoryview(buf)])
+        byte_store.read_into(keys.legacy_manifest(sid_hex), 0, [memoryview(buf)])
         return bytes(buf)
     except (ObjectMissing, CorruptData):
         return None
 
 
-def verify_store(store, deep: bool = False) -> list[Finding]:
-    """Every inconsistency as a ``Finding``; never raises on damaged data (a record, pack or index that cannot be
-    read at all is a finding too), and every quarantined snapshot stays a finding until an operator drops it."""
-    out: list[Finding] = []
-    try:
-        _verify(store, deep, out)
-    except (KvShelfError, ObjectMissing, OSError) as exc:
-        out.append(Finding("unreadable-index", "index", f"verify stopped: {type(exc).__name__}: {exc}"))
-    except lmdb.Error as exc:  # raised in a loop over a streamed batch (outside the read's own translation)
-        damage = store.index._error(exc)
-        out.append(Finding("unreadable-index", "index", f"verify stopped: {type(damage).__name__}: {damage}"))
-    return out
+class Verifier:
+    """``verify`` of one handle: the index against itself and against the byte store."""
+
+    def __init__(self, ctx: StoreContext, gate: SaveGate, reclaimer: Reclaimer):
+        self.ctx, self.gate, self.reclaimer = ctx, gate, reclaimer
+
+    def verify(self, deep: bool = False) -> list[Finding]:
+        """Every inconsistency as a ``Finding``; never raises on damaged data (a record, pack or index that cannot
+        be read at all is a finding too), and every quarantined snapshot stays a finding until an operator drops
+        it."""
+        out: list[Finding] = []
+        try:
+            _verify(self, deep, out)
+        except (KvShelfError, ObjectMissing, OSError) as exc:
+            out.append(Finding("unreadable-index", "index", f"verify stopped: {type(exc).__name__}: {exc}"))
+        except Exception as exc:  # the index's own library, raised in a loop over a streamed batch
+            damage = self.ctx.index.translate_error(exc)
+            if damage is None:
+                raise
+            out.append(Finding("unreadable-index", "index", f"verify stopped: {type(damage).__name__}: {damage}"))
+        return out
 
 
-def _quarantine_findings(store, out: list[Finding]) -> None:
-    for key, raw in store.index.scan("quarantine"):
+def _quarantine_findings(ctx: StoreContext, out: list[Finding]) -> None:
+    for key, raw in ctx.index.scan("quarantine"):
         session = keys.session_of_key(key)
         try:
             sid_hex, reason, *_objects = msgspec.msgpack.decode(raw)
@@ -73,52 +79,53 @@ def _quarantine_findings(store, out: list[Finding]) -> None:
                            f"(Store.drop_quarantined / delete)", (session,)))
 
 
-def _verify(store, deep: bool, out: list[Finding]) -> None:
+def _verify(v: Verifier, deep: bool, out: list[Finding]) -> None:
     """Streamed (``verifying`` says how memory stays bounded and why a concurrent commit invents nothing): the
     manifests in batches, each checked against its other records inside its batch's read transaction and any
     finding re-checked in a fresh one; then session pointers; then the counts (``verifying.check_counts``); then
     crash residue, confirmed under the exclusive save gate."""
-    residue = orphans(store, store._leased_objects())  # listed first, confirmed last (_confirmed_orphans)
-    _quarantine_findings(store, out)
-    tally = verifying.Tally(verifying.partitions(store.index))
-    for txn, rows in store.index.batches("manifests", verifying.VERIFY_BATCH):
+    ctx = v.ctx
+    residue = orphans(ctx.index, ctx.bytes, v.reclaimer.leased_objects())  # listed first, confirmed last
+    _quarantine_findings(ctx, out)
+    tally = verifying.Tally(verifying.partitions(ctx.index))
+    for txn, rows in ctx.index.batches("manifests", verifying.VERIFY_BATCH):
         tally.txn_ids.add(txn.id())
         tally.manifests += len(rows)
         suspects = []
         for sid, raw in rows:
-            found = _check_manifest(store, txn, sid, raw, deep, tally)
+            found = _check_manifest(ctx, txn, sid, raw, deep, tally)
             if found:
                 suspects.append((sid, found))
         for sid, found in suspects:  # after the batch's transaction: again from a fresh read of the snapshot
-            out.extend(_recheck_manifest(store, sid, deep, found))
+            out.extend(_recheck_manifest(ctx, sid, deep, found))
         verifying.after_batch()
-    for txn, rows in store.index.batches("sessions", verifying.VERIFY_BATCH):
+    for txn, rows in ctx.index.batches("sessions", verifying.VERIFY_BATCH):
         for key, sid in rows:
             if txn.get("manifests", sid) is None:
                 out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {sid.hex()}"))
-    for txn, rows in store.index.batches("heads", verifying.VERIFY_BATCH):  # one head per session, each indexed
+    for txn, rows in ctx.index.batches("heads", verifying.VERIFY_BATCH):  # one head per session, each indexed
         tally.head_records += len(rows)
         for lineage, sid in rows:
             if txn.get("manifests", sid) is None:
                 out.append(Finding("prefix-drift", "prefix heads",
                                    f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
-    verifying.check_counts(store, deep, tally, out)
-    for name, kind in _confirmedorphans(store, residue):
+    verifying.check_counts(ctx, deep, tally, out)
+    for name, kind in _confirmed_orphans(v, residue):
         out.append(Finding(kind, f"{'manifest' if kind == 'orphan-manifest' else 'blob'} {name}",
                            "not indexed (crash residue: run gc)"))
 
 
-def _recheck_manifest(store, sid: bytes, deep: bool, found: list[Finding]) -> list[Finding]:
+def _recheck_manifest(ctx: StoreContext, sid: bytes, deep: bool, found: list[Finding]) -> list[Finding]:
     """The findings of one snapshot that hold again in a fresh read transaction (its pack may have been unlinked
     after a delete committed, or its manifest rewritten by compaction, since the batch was read)."""
-    with store.index.read() as txn:
+    with ctx.index.read() as txn:
         raw = txn.get("manifests", sid)
-        again = [] if raw is None else _check_manifest(store, txn, sid, raw, deep, None)
+        again = [] if raw is None else _check_manifest(ctx, txn, sid, raw, deep, None)
     first = {(f.kind, f.where) for f in found}
     return [f for f in again if (f.kind, f.where) in first]
 
 
-def _check_manifest(store, txn, sid: bytes, raw: bytes, deep: bool, tally) -> list[Finding]:
+def _check_manifest(ctx: StoreContext, txn, sid: bytes, raw: bytes, deep: bool, tally) -> list[Finding]:
     """Every finding about one snapshot, read in ``txn``; counts it into ``tally`` (None: a re-check)."""
     out: list[Finding] = []
     if len(sid) != 16:  # a damaged key: it names no snapshot, and LMDB refuses some lengths as keys
@@ -159,11 +166,11 @@ def _check_manifest(store, txn, sid: bytes, raw: bytes, deep: bool, tally) -> li
         out.append(Finding("lru-drift", where, "no LRU record"))
     n_records = 0
     if head:  # its records are in the prefix table (records.py); a stale snapshot's are not
-        n_records, problems = records.check_head(txn, skey, sid, tokens, store.block)
+        n_records, problems = records.check_head(txn, skey, sid, tokens, ctx.block)
         out.extend(Finding("prefix-drift", where, p) for p in problems)
     if tally is not None:
         tally.count(m, s, n_records, head=head)
-    on_disk = _manifest_on_disk(store, sid.hex(), s)
+    on_disk = _manifest_on_disk(ctx.bytes, sid.hex(), s)
     if on_disk is None:
         out.append(Finding("missing-manifest-file", where, "its manifest is on disk in no pack or file"))
     else:
@@ -181,7 +188,7 @@ def _check_manifest(store, txn, sid: bytes, raw: bytes, deep: bool, tally) -> li
     return [Finding(f.kind, f.where, f.detail, (m.session_id,)) for f in out]
 
 
-def _confirmedorphans(store, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def _confirmed_orphans(v: Verifier, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The orphans listed before verify's passes that are still dead, unleased and present after them, looked at
     with the removers' lock and the save gate held exclusively: no delete, eviction or lease release is then between
     its commit and the unlink of what it freed (``removers.py``), and no save between writing its pack and committing
@@ -190,20 +197,22 @@ def _confirmedorphans(store, found: list[tuple[str, str]]) -> list[tuple[str, st
     if not found:
         return []
     verifying.before_confirm()
-    with store.removers.quiescent(timeout=10.0) as quiet:
+    ctx = v.ctx
+    with ctx.removers.quiescent(timeout=10.0) as quiet:
         if not quiet:
             return []
         try:
-            with store.save_gate(exclusive=True, timeout=10.0):
-                leased = store._leased_objects()
-                with store.index.read() as txn:
-                    kept = leased | quarantined_objects(store.index, txn)
+            with v.gate.hold(exclusive=True, timeout=10.0):
+                leased = v.reclaimer.leased_objects()
+                index = ctx.index
+                with index.read() as txn:
+                    kept = leased | quarantined_objects(index, txn)
                     return [(name, kind) for name, kind in found
-                            if (obj := object_of(store, name, kind)) is not None and obj not in kept
-                            and not ledger.object_live(store.index, txn, obj) and store.bytes.exists(obj)]
+                            if (obj := object_of(ctx.bytes, name, kind)) is not None and obj not in kept
+                            and not ledger.object_live(index, txn, obj) and ctx.bytes.exists(obj)]
         except StoreBusy:
             return []
 
 
 
-__all__ = ["verify_store"]
+__all__ = ["Verifier"]

@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError
+from ..context import StoreContext
 from ..index import keys
 from ..prefix import records
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
 from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
+from ..restore.chunks import open_chunk
 from ..results import Finding
 from ..index.protocol import meta_int
 
@@ -155,9 +157,9 @@ def _total_findings(totals: tuple) -> list[Finding]:
     return out
 
 
-def check_counts(store, deep: bool, tally: Tally, out: list[Finding]) -> None:
+def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]) -> None:
     """Chunk records (refcounts, objects, ``deep`` content), pack records and totals against ``tally``."""
-    index, parts, c = store.index, tally.parts, _Candidates()
+    index, parts, c = ctx.index, tally.parts, _Candidates()
     live: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
     chunk_sum, blob_findings = 0, []
     for p in range(parts):
@@ -184,9 +186,9 @@ def check_counts(store, deep: bool, tally: Tally, out: list[Finding]) -> None:
                 live[meta.pack][0] += 1
                 live[meta.pack][1] += meta.stored_bytes
             chunk_sum += meta.stored_bytes
-            found = _object_problem(store, key.hex(), meta, deep)
+            found = _object_problem(ctx, key.hex(), meta, deep)
             if found is not None:
-                found = _recheck_object(store, key, deep)  # the chunk may have moved or gone meanwhile
+                found = _recheck_object(ctx, key, deep)  # the chunk may have moved or gone meanwhile
             if found is not None:
                 blob_findings.append(found)
         for hb, n in refs.items():  # referenced, but no record in this range
@@ -215,8 +217,8 @@ def check_counts(store, deep: bool, tally: Tally, out: list[Finding]) -> None:
         found += [f for name, (pm, want) in c.packs.items() if (f := _pack_finding(name, pm, want)) is not None]
         found += _total_findings(c.totals) if c.totals else []
     else:
-        found = _recount(store, c)
-    out.extend(_with_users(store, found + blob_findings))
+        found = _recount(ctx, c)
+    out.extend(_with_users(ctx, found + blob_findings))
 
 
 def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
@@ -232,9 +234,9 @@ def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
     return False
 
 
-def _object_problem(store, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
+def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
     name, offset, _length = keys.location(h, meta)
-    size = store.bytes.size(name)
+    size = ctx.bytes.size(name)
     if size is None:
         return Finding("missing-blob", f"blob {h}", f"its object {name} is missing")
     if meta.pack and offset + meta.stored_bytes > size:
@@ -244,27 +246,27 @@ def _object_problem(store, h: str, meta: ChunkMeta, deep: bool) -> Finding | Non
                                                   f"{meta.stored_bytes}")
     if deep:
         try:
-            with store.open_blob(h, verify=True) as reader:
+            with open_chunk(ctx.index, ctx.bytes, h, verify=True) as reader:
                 reader.read_into([None] * len(reader.tensors))
         except (KvShelfError, ObjectMissing, OSError) as exc:
             return Finding("corrupt-blob", f"blob {h}", str(exc))
     return None
 
 
-def _recheck_object(store, hb: bytes, deep: bool) -> Finding | None:
+def _recheck_object(ctx, hb: bytes, deep: bool) -> Finding | None:
     """The object check again from a fresh read of the chunk's record: a chunk dropped (its object unlinked after
     the drop committed) or moved (repack, recompression) since the batch was read is no finding."""
-    with store.index.read() as txn:
+    with ctx.index.read() as txn:
         raw = txn.get("chunks", hb)
     try:
-        return None if raw is None else _object_problem(store, hb.hex(), mf.decode(raw, ChunkMeta, "chunk"), deep)
+        return None if raw is None else _object_problem(ctx, hb.hex(), mf.decode(raw, ChunkMeta, "chunk"), deep)
     except CorruptData:
         return None  # damaged since: the record check reports it
 
 
-def _recount(store, c: _Candidates) -> list[Finding]:
+def _recount(ctx, c: _Candidates) -> list[Finding]:
     """The candidates counted again in ONE fresh read transaction (consistent by construction)."""
-    index = store.index
+    index = ctx.index
     refs, manifests_in, n_manifests, prefix_records, heads = Counter(), Counter(), 0, 0, 0
     with index.read() as txn:
         for sid, raw in txn.range("manifests"):
@@ -277,7 +279,7 @@ def _recount(store, c: _Candidates) -> list[Finding]:
             if c.totals and txn.get("sessions", skey) == bytes(sid):  # a current snapshot: its records
                 heads += 1
                 prefix_records += len(records.records_after(skey[16:32], records.lineage_id(skey),
-                                                            np.asarray(m.tokens, "<i8"), 0, store.block))
+                                                            np.asarray(m.tokens, "<i8"), 0, ctx.block))
             for h in {r.hash for r in m.blobs}:
                 if bytes.fromhex(h) in c.chunks:
                     refs[bytes.fromhex(h)] += 1
@@ -318,14 +320,14 @@ def _recount(store, c: _Candidates) -> list[Finding]:
     return found
 
 
-def _with_users(store, found: list[Finding]) -> list[Finding]:
+def _with_users(ctx, found: list[Finding]) -> list[Finding]:
     """Blob findings name every session using the chunk (one batched pass over the manifests, only for them)."""
     hashes = {f.where[len("blob "):] for f in found
               if f.kind in ("missing-blob", "corrupt-blob") or f.detail.endswith("but has no record")}
     if not hashes:
         return found
     users: defaultdict[str, set[str]] = defaultdict(set)
-    for sid, raw in store.index.scan("manifests", VERIFY_BATCH):
+    for sid, raw in ctx.index.scan("manifests", VERIFY_BATCH):
         try:
             m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
         except (CorruptData, IncompatibleFormat):

@@ -1,11 +1,13 @@
 """Who may unlink what, and when: readers' leases, the reclaim that unlinks dead objects, and the locks around them.
 
-Belongs here: a handle's write transactions with its remembered uses and the one place objects are unlinked
-(``leasing.py``), the lease files (``lease_files.py``), object read locks for a full disk (``object_locks.py``), the
-per-process open lock (``open_lock.py``) and the removers' lock (``removers_lock.py``).
+Belongs here: a handle's write transactions (``transactions.py``: ``Transactions``) with its remembered uses
+(``uses.py``: ``UseBook``), the one place objects are unlinked (``reclaim.py``: ``Reclaimer``), readers' leases
+(``leases.py``: ``Leases``), dropping a snapshot for good (``removal.py``: ``Removal``), the lease files
+(``lease_files.py``), object read locks for a full disk (``object_locks.py``), the per-process open lock
+(``open_lock.py``), the removers' lock (``removers_lock.py``) and the save gate (``save_gate.py``).
 
 Lock order: the removers' lock, then the save gate, then the index's writer lock, then a handle's own lock; never
 hold a handle's lock across an index transaction (transaction bodies take it).
 
-May import: ``store.index``, ``store.objects``, ``kvshelf.errors``. Never the façade.
+May import: ``store.index``, ``store.objects``, ``store.context``, ``kvshelf.errors``. Never the façade.
 """

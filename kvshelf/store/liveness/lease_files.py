@@ -35,6 +35,7 @@ import uuid
 import msgspec
 import xxhash
 
+from ...errors import file_error
 from ..objects.local import ensure_dir
 from ..index.schema import Lease
 
@@ -106,8 +107,6 @@ class LeaseBook:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     return False
                 self._held.pop(key, None)  # not held: the read must not go on
-                from ...errors import file_error
-
                 raise file_error(exc, f"publishing a lease in {self.dir}") from exc
 
     def remove(self, key: bytes) -> Lease | None:

@@ -10,7 +10,7 @@ space. So when publishing fails with ENOSPC/EDQUOT the reader instead holds, for
 * a shared lock on every object (pack or v1 blob file) it will read,
 
 *then* runs the lease's usual re-check in a fresh LMDB read transaction. Every unlinker (gc's sweep, the reclaim
-after a delete / eviction / rewrite) asks ``LeasingMixin._leased_objects`` what it must keep; the set it gets back
+after a delete / eviction / rewrite) asks ``Reclaimer.leased_objects`` (``reclaim.py``) what it must keep; the set it gets back
 (``LeasedObjects``) also answers "yes" for an object some reader holds a lock on. It probes objects only while
 somebody holds ``locks/readers``, so the usual case costs one ``fcntl`` per listing, not one per object.
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from ...errors import CorruptData, StoreFull
 from .. import seams as _faults
 from .. import syncs
-from .protocol import Buffer, ObjectMissing, check_name
+from .protocol import Buffer, ObjectMissing, capability, check_name
 
 DIR_MODE, FILE_MODE = 0o700, 0o600
 IO_MAX = 0x7FFFF000  # write(2)/read(2) move at most this many bytes per call
@@ -186,6 +186,11 @@ class LocalReader:
 
 class LocalByteStore:
     """Objects are files under ``root`` named by their object name; in-flight writes live under ``tmp_dir``."""
+
+    supports_streaming = True  # put_stream
+    local_paths = True  # path(name)
+    reaps_tmp = True  # reap_tmp(dry_run)
+    opens_readers = True  # open_reader(name)
 
     def __init__(self, root: str, tmp_dir: str | None = None):
         self.root = os.path.abspath(root)
@@ -361,9 +366,8 @@ def _unlink(path: str) -> None:
 
 def open_object(store, name: str):
     """A reader over one object of any ByteStore: the local fast path, or ranged reads through the protocol."""
-    opener = getattr(store, "open_reader", None)
-    if opener is not None:
-        return opener(name)
+    if capability(store, "opens_readers"):
+        return store.open_reader(name)
     return _ProtocolReader(store, name)
 
 

@@ -18,6 +18,11 @@ class MemoryByteStore:
     scratch store that never touches disk). Thread-safe; objects are copied in on ``put`` so callers may reuse
     their buffers."""
 
+    supports_streaming = False
+    local_paths = False
+    reaps_tmp = False
+    opens_readers = False
+
     def __init__(self) -> None:
         self._objects: dict[str, bytes] = {}
         self._lock = threading.Lock()

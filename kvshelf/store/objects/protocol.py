@@ -14,6 +14,20 @@ stores:
 * ``delete`` of an absent object is not an error; ``names(prefix)`` lists what exists under a prefix.
 
 Errors: a full medium → :class:`~kvshelf.errors.StoreFull`; an unreachable one → :class:`BackendUnavailable`.
+
+Optional capabilities are *declared* as class attributes (as zarr's ``supports_writes``/``supports_listing``), never
+probed; the store takes a faster or safer path only where one is declared ``True``:
+
+* ``supports_streaming``: ``put_stream(name, parts, *, durable=True) -> int`` — ``put`` of the buffers an iterator
+  yields, written while the next part is computed (the save path hashes chunk k+1 while chunk k is written);
+* ``local_paths``: ``path(name) -> str`` — the object is a file of this machine (a reader on a full disk locks it
+  instead of publishing a lease; ``packs/`` is made once at open);
+* ``reaps_tmp``: ``reap_tmp(dry_run=False) -> list[str]`` — the medium keeps tmp files of interrupted puts, and
+  removes those whose writer died (at open and by ``gc``);
+* ``opens_readers``: ``open_reader(name)`` — one reader (``read_into(offset, buffers)``, ``size()``, ``close()``,
+  a context manager) for many ranged reads of one object.
+
+An implementation that declares none of them (one written before they existed) has none: ``capability`` says so.
 """
 
 from __future__ import annotations
@@ -47,9 +61,21 @@ def check_name(name: str) -> str:
     return name
 
 
+CAPABILITIES = ("supports_streaming", "local_paths", "reaps_tmp", "opens_readers")
+
+
+def capability(store, name: str) -> bool:
+    """Whether ``store`` declares the optional capability ``name`` (one of ``CAPABILITIES``; see the module
+    docstring). Undeclared is False."""
+    if name not in CAPABILITIES:
+        raise ValueError(f"unknown byte-store capability {name!r}")
+    return getattr(store, name, False) is True
+
+
 @runtime_checkable
 class ByteStore(Protocol):
-    """Immutable named objects with ranged reads into caller buffers. See the module docstring for the contract."""
+    """Immutable named objects with ranged reads into caller buffers. See the module docstring for the contract
+    (and for the optional capabilities an implementation declares as class attributes)."""
 
     def put(self, name: str, buffers: Sequence[Buffer], *, durable: bool = True) -> int:
         """Store the concatenation of ``buffers`` as ``name``, all or nothing; returns its size in bytes.
@@ -85,4 +111,5 @@ def put_unsynced(store: ByteStore, name: str, buffers: Sequence[Buffer]) -> int:
 
 
 
-__all__ = ["BackendUnavailable", "Buffer", "ByteStore", "ObjectMissing", "check_name", "put_unsynced"]
+__all__ = ["BackendUnavailable", "Buffer", "ByteStore", "CAPABILITIES", "ObjectMissing", "capability", "check_name",
+           "put_unsynced"]

@@ -32,8 +32,8 @@ came with the summaries.) Work is bounded by the source (``Bounds``: levels, sum
 store built to defeat it (hundreds of unusable snapshots predicted longer than the answer) can exhaust that, and then
 the best found so far is returned.
 
-``PrefixSearch(source, nsk, prompt, block).run()`` is the entry; ``_Lookup`` keeps the call the store's façade makes
-today.
+``PrefixSearch(source, nsk, prompt, block).run()`` is the entry: the store's façade runs it over
+``IndexRecords`` (``index_records.py``) in one read transaction, the shared tier over ``RedisRecords``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import numpy as np
 import xxhash
 
 from .hashing import BLOCK_TOKENS, common_prefix, continuation, level_bound, tokens_array
-from .index_records import IndexRecords
 from .source import REF_BYTES, RecordSource, Summary
 
 TIE_CANDIDATES = 32   # equal-length usable candidates compared for recency
@@ -342,19 +341,6 @@ class PrefixSearch:
             self.ties = 0
         if self.best is None or rank > self.best.rank:
             self.best = Found(p, c.summary, c.sid, rank)
-
-
-class _Lookup:
-    """The façade's entry as ``Store.lookup`` calls it today (``_Lookup(store, txn, nsk, prompt).run()`` → ``(p,
-    summary, sid, rank)`` or None): the one search over the store's index in the read transaction ``txn``, ties
-    counting the uses this handle remembers but has not written yet. The clean call, once the façade holds them:
-    ``PrefixSearch(IndexRecords(txn, touched), nsk, prompt, block).run()``."""
-
-    def __init__(self, store, txn, nsk: bytes, prompt: LazyTokens):
-        self.search = PrefixSearch(IndexRecords(txn, store._touched()), nsk, prompt, store.block)
-
-    def run(self) -> Found | None:
-        return self.search.run()
 
 
 __all__ = ["Found", "LazyTokens", "PrefixSearch", "TIE_CANDIDATES", "usable"]

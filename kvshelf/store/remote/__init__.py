@@ -3,7 +3,7 @@
 Local stores stay authoritative; this tier only ever serves what it can verify (chunk hashes, checksummed tokens).
 Modules: ``client`` (connecting), ``errors`` (redis-py → kvshelf errors), ``bytestore`` (``RedisByteStore``, the
 ByteStore seam), ``breaker`` (``CircuitBreaker``), ``keys`` (the key layout), ``records`` (checksummed msgspec
-records), ``index`` (the shared prefix index), ``local`` (the one module that knows the local store's internals),
+records), ``index`` (the shared prefix index), ``local`` (the one module that reads the local store, through its ``StoreContext``),
 ``tier`` (``RemoteTier``: publish, lookup, fetch), ``gc`` (remote garbage collection).
 """
 

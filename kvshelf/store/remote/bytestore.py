@@ -36,6 +36,11 @@ def _glob_escape(text: str) -> str:
 class RedisByteStore:
     """Immutable named objects in Redis (see the module docstring). Thread-safe (redis-py pools connections)."""
 
+    supports_streaming = False
+    local_paths = False
+    reaps_tmp = False
+    opens_readers = False
+
     def __init__(self, remote, *, prefix: str = DEFAULT_PREFIX, **options):
         self.client = connect(remote, **options)
         self.prefix = check_prefix(prefix)

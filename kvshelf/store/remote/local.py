@@ -1,13 +1,14 @@
-"""Everything the shared tier needs from the local store's internals, in one module (so store v2 adapts it alone).
+"""Everything the shared tier needs from the local store, in one module: it reads the handle's context (``ctx``:
+identity, provider, index, byte store), never a ``Store``.
 
 Two directions:
 
-* out: ``chunk_buffers(store, hash)`` — a committed chunk's *logical content* read back from the local store (under a
+* out: ``chunk_buffers(ctx, hash)`` — a committed chunk's *logical content* read back from the local store (under a
   lease, hash-verified by the local reader), framed as the remote value ``u32 descriptor length | descriptor | tensor
   bytes``. The descriptor is the one the local content hash starts with, so ``xxh3_128(value[4:])`` *is* the local
   chunk hash: any host verifies a remote chunk with the name it already has.
 * in: ``RemoteChunk`` — a fetched value parsed and verified (length, descriptor, hash) and handed to the local
-  restore machinery (``layout.fill_from_blob`` into ``Destinations``), and ``build_caches`` — the codec load of a
+  restore machinery (``destinations.fill_from_blob`` into ``Destinations``), and ``build_caches`` — the codec load of a
   snapshot cut to ``p`` from verified chunks, exactly as a local restore does it.
 """
 
@@ -22,15 +23,18 @@ import xxhash
 
 from ...errors import CorruptData, IdentityMismatch, InvalidCacheState
 from ..objects.chunkfile import TensorInfo, descriptor, storage_dtype
-from ..restore.destinations import Destinations, fill_from_blob
+from ..context import StoreContext
 from ..index.schema import BlobRef, Manifest
+from ..prefix.hashing import tokens_array
+from ..restore.chunks import open_chunk
+from ..restore.destinations import Destinations, fill_from_blob
 
 _DESC = msgspec.msgpack.Decoder(list[tuple[str, str, list[int]]])
 
 
-def chunk_buffers(store, hash_: str) -> list[bytes | memoryview]:
+def chunk_buffers(ctx: StoreContext, hash_: str) -> list[bytes | memoryview]:
     """The remote value of one local chunk (see the module docstring); the caller holds a lease on it."""
-    with store.open_blob(hash_, verify=True) as reader:
+    with open_chunk(ctx.index, ctx.bytes, hash_, verify=True) as reader:
         bufs = reader.read_into([None] * len(reader.tensors))
         desc = descriptor(reader.tensors)
     return [struct.pack("<I", len(desc)), desc, *bufs]
@@ -101,17 +105,17 @@ def target_views(d, t: TensorInfo) -> list[memoryview]:
     return views
 
 
-def check_manifest(store, manifest: Manifest, namespace: str, p: int | None) -> int:
+def check_manifest(ctx: StoreContext, manifest: Manifest, namespace: str, p: int | None) -> int:
     """The cut to restore (``p`` or the whole snapshot), refusing another identity or an illegal cut."""
     for field in ("model_id", "config_fingerprint", "tokenizer_hash"):
-        stored, expected = getattr(manifest, field), getattr(store.identity, field)
+        stored, expected = getattr(manifest, field), getattr(ctx.identity, field)
         if stored != expected:
             raise IdentityMismatch(field, stored, expected, f"remote snapshot {manifest.snapshot_id}")
     if manifest.namespace != namespace:
         raise IdentityMismatch("namespace", manifest.namespace, namespace, f"remote snapshot {manifest.snapshot_id}")
-    store.provider.check_provider(manifest.provider)
+    ctx.provider.check_provider(manifest.provider)
     for entry in manifest.entries:  # a kind this host cannot load is refused before any chunk is fetched
-        store.provider.for_entry(entry)
+        ctx.provider.for_entry(entry)
     p = manifest.length if p is None else int(p)
     if not 0 <= p <= manifest.length or (p < manifest.length and (not manifest.trimmable or
                                                                   p < manifest.minimum_reusable_offset)):
@@ -120,18 +124,18 @@ def check_manifest(store, manifest: Manifest, namespace: str, p: int | None) -> 
     return p
 
 
-def build_caches(store, manifest: Manifest, p: int, fill) -> list:
+def build_caches(ctx: StoreContext, manifest: Manifest, p: int, fill) -> list:
     """The caches of ``manifest`` cut to ``p`` (as a local restore builds them): ``fill(dest, by_hash)`` fills
     ``Destinations`` from verified chunks, ``by_hash`` = every distinct needed hash -> the ranges holding it."""
     entries = list(manifest.entries)
     if p < manifest.length:
-        entries = [store.provider.for_entry(e).prefix_entry(e, p) for e in entries]
+        entries = [ctx.provider.for_entry(e).prefix_entry(e, p) for e in entries]
     dest = Destinations(entries)
     by_hash: dict[str, list[BlobRef]] = {}
     for ref in needed_refs(manifest, p):
         by_hash.setdefault(ref.hash, []).append(ref)
     fill(dest, by_hash)
-    return [store.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(entries, dest.finish())]
+    return [ctx.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(entries, dest.finish())]
 
 
 def fill_from(chunks: Iterable[tuple[str, RemoteChunk]]):
@@ -159,6 +163,4 @@ __all__ = ["tokens_of", "chunk_buffers", "unique_refs", "needed_refs", "RemoteCh
 
 def tokens_of(manifest: Manifest):
     """The snapshot's tokens as int64 (what the boundary hashes and the token records are computed from)."""
-    from ..prefix.hashing import tokens_array
-
     return tokens_array(manifest.tokens)

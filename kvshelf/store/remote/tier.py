@@ -25,14 +25,17 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, StoreFull
+from ..context import StoreContext
 from ..index import schema as mf
 from ..objects.protocol import BackendUnavailable
 from ..identity import namespace_key
 from ..prefix.search import LazyTokens, PrefixSearch
 from ..index.schema import Manifest
+from ..restore.snapshots import Snapshots
 from ..results import PrefixHit, Restored
 from . import fetch, local
 from .breaker import CircuitBreaker
@@ -70,7 +73,7 @@ class RemoteTier:
         self.direct = direct_reads
         self.breaker = breaker or CircuitBreaker()
         self.host = f"{socket.gethostname()}:{os.getpid()}"
-        self.store = None
+        self.ctx = self.snapshots = self._lease = self._save = None  # the local store's, given by bind()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._idle = threading.Condition()
         self._busy = 0
@@ -86,9 +89,11 @@ class RemoteTier:
             "dropped_entries", "kept_local", "keep_local_failed")}
 
     # ------------------------------------------------------------------ wiring
-    def attach(self, store) -> RemoteTier:
-        self.store = store
-        store.tier = self
+    def bind(self, ctx: StoreContext, snapshots: Snapshots, lease: Callable, save: Callable) -> RemoteTier:
+        """Wire the tier to one local store handle: its context, its manifests, ``lease`` (``store.admin.lease``:
+        the publisher reads chunks back under a lease) and ``save`` (``Store.save``: a remote hit kept locally)."""
+        self.ctx, self.snapshots, self._lease, self._save = ctx, snapshots, lease, save
+        ctx.tier = self
         return self
 
     def close(self) -> None:
@@ -154,7 +159,6 @@ class RemoteTier:
 
     def publish(self, manifest: Manifest) -> bool:
         """Upload one locally committed snapshot (missing chunks, then the index entry). False: not published."""
-        store = self.store
         if not self.breaker.allow():
             self.counters["publish_dropped"] += 1
             return False
@@ -167,8 +171,8 @@ class RemoteTier:
                         self.counters["publish_skipped"] += 1
                         self.breaker.success()
                         return False
-                    self._upload(store, manifest, marker)
-                    self._commit(store, manifest)
+                    self._upload(manifest, marker)
+                    self._commit(manifest)
                 finally:
                     self.client.delete(marker)
         except SnapshotNotFound:  # replaced or evicted locally before it could be read back: nothing to publish
@@ -182,7 +186,7 @@ class RemoteTier:
         self.counters["published"] += 1
         return True
 
-    def _upload(self, store, manifest: Manifest, marker: str) -> None:
+    def _upload(self, manifest: Manifest, marker: str) -> None:
         refs = local.unique_refs(manifest)
         pipe = self.client.pipeline(transaction=False)
         for r in refs:
@@ -192,17 +196,17 @@ class RemoteTier:
         self.counters["chunks_present"] += len(refs) - len(missing)
         if not missing:
             return
-        with store.lease(manifest, [r.hash for r in missing]):
+        with self._lease(manifest, [r.hash for r in missing]):
             for r in missing:
-                buffers = local.chunk_buffers(store, r.hash)
+                buffers = local.chunk_buffers(self.ctx, r.hash)
                 self.counters["bytes_uploaded"] += self.chunks.put(self.keys.chunk_name(r.hash), buffers)
                 self.counters["chunks_uploaded"] += 1
                 self.client.pexpire(marker, MARKER_MS)
                 if PUBLISH_HOOK is not None:
                     PUBLISH_HOOK(r.hash)
 
-    def _commit(self, store, manifest: Manifest) -> None:
-        nsk = namespace_key(store.id_key, manifest.namespace)
+    def _commit(self, manifest: Manifest) -> None:
+        nsk = namespace_key(self.ctx.id_key, manifest.namespace)
         sid = bytes.fromhex(manifest.snapshot_id)
         tokens = local.tokens_of(manifest)
         sess = self.keys.sessions(nsk)
@@ -257,7 +261,7 @@ class RemoteTier:
         if not self.breaker.allow():
             return local_hit
         self.counters["lookups"] += 1
-        nsk = namespace_key(self.store.id_key, namespace)
+        nsk = namespace_key(self.ctx.id_key, namespace)
         try:
             with translate("lookup"):
                 best = PrefixSearch(RedisRecords(self.client, self.keys, nsk, exclude=self._unloadable), nsk,
@@ -285,7 +289,7 @@ class RemoteTier:
     def localize(self, request):
         """A ``restore_batch`` request naming a remote hit → the local copy it is imported as (others unchanged)."""
         if not isinstance(request, PrefixHit) or not self.knows(request.snapshot_id) or \
-                self.store._has(request.snapshot_id):
+                self.snapshots.has(request.snapshot_id):
             return request
         self.restore(request.snapshot_id, request.length, keep=True, strict=True)
         return (IMPORTED + request.snapshot_id, request.namespace)
@@ -306,8 +310,8 @@ class RemoteTier:
         try:
             with translate("restore"):
                 manifest = self._manifest(nsk, sid)
-                p = local.check_manifest(self.store, manifest, namespace, length)
-                caches = local.build_caches(self.store, manifest, p, fetch.filler(self, local.needed_refs(manifest, p)))
+                p = local.check_manifest(self.ctx, manifest, namespace, length)
+                caches = local.build_caches(self.ctx, manifest, p, fetch.filler(self, local.needed_refs(manifest, p)))
         except _REMOTE_ERRORS as exc:
             self.breaker.failure()
             self.counters["restore_misses"] += 1
@@ -333,7 +337,7 @@ class RemoteTier:
                             manifest.namespace)
         if self.keep_local if keep is None else keep:
             try:
-                self.store.save(IMPORTED + snapshot_id, restored.tokens, caches, namespace)
+                self._save(IMPORTED + snapshot_id, restored.tokens, caches, namespace)
                 self.counters["kept_local"] += 1
             except KvShelfError:  # a full disk or budget: the restore itself still succeeded
                 self.counters["keep_local_failed"] += 1
@@ -353,9 +357,4 @@ class RemoteTier:
                 "queued": self._queue.qsize(), **self.counters}
 
 
-def attach(store, remote, *, prefix: str = DEFAULT_PREFIX, **options: Any) -> RemoteTier:
-    """Give ``store`` a shared tier (``open_store(..., remote=...)`` calls this)."""
-    return RemoteTier(remote, prefix=prefix, **options).attach(store)
-
-
-__all__ = ["RemoteTier", "attach", "IMPORTED"]
+__all__ = ["RemoteTier", "IMPORTED"]

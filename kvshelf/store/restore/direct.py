@@ -28,7 +28,7 @@ from ...errors import CorruptData
 from . import hugepages
 from ..objects.protocol import ObjectMissing
 from ..objects.chunkfile import BlobReader, storage_dtype
-from .destinations import slot_index
+from .destinations import as_stored, owned_zeros, slot_index
 from ..objects.local import open_object
 from ..index.schema import BlobRef
 from .piece_reads import ChunkHash, PieceJob, fill_chunks
@@ -198,8 +198,6 @@ def check_coverage(read: Read, slots: list[list[_Slot]], readers: list[BlobReade
 
 
 def _empty(s: _Slot) -> mx.array:
-    from .destinations import as_stored, owned_zeros
-
     arrays, _ = owned_zeros([(s.key, s.dtype, s.shape)])
     return as_stored(s.dtype, arrays[0])
 

@@ -1,6 +1,7 @@
-"""The restore calls of a ``Store`` (mixed into it): whole, by id, by prefix, batched — each leasing what it reads,
-reading it straight into the final arrays (``restoring.read_direct``) or a batched destination, quarantining a
-snapshot whose chunk fails verification. No write transaction and no fsync on any of these paths.
+"""The restore calls of a ``Store``: whole, by id, batched — each leasing what it reads, reading it straight into
+the final arrays (``direct.read_direct``) or a batched destination, quarantining a snapshot whose chunk fails
+verification. No write transaction and no fsync on any of these paths. (``restore_prefix`` is the façade's: a
+``lookup``, then ``restore_snapshot``.)
 """
 
 from __future__ import annotations
@@ -9,24 +10,28 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CorruptData, IncompatibleFormat, InvalidCacheState, SnapshotNotFound
-from .. import inputs
+from ..context import StoreContext
+from ..index.schema import Manifest
+from ..integrity.quarantine import Quarantine
+from ..liveness.leases import Gone, Leases, Stale
+from ..results import PrefixHit, Restored, RestoredBatch
 from . import direct as restoring
 from .destinations import BatchDestinations, fill_from_blob, slot_index
-from ..liveness.leasing import Gone, Stale
-from ..index.schema import Manifest
-from ..results import PrefixHit, Restored, RestoredBatch
+from .snapshots import Snapshots
 
 
-class ReadingMixin:
-    """Needs ``index``, ``bytes``, ``provider``, ``verify_reads``, ``counters`` and the leasing methods."""
+class Reader:
+    """One handle's restores (arguments checked by the façade, through ``inputs``). ``ctx.tier``: the shared tier,
+    asked for snapshots this store does not hold."""
+
+    def __init__(self, ctx: StoreContext, leases: Leases, snapshots: Snapshots, quarantine: Quarantine):
+        self.ctx, self.leases, self.snapshots, self.quarantine = ctx, leases, snapshots, quarantine
 
     def restore(self, session_id: str, namespace: str = "") -> Restored:
         """The session's latest snapshot, whole."""
-        inputs.check_session(session_id, namespace)
-        self._check_scoped("restore")
         for attempt in range(3):
-            with self.index.read() as txn:
-                manifest = self._latest(txn, session_id, namespace)
+            with self.ctx.index.read() as txn:
+                manifest = self.snapshots.latest(txn, session_id, namespace)
             try:
                 return self._restore(manifest, manifest.length)
             except SnapshotNotFound:  # replaced by a newer save between reading the pointer and leasing: again
@@ -36,50 +41,35 @@ class ReadingMixin:
 
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
-        snapshot_id, length = inputs.check_snapshot_id(snapshot_id), inputs.check_length(length)
-        self._check_scoped("restore_snapshot")
-        if self.tier is not None and self.tier.knows(snapshot_id) and not self._has(snapshot_id):
-            return self.tier.restore(snapshot_id, length)  # a remote hit: fetched, verified, kept locally
-        manifest = self.manifest(snapshot_id)
-        self._check_identity(manifest)
+        tier = self.ctx.tier
+        if tier is not None and tier.knows(snapshot_id) and not self.snapshots.has(snapshot_id):
+            return tier.restore(snapshot_id, length)  # a remote hit: fetched, verified, kept locally
+        manifest = self.snapshots.manifest(snapshot_id)
+        self.snapshots.check_identity(manifest)
         p = manifest.length if length is None else int(length)
-        self._check_cut(manifest, p)
+        check_cut(manifest, p)
         return self._restore(manifest, p)
-
-    def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "") -> Restored | None:
-        """Caches for the longest usable stored prefix of the prompt (reading only the chunks covering it)."""
-        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
-        for _ in range(3):
-            hit = self.lookup(prompt_tokens, namespace)
-            if hit is None:
-                return None
-            try:
-                return self.restore_snapshot(hit.snapshot_id, hit.length)
-            except SnapshotNotFound:  # evicted or replaced between lookup and restore: look again
-                continue
-        return None
 
     def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]], _attempt: int = 0) -> RestoredBatch:
         """Several rows restored straight into one batched cache per layer, rows in request order."""
-        inputs.check_requests(requests)
-        self._check_scoped("restore_batch")
         if not requests:
             raise InvalidCacheState("restore_batch needs at least one request")
-        if self.tier is not None and _attempt == 0:  # remote hits are imported first, then read as local rows
-            requests = [self.tier.localize(req) for req in requests]
+        tier = self.ctx.tier
+        if tier is not None and _attempt == 0:  # remote hits are imported first, then read as local rows
+            requests = [tier.localize(req) for req in requests]
         plans = []
-        with self.index.read() as txn:
+        with self.ctx.index.read() as txn:
             for req in requests:
                 if isinstance(req, PrefixHit):
-                    manifest = self._manifest(txn, bytes.fromhex(req.snapshot_id))
-                    self._check_identity(manifest)
+                    manifest = self.snapshots.in_txn(txn, bytes.fromhex(req.snapshot_id))
+                    self.snapshots.check_identity(manifest)
                     plans.append((manifest, req.length))
                     continue
                 session_id, namespace = (req if isinstance(req, tuple) else (req, ""))
-                manifest = self._latest(txn, session_id, namespace)
+                manifest = self.snapshots.latest(txn, session_id, namespace)
                 plans.append((manifest, manifest.length))
         for manifest, p in plans:
-            self._check_cut(manifest, p)
+            check_cut(manifest, p)
         reads: list[restoring.Read] = []
         try:
             try:
@@ -109,11 +99,11 @@ class ReadingMixin:
         codecs, plans = [], []
         for layer in range(n_layers):
             entries = [r.entries[layer] for r in reads]
-            codec = self.provider.for_entry(entries[0])
+            codec = self.ctx.provider.for_entry(entries[0])
             codecs.append(codec)
             plan_of = getattr(codec, "batch_plan", None)  # a foreign codec may have no direct path
             plans.append(plan_of(entries) if plan_of is not None else None)
-        objects = restoring.Objects(self.bytes)
+        objects = restoring.Objects(self.ctx.bytes)
         try:
             # every row's chunk headers first, each row checked as a single-row restore checks it (Σ bytes its
             # chunks bring to each slot = the bytes the slot declares): a record whose shapes disagree with its
@@ -131,21 +121,14 @@ class ReadingMixin:
                 caches.append(codec.adopt_batch(entries, batched))
             else:
                 caches.append(codec.load_batch(entries, per_row, verify=False))
-        self.counters["batch_layers_direct"] += sum(plan is not None for plan in plans)
-        self.counters["batch_layers_fallback"] += sum(plan is None for plan in plans)
+        self.ctx.counters.batch_layers_direct += sum(plan is not None for plan in plans)
+        self.ctx.counters.batch_layers_fallback += sum(plan is None for plan in plans)
         return caches
 
-    def _check_cut(self, manifest: Manifest, p: int) -> None:
-        if not 0 <= p <= manifest.length:
-            raise InvalidCacheState(f"cannot cut snapshot {manifest.snapshot_id} of {manifest.length} tokens to {p}")
-        if p < manifest.length and (not manifest.trimmable or p < manifest.minimum_reusable_offset):
-            raise InvalidCacheState(f"snapshot {manifest.snapshot_id} cannot be cut to {p} tokens "
-                                    f"(trimmable={manifest.trimmable}, floor={manifest.minimum_reusable_offset})")
-
     def _restore(self, manifest: Manifest, p: int) -> Restored:
-        entries, arrays, planned = self._read_arrays(manifest, p, direct=True)
-        caches = [self.provider.for_entry(e).adopt_row(e, a) if pl else
-                  self.provider.for_entry(e).load(e, a, verify=False) for e, a, pl in zip(entries, arrays, planned)]
+        entries, arrays, planned = self.read_arrays(manifest, p, direct=True)
+        caches = [self.ctx.provider.for_entry(e).adopt_row(e, a) if pl else
+                  self.ctx.provider.for_entry(e).load(e, a, verify=False) for e, a, pl in zip(entries, arrays, planned)]
         return Restored(list(manifest.tokens[:p]), caches, p, manifest.session_id, manifest.snapshot_id,
                         manifest.namespace)
 
@@ -155,7 +138,7 @@ class ReadingMixin:
         one-row batch is their serial cache offer ``adopt_row``."""
         plans = []
         for e in entries:
-            codec = self.provider.for_entry(e)
+            codec = self.ctx.provider.for_entry(e)
             plan_of = getattr(codec, "batch_plan", None) if hasattr(codec, "adopt_row") else None
             plan = plan_of([e]) if plan_of is not None and e.tensors else None
             if plan is not None and (not plan.tensors or any(t.token_axis is None for t in plan.tensors)
@@ -164,16 +147,16 @@ class ReadingMixin:
             plans.append(plan)
         return plans
 
-    def _read_arrays(self, manifest: Manifest, p: int, direct: bool = False):
+    def read_arrays(self, manifest: Manifest, p: int, direct: bool = False):
         """Lease the snapshot, read the chunks covering [0, p) into fresh arrays, verify, release: (entries, arrays)
         — or, with ``direct``, (entries, arrays, planned per layer) where planned layers hold batch-plan tensors."""
         for attempt in range(3):
             read = self._open_read(manifest, p)
-            objects = restoring.Objects(self.bytes)
+            objects = restoring.Objects(self.ctx.bytes)
             try:
                 plans = self._single_row_plans(read.entries) if direct else None
                 try:
-                    arrays, n_chunks, n_bytes = restoring.read_direct(objects, read, self.verify_reads, plans)
+                    arrays, n_chunks, n_bytes = restoring.read_direct(objects, read, self.ctx.verify_reads, plans)
                 except CorruptData as exc:
                     if attempt < 2 and self._moved(read):
                         continue  # re-encoded or rewritten under us: lease and read the new form
@@ -183,8 +166,8 @@ class ReadingMixin:
                 objects.close()
                 self._close_read(read)
             break
-        self.counters["blobs_read"] += n_chunks
-        self.counters["bytes_read"] += n_bytes
+        self.ctx.counters.blobs_read += n_chunks
+        self.ctx.counters.bytes_read += n_bytes
         if direct:
             return read.entries, arrays, [pl is not None for pl in plans]
         return read.entries, arrays
@@ -193,17 +176,17 @@ class ReadingMixin:
         """Whether the chunks of ``read`` lie elsewhere now (or the snapshot was rewritten or removed): a failed
         read is then retried on the new form, never taken for corruption."""
         try:
-            with self.index.read() as txn:
-                return self._locate(txn, read.manifest, read.needed) != read.where
+            with self.ctx.index.read() as txn:
+                return self.leases.locate(txn, read.manifest, read.needed) != read.where
         except (Stale, Gone):
             return True
 
     def _open_read(self, manifest: Manifest, p: int) -> restoring.Read:
         """The entries cut to ``p`` and the chunks covering [0, p), leased (re-reading a manifest compacted since)."""
         for attempt in range(4):
-            self.provider.check_provider(manifest.provider)
+            self.ctx.provider.check_provider(manifest.provider)
             for i, e in enumerate(manifest.entries):  # header checks before any lease, read or allocation
-                codec = self.provider.for_entry(e)  # an unknown kind stays IncompatibleFormat (a newer kvshelf)
+                codec = self.ctx.provider.for_entry(e)  # an unknown kind stays IncompatibleFormat (a newer kvshelf)
                 try:
                     codec.validate(e, i)
                 except (InvalidCacheState, IncompatibleFormat) as exc:  # a record contradicting its own geometry
@@ -211,17 +194,17 @@ class ReadingMixin:
                                       f"manifest entry {i} is invalid ({exc}); refused before reading") from None
             entries = list(manifest.entries)
             for entry in entries:  # an unknown kind is refused before any chunk is read
-                self.provider.for_entry(entry)
+                self.ctx.provider.for_entry(entry)
             if p < manifest.length:
-                entries = [self.provider.for_entry(e).prefix_entry(e, p) for e in entries]
+                entries = [self.ctx.provider.for_entry(e).prefix_entry(e, p) for e in entries]
             needed = [r for r in manifest.chunks if r.start < p] + list(manifest.own)
             try:
-                key, where = self._lease(manifest, needed, with_where=True)
+                key, where = self.leases.take(manifest, needed, with_where=True)
                 return restoring.Read(manifest, entries, needed, key, where)
             except Stale:  # rewritten in place (compaction) since we read it: same id, same tokens, new chunks
                 if attempt == 3:
                     raise
-                manifest = self.manifest(manifest.snapshot_id)
+                manifest = self.snapshots.manifest(manifest.snapshot_id)
         raise AssertionError("unreachable")
 
     def _open_chunks(self, read: restoring.Read, objects: restoring.Objects, also: Sequence = ()) -> list:
@@ -232,7 +215,7 @@ class ReadingMixin:
         readers, ref = [], None
         try:
             for ref in read.needed:
-                readers.append(objects.chunk(ref, read.where[ref.hash], self.verify_reads))
+                readers.append(objects.chunk(ref, read.where[ref.hash], self.ctx.verify_reads))
             ref = None
             restoring.check_coverage(read, _coverage_slots(read, readers), readers)
         except CorruptData as exc:
@@ -246,8 +229,8 @@ class ReadingMixin:
         for ref, reader in zip(read.needed, readers):
             try:
                 with reader:
-                    self.counters["bytes_read"] += fill_from_blob(reader, ref, dest)
-                    self.counters["blobs_read"] += 1
+                    self.ctx.counters.bytes_read += fill_from_blob(reader, ref, dest)
+                    self.ctx.counters.blobs_read += 1
             except CorruptData as exc:
                 self._corrupt(read, exc, ref, also)
 
@@ -255,7 +238,7 @@ class ReadingMixin:
         manifest = read.manifest
         for other in (read, *also):
             self._close_read(other)
-        self.quarantine(manifest.snapshot_id, str(exc))
+        self.quarantine.quarantine(manifest.snapshot_id, str(exc))
         where = "" if ref is None else f"chunk {ref.hash} covering tokens [{ref.start}, {ref.stop}) "
         if ref is None:
             for r in read.needed:
@@ -269,7 +252,15 @@ class ReadingMixin:
         """Release the lease once (a successful read also counts as a use of the snapshot)."""
         if read.lease is not None:
             lease, read.lease = read.lease, None
-            self._release(lease, bytes.fromhex(read.manifest.snapshot_id) if read.ok else None, read.needed)
+            self.leases.release(lease, bytes.fromhex(read.manifest.snapshot_id) if read.ok else None, read.needed)
+
+
+def check_cut(manifest: Manifest, p: int) -> None:
+    if not 0 <= p <= manifest.length:
+        raise InvalidCacheState(f"cannot cut snapshot {manifest.snapshot_id} of {manifest.length} tokens to {p}")
+    if p < manifest.length and (not manifest.trimmable or p < manifest.minimum_reusable_offset):
+        raise InvalidCacheState(f"snapshot {manifest.snapshot_id} cannot be cut to {p} tokens "
+                                f"(trimmable={manifest.trimmable}, floor={manifest.minimum_reusable_offset})")
 
 
 def _coverage_slots(read: restoring.Read, readers: list) -> list:
@@ -285,4 +276,4 @@ def _coverage_slots(read: restoring.Read, readers: list) -> list:
     return slots
 
 
-__all__ = ["ReadingMixin"]
+__all__ = ["Reader", "check_cut"]

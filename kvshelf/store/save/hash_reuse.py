@@ -34,6 +34,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ...latent_legos.contracts import edit_epoch
+from ..context import StoreContext
+from ..identity import namespace_key
+from ..index import keys
 from ..objects.chunkfile import content_hash
 
 CAPACITY = 64
@@ -125,8 +128,8 @@ def reuse_limit(prev: Remembered, marks: tuple[LayerMark, ...], chunk_tokens: in
 class ChunkHasher:
     """The hashes of one save's chunk plans: reused where ``Remembered`` proves a window unchanged, else computed."""
 
-    def __init__(self, store, cap):
-        self.store, self.cap = store, cap
+    def __init__(self, book: UnchangedBook, ctx: StoreContext, cap):
+        self.book, self.ctx, self.cap = book, ctx, cap
         self.key = (cap.namespace, cap.session_id)
         self.prev: Remembered | None = None
         self.limit = 0
@@ -134,29 +137,30 @@ class ChunkHasher:
 
     def bind(self, txn) -> None:
         """Take the remembered save if it is still the session's current snapshot (read in ``txn``)."""
-        prev = self.store._unchanged.get(self.key)
+        prev = self.book.get(self.key)
         self.prev, self.limit = None, 0
         if prev is None:
             return
-        skey = self.store._session_key(self.cap.session_id, self.cap.namespace)
+        id_key = self.ctx.id_key
+        skey = keys.session_key(id_key, namespace_key(id_key, self.cap.namespace), self.cap.session_id)
         current = txn.get("sessions", skey)
         if current is None or bytes(current) != bytes.fromhex(prev.snapshot_id):
             return
-        self.prev, self.limit = prev, reuse_limit(prev, self.cap.marks, self.store.chunk_tokens)
+        self.prev, self.limit = prev, reuse_limit(prev, self.cap.marks, self.ctx.chunk_tokens)
 
     def __call__(self, plan) -> str:
         desc = plan.descriptor()
         self.descriptors.append(desc)
         nbytes = plan.nbytes
-        counters = self.store.counters
+        counters = self.ctx.counters
         if 0 < plan.stop <= self.limit:
             old = self.prev.windows.get(plan.start)
             if old is not None and old[0] == plan.stop and old[1] == desc:
-                counters["chunks_hash_reused"] += 1
-                counters["bytes_hash_reused"] += nbytes
+                counters.chunks_hash_reused += 1
+                counters.bytes_hash_reused += nbytes
                 return old[2]
-        counters["chunks_hashed"] += 1
-        counters["bytes_hashed"] += nbytes
+        counters.chunks_hashed += 1
+        counters.bytes_hashed += nbytes
         return content_hash(plan.pieces, desc)
 
     def remember(self, snapshot_id: str, plans, hashes: list[str]) -> None:
@@ -166,8 +170,7 @@ class ChunkHasher:
         for plan, desc, h in zip(plans, self.descriptors, hashes):
             if plan.stop > 0:
                 windows[plan.start] = (plan.stop, seen.setdefault(desc, desc), h)
-        self.store._unchanged.put(self.key, Remembered(snapshot_id, self.store.chunk_tokens, tuple(self.cap.marks),
-                                                       windows))
+        self.book.put(self.key, Remembered(snapshot_id, self.ctx.chunk_tokens, tuple(self.cap.marks), windows))
 
 
 __all__ = ["CAPACITY", "ChunkHasher", "LayerMark", "Remembered", "UnchangedBook", "epoch_before", "mark",

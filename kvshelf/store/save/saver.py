@@ -8,7 +8,7 @@ buffers that are written) and deduplicated against every indexed chunk, v1 blobs
 
 A grown session's save skips the *write* of the chunks already stored and, for kvshelf's own caches, their
 *hashing* too: the handle remembers each session's last save, and a token window the cache's edit epoch proves
-unchanged since then reuses its old hash (``unchanged.py`` says exactly when). Everything else — mlx-lm's caches,
+unchanged since then reuses its old hash (``hash_reuse.py`` says exactly when). Everything else — mlx-lm's caches,
 a cache trimmed, rolled back or replaced since, the window straddling the old offset, the untokened chunk — is
 hashed, from the very buffers that are written.
 """
@@ -23,15 +23,22 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import InvalidCacheState, KvShelfError, StoreFull
+from .. import inputs
+from ..context import StoreContext
 from ..index import ledger
 from ..index import schema as mf
 from . import hash_reuse as unchanged
 from ..objects.chunkfile import raw_buffers
 from .chunking import BlobPlan, plan_blobs
 from ..index.schema import BlobRef, Manifest
+from ..liveness.reclaim import Reclaimer
+from ..liveness.save_gate import SaveGate
+from ..liveness.transactions import Transactions
 from ..objects.pack import PACK_MAGIC, PackBuilder, new_pack_name
+from ..objects.protocol import capability
 from ..prefix.hashing import tokens_array
 from ..results import SnapshotInfo
+from ..space.budget import Budget
 
 
 @dataclass
@@ -47,15 +54,16 @@ class Capture:
     marks: tuple = ()  # unchanged.LayerMark per layer: which hashes the next write may reuse
 
 
-def capture(store, session_id: str, tokens, caches, namespace: str) -> Capture:
-    store._session_key(session_id, namespace)
+def capture(provider, session_id: str, tokens, caches, namespace: str) -> Capture:
+    """Snapshot and evaluate the caches now (what a save, or a queued ``save_async``, writes later)."""
+    inputs.check_session(session_id, namespace)
     toks = tokens_array(tokens)
     if isinstance(caches, (str, bytes)) or not hasattr(caches, "__len__") or not caches:
         raise InvalidCacheState("caches must be a non-empty sequence of caches (one per layer)")
     entries, arrays, before = [], [], []
     for i, cache in enumerate(caches):
         before.append(unchanged.epoch_before(cache))
-        entry, arrs = store.provider.snapshot(cache, checksums=False, length=len(toks))  # chunks are hashed
+        entry, arrs = provider.snapshot(cache, checksums=False, length=len(toks))  # chunks are hashed
         if entry.offset != len(toks):
             raise InvalidCacheState(f"cache {i} holds {entry.offset} positions but {len(toks)} tokens were given")
         entries.append(entry)
@@ -71,22 +79,22 @@ def chunk_metadata(ref: BlobRef) -> dict[str, str]:
     return {"format": "kvshelf-chunk-v1", "kvshelf.hash": ref.hash, "kvshelf.tokens": f"{ref.start}:{ref.stop}"}
 
 
-def _manifest(store, cap: Capture, sid: str, plans: list[BlobPlan], hashes: list[str]) -> Manifest:
+def _manifest(ctx: StoreContext, cap: Capture, sid: str, plans: list[BlobPlan], hashes: list[str]) -> Manifest:
     chunks, own = [], []
     for plan, h in zip(plans, hashes):
         ref = BlobRef(h, plan.start, plan.stop, plan.nbytes)
         (own if plan.stop == 0 else chunks).append(ref)
-    ident = store.identity
+    ident = ctx.identity
     return Manifest(
         snapshot_id=sid, session_id=cap.session_id, namespace=cap.namespace, model_id=ident.model_id,
         config_fingerprint=ident.config_fingerprint, tokenizer_hash=ident.tokenizer_hash,
-        provider=store.provider.id, tokens=cap.tokens.tolist(), entries=cap.entries, chunk_tokens=store.chunk_tokens,
+        provider=ctx.provider.id, tokens=cap.tokens.tolist(), entries=cap.entries, chunk_tokens=ctx.chunk_tokens,
         chunks=chunks, own=own, created_at=time.time(),
         minimum_reusable_offset=max((e.minimum_reusable_offset for e in cap.entries), default=0),
-        trimmable=all(store.provider.for_entry(e).header_trimmable(e) for e in cap.entries))
+        trimmable=all(ctx.provider.for_entry(e).header_trimmable(e) for e in cap.entries))
 
 
-def _stream_pack(store, cap: Capture, plans: list[BlobPlan], sid: str, hashes: list[str],
+def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[BlobPlan], sid: str, hashes: list[str],
                  hasher: unchanged.ChunkHasher):
     """The save's pack written while its chunks are hashed: chunk k+1 is hashed (and checked against the index)
     while chunk k is being written (``put_stream``). Returns (manifest, pack, size, placed)."""
@@ -96,7 +104,7 @@ def _stream_pack(store, cap: Capture, plans: list[BlobPlan], sid: str, hashes: l
     def parts():
         yield [PACK_MAGIC]
         seen: set[str] = set()
-        with store.index.read() as txn:
+        with ctx.index.read() as txn:
             hasher.bind(txn)
             for plan in plans:
                 h = hasher(plan)
@@ -109,96 +117,108 @@ def _stream_pack(store, cap: Capture, plans: list[BlobPlan], sid: str, hashes: l
                 frame = raw_buffers(plan.pieces, chunk_metadata(ref))
                 builder.add(h, frame, keep=False)
                 yield frame
-        done["m"] = _manifest(store, cap, sid, plans, hashes)
+        done["m"] = _manifest(ctx, cap, sid, plans, hashes)
         yield builder.trailer(mf.encode(done["m"]))
 
     name = new_pack_name(sid)
-    size = store.bytes.put_stream(name, parts())
+    size = ctx.bytes.put_stream(name, parts())
     return done["m"], name, size, {h: (name, off, n, enc, size) for h, (off, n, enc) in builder.where.items()}
 
 
-def write(store, cap: Capture) -> SnapshotInfo:
-    t0 = time.perf_counter()
-    plans = plan_blobs(cap.entries, cap.arrays, store.chunk_tokens)
-    sid = uuid.uuid4().hex
-    stream = store.max_bytes is None and getattr(store.bytes, "put_stream", None) is not None
-    hashes: list[str] = []
-    hasher = unchanged.ChunkHasher(store, cap)
-    if not stream:  # hash first: a budget must refuse a snapshot before anything is written
-        with store.index.read() as txn:
-            hasher.bind(txn)
-        hashes = [hasher(plan) for plan in plans]
-        manifest = _manifest(store, cap, sid, plans, hashes)
-        need = sum(r.nbytes for r in {r.hash: r for r in manifest.blobs}.values())
-        if store.max_bytes is not None and need > store.max_bytes:
-            raise StoreFull(f"snapshot of session {cap.session_id!r} needs {need} bytes, more than the store "
-                            f"budget max_bytes={store.max_bytes}; nothing was written")
-    written = n_written = 0
-    packs: list[str] = []
-    committed = False
-    with store.save_gate():
-        try:
-            placed: ledger.Placed = {}
-            pack = None
-            if stream:
-                manifest, pack, pack_size, placed = _stream_pack(store, cap, plans, sid, hashes, hasher)
-                packs.append(pack)
-                todo = []
-            else:
-                with store.index.read() as txn:
-                    todo = [r for r in {r.hash: r for r in manifest.blobs}.values()
-                            if txn.get("chunks", bytes.fromhex(r.hash)) is None]
-            by_hash = dict(zip(hashes, plans))
-            unique = {r.hash: r for r in manifest.blobs}
-            written = sum(unique[h].nbytes for h in placed)
-            n_written = len(placed)
-            for _attempt in range(5):  # the first pack carries the manifest; a retry's only the chunks it re-writes
-                if pack is None or todo:
-                    name, size, more = write_pack(store, [(r, by_hash[r.hash].pieces) for r in todo],
-                                                  mf.encode(manifest) if pack is None else b"",
-                                                  name=new_pack_name(sid if pack is None else ""))
-                    packs.append(name)
-                    if pack is None:
-                        pack, pack_size = name, size
-                    placed.update(more)
-                    written += sum(unique[h].nbytes for h in more)
-                    n_written += len(more)
-                try:
-                    old, freed = store._txn(lambda txn: ledger.commit(store.index, txn, manifest, pack, pack_size,
-                                                                      placed))
-                    committed = True
-                    break
-                except ledger.MissingChunks as missing:  # dropped by a concurrent eviction since we checked
-                    todo = [unique[h] for h in missing.hashes]
-            else:  # pragma: no cover - needs five lost races in a row
-                raise KvShelfError(f"could not commit snapshot of session {cap.session_id!r}: chunks kept vanishing")
-        finally:
-            if not committed:  # a failed save leaves nothing behind (what it wrote is unreferenced)
-                store._reclaim(packs)
-        # still inside the gate (verify's residue check takes it exclusively): a retry's pack is dead if a concurrent
-        # save indexed its chunks first; ``freed`` is what the replaced snapshot alone used
-        store._reclaim(packs[1:] + freed)
-    hasher.remember(sid, plans, hashes)
-    need = sum(r.nbytes for r in unique.values())
-    reused = need - written
-    store.counters["blobs_written"] += n_written
-    store.counters["bytes_written"] += written
-    store.counters["bytes_reused"] += reused
-    store._evict_to_budget(protect=bytes.fromhex(sid))
-    return SnapshotInfo(sid, cap.session_id, len(cap.tokens), written, reused, manifest.minimum_reusable_offset,
-                        cap.namespace, n_written, len(unique) - n_written, time.perf_counter() - t0)
+class Saver:
+    """One handle's saves: hashing (with the handle's ``UnchangedBook``), one pack, one commit, then the budget."""
+
+    def __init__(self, ctx: StoreContext, gate: SaveGate, txns: Transactions, reclaimer: Reclaimer, budget: Budget):
+        self.ctx, self.gate, self.txns, self.reclaimer, self.budget = ctx, gate, txns, reclaimer, budget
+        self.book = unchanged.UnchangedBook()  # each session's last save here: hashes a grown save may reuse
+
+    def capture(self, session_id: str, tokens, caches, namespace: str) -> Capture:
+        return capture(self.ctx.provider, session_id, tokens, caches, namespace)
+
+    def write(self, cap: Capture) -> SnapshotInfo:
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        plans = plan_blobs(cap.entries, cap.arrays, ctx.chunk_tokens)
+        sid = uuid.uuid4().hex
+        stream = ctx.max_bytes is None and capability(ctx.bytes, "supports_streaming")
+        hashes: list[str] = []
+        hasher = unchanged.ChunkHasher(self.book, ctx, cap)
+        if not stream:  # hash first: a budget must refuse a snapshot before anything is written
+            with ctx.index.read() as txn:
+                hasher.bind(txn)
+            hashes = [hasher(plan) for plan in plans]
+            manifest = _manifest(ctx, cap, sid, plans, hashes)
+            need = sum(r.nbytes for r in {r.hash: r for r in manifest.blobs}.values())
+            if ctx.max_bytes is not None and need > ctx.max_bytes:
+                raise StoreFull(f"snapshot of session {cap.session_id!r} needs {need} bytes, more than the store "
+                                f"budget max_bytes={ctx.max_bytes}; nothing was written")
+        written = n_written = 0
+        packs: list[str] = []
+        committed = False
+        with self.gate.hold():
+            try:
+                placed: ledger.Placed = {}
+                pack = None
+                if stream:
+                    manifest, pack, pack_size, placed = _stream_pack(ctx, cap, plans, sid, hashes, hasher)
+                    packs.append(pack)
+                    todo = []
+                else:
+                    with ctx.index.read() as txn:
+                        todo = [r for r in {r.hash: r for r in manifest.blobs}.values()
+                                if txn.get("chunks", bytes.fromhex(r.hash)) is None]
+                by_hash = dict(zip(hashes, plans))
+                unique = {r.hash: r for r in manifest.blobs}
+                written = sum(unique[h].nbytes for h in placed)
+                n_written = len(placed)
+                for _attempt in range(5):  # the first pack carries the manifest; a retry's only what it re-writes
+                    if pack is None or todo:
+                        name, size, more = self.write_pack([(r, by_hash[r.hash].pieces) for r in todo],
+                                                          mf.encode(manifest) if pack is None else b"",
+                                                          name=new_pack_name(sid if pack is None else ""))
+                        packs.append(name)
+                        if pack is None:
+                            pack, pack_size = name, size
+                        placed.update(more)
+                        written += sum(unique[h].nbytes for h in more)
+                        n_written += len(more)
+                    try:
+                        old, freed = self.txns.write(lambda txn: ledger.commit(ctx.index, txn, manifest, pack,
+                                                                              pack_size, placed))
+                        committed = True
+                        break
+                    except ledger.MissingChunks as missing:  # dropped by a concurrent eviction since we checked
+                        todo = [unique[h] for h in missing.hashes]
+                else:  # pragma: no cover - needs five lost races in a row
+                    raise KvShelfError(f"could not commit snapshot of session {cap.session_id!r}: chunks kept "
+                                      f"vanishing")
+            finally:
+                if not committed:  # a failed save leaves nothing behind (what it wrote is unreferenced)
+                    self.reclaimer.reclaim(packs)
+            # still inside the gate (verify's residue check takes it exclusively): a retry's pack is dead if a
+            # concurrent save indexed its chunks first; ``freed`` is what the replaced snapshot alone used
+            self.reclaimer.reclaim(packs[1:] + freed)
+        hasher.remember(sid, plans, hashes)
+        need = sum(r.nbytes for r in unique.values())
+        reused = need - written
+        ctx.counters.blobs_written += n_written
+        ctx.counters.bytes_written += written
+        ctx.counters.bytes_reused += reused
+        self.budget.evict(protect=bytes.fromhex(sid))
+        return SnapshotInfo(sid, cap.session_id, len(cap.tokens), written, reused, manifest.minimum_reusable_offset,
+                            cap.namespace, n_written, len(unique) - n_written, time.perf_counter() - t0)
+
+    def write_pack(self, items: list, manifest: bytes = b"",
+                   name: str | None = None) -> tuple[str, int, ledger.Placed]:
+        """One pack holding the chunks ``[(ref, pieces)]`` back to back and ``manifest`` in its trailer; durable when
+        this returns (one fsync + one directory fsync). Returns (name, size, where each chunk lies)."""
+        builder = PackBuilder()
+        for ref, pieces in items:
+            builder.add(ref.hash, raw_buffers(pieces, chunk_metadata(ref)))
+        name = name or new_pack_name()
+        size = self.ctx.bytes.put(name, builder.finish(manifest))
+        placed = {h: (name, off, n, enc, size) for h, (off, n, enc) in builder.where.items()}
+        return name, size, placed
 
 
-def write_pack(store, items: list, manifest: bytes = b"", name: str | None = None) -> tuple[str, int, ledger.Placed]:
-    """One pack holding the chunks ``[(ref, pieces)]`` back to back and ``manifest`` in its trailer; durable when
-    this returns (one fsync + one directory fsync). Returns (name, size, where each chunk lies)."""
-    builder = PackBuilder()
-    for ref, pieces in items:
-        builder.add(ref.hash, raw_buffers(pieces, chunk_metadata(ref)))
-    name = name or new_pack_name()
-    size = store.bytes.put(name, builder.finish(manifest))
-    placed = {h: (name, off, n, enc, size) for h, (off, n, enc) in builder.where.items()}
-    return name, size, placed
-
-
-__all__ = ["Capture", "capture", "chunk_metadata", "write", "write_pack"]
+__all__ = ["Capture", "Saver", "capture", "chunk_metadata"]

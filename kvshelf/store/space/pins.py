@@ -18,7 +18,7 @@ nothing, so a budget can never be filled by pins alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -26,6 +26,7 @@ import msgspec
 from ...errors import InvalidCacheState, KvShelfError, SnapshotNotFound
 from ..identity import namespace_key
 from ..index import keys, schema as mf
+from ..context import StoreContext
 from ..index.schema import Summary
 
 TABLE = "pins"
@@ -59,19 +60,22 @@ def _expires_ns(pinned_at: int, ttl: int, last_used_ns: int) -> int | None:
 
 
 class Pins:
-    """The pins of one store handle. ``index``: the store's ``IndexStore``; ``id_key``: the handle's identity key
-    (None for an identity-blind admin handle: pins then name a session in every identity that has it);
-    ``budget()``: the store's ``max_bytes`` now; ``root``: the store directory, for messages."""
+    """The pins of one store handle, over its context (``ctx.index``, ``ctx.id_key`` — None for an identity-blind
+    admin handle: pins then name a session in every identity that has it —, ``ctx.max_bytes``, ``ctx.root``)."""
 
-    def __init__(self, index, id_key: bytes | None, budget: Callable[[], int | None], root: str):
-        self.index, self.id_key, self._budget, self.root = index, id_key, budget, root
+    def __init__(self, ctx: StoreContext):
+        self.ctx = ctx
         self.max_pinned_bytes: int | None = None  # explicit limit; None: half the budget
+
+    @property
+    def index(self):  # read through: an offline job may replace the index of an open handle
+        return self.ctx.index
 
     # ------------------------------------------------------------------ limit
     def limit(self) -> int | None:
         if self.max_pinned_bytes is not None:
             return self.max_pinned_bytes
-        budget = self._budget()
+        budget = self.ctx.max_bytes
         return None if budget is None else budget // 2
 
     def set_limit(self, max_pinned_bytes: int | None) -> None:
@@ -81,8 +85,8 @@ class Pins:
 
     # ------------------------------------------------------------------ records
     def _session_keys(self, txn, session_id: str, namespace: str) -> list[bytes]:
-        if self.id_key is not None:
-            return [keys.session_key(self.id_key, namespace_key(self.id_key, namespace), session_id)]
+        if self.ctx.id_key is not None:
+            return [keys.session_key(self.ctx.id_key, namespace_key(self.ctx.id_key, namespace), session_id)]
         tail = session_id.encode("utf-8", "surrogatepass")
         out = []
         for key, sid in txn.range("sessions"):
@@ -126,14 +130,14 @@ class Pins:
             found = [(k, s) for k in wanted if (s := self._current(txn, k)) is not None]
             if not found:
                 raise SnapshotNotFound(f"no session {session_id!r} in namespace {namespace!r} to pin in the store "
-                                       f"at {self.root}")
+                                       f"at {self.ctx.root}")
             adding = sum(s.nbytes for _k, s in found)
             mine = {k for k, _s in found}
             held = sum(s.nbytes for k, s, _e in self._live(txn, now) if s is not None and k not in mine)
             if limit is not None and held + adding > limit:
                 raise PinLimitExceeded(
                     f"pin of session {session_id!r} (namespace {namespace!r}, {adding} bytes) refused in the store "
-                    f"at {self.root}: pins would hold {held + adding} bytes, over the pin limit of {limit} bytes "
+                    f"at {self.ctx.root}: pins would hold {held + adding} bytes, over the pin limit of {limit} bytes "
                     f"(--max-pinned-bytes; default half the store's budget). Unpin a session or raise the limit.")
             record = msgspec.msgpack.encode([now, ttl_ns])
             for k, _s in found:

@@ -25,6 +25,8 @@ import os
 import threading
 from contextlib import contextmanager
 
+from ..index.protocol import capability
+
 RESERVE_BYTES = 512 << 10  # the floor
 MAX_RESERVE_BYTES = 1 << 30  # the ceiling: an index that needs more is far beyond any test of this bound
 _SLACK_PAGES = 16  # meta pages, the main database's leaf, the free database's own path
@@ -41,10 +43,9 @@ def path_of(root: str) -> str:
 def needed_bytes(index, longest_tokens: int, block: int = 16) -> int:
     """Bytes the index commit of deleting a snapshot of ``longest_tokens`` tokens can allocate (see the module
     docstring), from the sub-databases' page counts and depths (a read transaction, no data read)."""
-    page_stats = getattr(index, "page_stats", None)
-    if page_stats is None:  # an index that is not LMDB pages (memory): a delete allocates nothing on this disk
+    if not capability(index, "supports_page_stats"):  # not pages on this disk (memory): a delete allocates none
         return RESERVE_BYTES
-    psize, tables = page_stats()
+    psize, tables = index.page_stats()
     touched = min(block, longest_tokens) + longest_tokens // max(block, 1) + 64  # its boundaries; chunks alike
     records = {"prefix": touched, "chunks": touched, "packs": touched}
     pages = overflow = 0

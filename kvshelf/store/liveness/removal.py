@@ -1,0 +1,54 @@
+"""Dropping a snapshot for good (delete, eviction, quarantine): the ledger's drop in the caller's write
+transaction, then — after the commit — a tombstone and the unlink of what died.
+
+The tombstone (the session and its creation time) keeps ``rebuild_index`` from bringing back this snapshot or an
+older one of its session from a pack that outlives it; it is not synced (it only matters if the index is lost).
+Callers hold ``removers.removing()`` from before their commit to the unlink (verify tells residue from this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from ...errors import KvShelfError
+from ..context import StoreContext
+from ..index import keys, ledger
+from ..index import schema as mf
+from ..objects.protocol import put_unsynced
+from . import removers_lock as removers
+from .reclaim import Reclaimer
+
+Dropped = tuple[bytes, list[str], bytes]  # (snapshot id, objects freed, tombstone)
+
+
+class Removal:
+    """``followers``: records that follow a session and go with its snapshot, in the same write transaction (each
+    has ``forget(txn, summary)``; the session's pin, ``space/pins.py``)."""
+
+    def __init__(self, ctx: StoreContext, reclaimer: Reclaimer, followers: Sequence = ()):
+        self.ctx, self.reclaimer, self.followers = ctx, reclaimer, tuple(followers)
+
+    def drop(self, txn, sid: bytes, reason: str = "") -> Dropped | None:
+        """Drop a snapshot in ``txn``: (sid, objects freed, tombstone), or None when it is not indexed."""
+        raw = txn.get("summaries", sid)
+        if raw is None:
+            return None
+        s = mf.decode(raw, mf.Summary, f"summary {sid.hex()}")
+        for follower in self.followers:
+            follower.forget(txn, s)
+        tomb = msgspec.msgpack.encode([keys.summary_session_key(s), s.created_at, reason])
+        return sid, ledger.drop(self.ctx.index, txn, sid), tomb
+
+    def after(self, dropped: bytes, freed: list[str], tomb: bytes, quarantined: bool = False) -> None:
+        """After the drop committed: unlink what is dead, then leave the tombstone."""
+        removers.before_unlink()
+        self.reclaimer.reclaim(freed)
+        try:
+            put_unsynced(self.ctx.bytes, keys.tomb(dropped.hex(), quarantined=quarantined), [tomb])
+        except (KvShelfError, OSError):  # e.g. a full disk: the removal itself is committed; only a rebuild of a
+            pass                         # lost index could bring the snapshot back
+
+
+__all__ = ["Dropped", "Removal"]
