@@ -81,7 +81,8 @@ def test_another_model_on_the_same_store_never_gets_its_caches(models, tmp_path)
     with open_store(store, admin=True) as admin:  # model A's caches were there, token for token, all along
         a_key = model_identity(model_a).key
         stored = {s.length for s in admin.summaries().values() if s.id_key == a_key}
-    assert ra["prompt_tokens"] + ra["completion_tokens"] in stored and len(stored) >= 2
+    # the whole turn is stored; the prompt-only insert may be skipped as a duplicate of it (a prefix the store holds)
+    assert ra["prompt_tokens"] + ra["completion_tokens"] in stored
 
 
 def test_every_write_behind_of_a_turn_is_logged_and_counted(models, tmp_path):
