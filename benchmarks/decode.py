@@ -1,4 +1,4 @@
-"""Measure 14: the latent legos at decode speed (issue 14).
+"""Measure 14: the latent legos at decode speed.
 
 A serving process appends one position per layer per generated token and reads every stored position back, so a
 cache's append + read + ``mx.eval`` is the decode loop's hot path. One layer, ``kv_lora_rank`` 512 + rope 64,

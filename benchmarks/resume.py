@@ -11,7 +11,7 @@ tokens, through ``kvshelf.mlx_lm.resumable_generate`` on a fresh store per repet
 * **decode with checkpoints**: tokens/s of a whole run checkpointing every 256 tokens, against the same loop with
   checkpoints off (``checkpoint_every=0``).
 
-Targets (issue 23): resumed retry ≤ 0.3× from scratch; decode with checkpoints ≥ 0.95× without. Repetitions are
+Targets: resumed retry ≤ 0.3× from scratch; decode with checkpoints ≥ 0.95× without. Repetitions are
 interleaved (scratch, resumed, with, without in turn) and the first is a warm-up. The retried outputs are compared
 with the uninterrupted run's; a mismatch makes the rows unavailable rather than wrong figures.
 """

@@ -12,7 +12,7 @@ Every repetition uses a fresh long system prompt and four short user turns after
 * **disk, after restart**: the first server SIGKILLed once its write-behinds were durable, restarted on the store
   (one untimed short request first, so process warm-up is not counted), then asked.
 
-Targets (issue 10): disk after restart ≤ 0.25× cold and ≤ 2× the RAM hit. The prefix source of every timed
+Targets: disk after restart ≤ 0.25× cold and ≤ 2× the RAM hit. The prefix source of every timed
 request is read from the server's log line and recorded; a repetition whose disk request was not served from disk
 makes the row unavailable rather than a wrong figure.
 """

@@ -1,15 +1,20 @@
 """kvshelf.store: the session store — an LMDB index over content-addressed safetensors chunks, one pack per save.
 
 ``open_store(path, identity=Identity(model_id, ...))`` gives a :class:`Store` with ``save``/``save_async``/``flush``,
-``restore``/``restore_prefix``/``restore_batch``, ``lookup``, ``sessions``/``delete``, ``stats``/``verify``/``gc``/
-``rebuild_index`` and ``close``; ``open_store(path, admin=True)`` opens it identity-blind for offline tools. The layout and the guarantees are described in docs/ARCHITECTURE.md §3.
+``restore``/``restore_prefix``/``restore_batch``, ``lookup``, ``sessions``/``delete``, ``pin``/``unpin``,
+``stats``/``verify``/``gc``/``rebuild_index``, the generation checkpoints and ``close``; ``store.admin`` holds the
+offline tools' calls, and ``open_store(path, admin=True)`` opens a store identity-blind for them.
+
+The façade (``store.py``) checks inputs (``inputs.py``), builds its collaborators from one ``StoreContext``
+(``context.py``) and delegates; each sub-package is one room (its ``__init__`` says what belongs there and what it
+may import), and docs/ARCHITECTURE.md is the map of the rooms.
 """
 
 from .objects.protocol import ByteStore
 from .objects.memory import MemoryByteStore
 from .identity import Identity
 from .objects.local import LocalByteStore
-from .index.schema import BlobRef, ChunkMeta, Manifest
+from .index.schema import BlobRef, ChunkMeta, ChunkRef, Manifest
 from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .liveness.open_lock import StoreBusy
 from .store import Store, open_store
@@ -17,6 +22,7 @@ from .generations import GenerationCheckpoint, continuation_key
 
 __all__ = [
     "BlobRef",
+    "ChunkRef",
     "ByteStore",
     "ChunkMeta",
     "Finding",

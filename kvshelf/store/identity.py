@@ -1,6 +1,7 @@
 """Who a snapshot was made for: the model, its config and its tokenizer.
 
-Reusing KV state across any of these silently gives wrong answers (peers.md §11.3), so every key the store derives
+Reusing KV state across any of these silently gives wrong answers (another model's caches decode to plausible
+garbage, not an error), so every key the store derives
 (prefix hashes, session keys, LRU order) starts with the identity key, and a store only ever sees its own.
 """
 

@@ -76,7 +76,7 @@ class Finding:
     kind: str
     where: str
     detail: str
-    sessions: tuple[str, ...] = ()  # the session ids it affects, where the index still says (issue 12)
+    sessions: tuple[str, ...] = ()  # the session ids it affects, where the index still says
 
 
 @dataclass(frozen=True)

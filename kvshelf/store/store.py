@@ -48,7 +48,7 @@ from .restore.reader import Reader
 from .restore.snapshots import Snapshots
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .save.background import BackgroundWriter
-from .save.saver import Saver, chunk_metadata
+from .save.saver import Saver
 from .space.budget import Budget
 from .space.full_disk import FullDisk
 from .space.pins import Pins
@@ -58,8 +58,8 @@ from .generations import GenerationCheckpoint, GenerationCheckpoints
 # written before ``store.admin`` existed; new tools code calls ``store.admin``). ``stats``, ``verify``, ``gc`` and
 # ``rebuild_index`` are user calls too: on ``Store`` they stay.
 TOOL_CALLS = ("manifest", "iter_manifests", "chunk_info", "iter_chunks", "iter_packs", "chunk_location",
-              "stored_objects", "orphans", "leased_hashes", "open_blob", "summaries", "rebuild_report", "lease",
-              "put_blobs", "rewrite_blob", "repack", "replace_manifest", "replace_snapshot", "exclusive",
+              "stored_objects", "orphans", "leased_hashes", "open_chunk", "summaries", "rebuild_report", "lease",
+              "put_chunks", "rewrite_chunk", "repack", "replace_manifest", "replace_snapshot", "exclusive",
               "replace_index", "empty_index", "copy_index", "stats", "verify", "gc", "rebuild_index")
 
 
@@ -73,8 +73,6 @@ class Store:
     any ``IndexStore`` (``MemoryIndexStore``: a throwaway store); the store speaks only those two protocols. The
     directory still holds the locks (and, by default, both of them).
     """
-
-    blob_metadata = staticmethod(chunk_metadata)
 
     def __init__(self, path: str | os.PathLike, identity: Identity | None, *, max_bytes: int | None = None,
                  chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
@@ -322,6 +320,9 @@ def _tool_call(name: str):
 
 for _name in TOOL_CALLS:
     setattr(Store, _name, _tool_call(_name))
+# the names before the store said "chunk" for one thing, kept as forwards for callers written then
+for _old, _name in (("open_blob", "open_chunk"), ("put_blobs", "put_chunks"), ("rewrite_blob", "rewrite_chunk")):
+    setattr(Store, _old, _tool_call(_name))
 
 
 def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,

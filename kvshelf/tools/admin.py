@@ -86,7 +86,7 @@ def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
     rows = []
     for m in manifests(store, **filters):
         own = shared = 0
-        for ref in {r.hash: r for r in m.blobs}.values():
+        for ref in {r.hash: r for r in m.all_chunks}.values():
             meta = chunks.get(ref.hash)
             if meta is not None and meta.refs > 1:
                 shared += ref.nbytes
@@ -223,7 +223,7 @@ def _affected(store: Store, where: str) -> list[tuple[str, str]]:
     match = re.search(r"blob ([0-9a-f]{32})", where)
     if match:
         users = [(m.session_id, m.snapshot_id) for m in store.admin.iter_manifests(skip_damaged=True)
-                 if any(r.hash == match.group(1) for r in m.blobs)]
+                 if any(r.hash == match.group(1) for r in m.all_chunks)]
         return users or [("", "")]
     return [("", "")]
 

@@ -6,7 +6,7 @@ Steps, in order (each reported with its count and bytes before/after; ``dry_run`
 2. ``densify``    paged snapshots whose pools hold blocks no page uses get a dense block table (``densify.py``).
 3. ``merge``      runs of undersized chunks of one snapshot that no other snapshot shares become one blob.
 4. ``recompress`` raw chunks not used for ``cold_after`` seconds are stored as zstd (at ``level``) over byte-shuffled
-                  float planes (``Store.rewrite_blob``: same content hash, the reader handles both); a chunk that does
+                  float planes (``Store.rewrite_chunk``: same content hash, the reader handles both); a chunk that does
                   not shrink goes back to raw. Hot chunks stay raw for zero-copy restores.
    ``decompress`` zstd chunks used within the last ``cold_after`` seconds (hot again) go back to raw.
 5. ``repack``     v1 chunk files and packs less than half live are rewritten into fresh packs (``Store.repack``: same
@@ -81,7 +81,7 @@ def _disk_bytes(store: Store) -> int:
 
 
 def _leased(store: Store, manifest: Manifest, leased: set[str]) -> bool:
-    return any(r.hash in leased for r in manifest.blobs)
+    return any(r.hash in leased for r in manifest.all_chunks)
 
 
 # --- step 2: dense block tables (the rewrite itself: rewriting.py) ----------------------------------------------
@@ -189,15 +189,15 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
             continue
         try:
             if target is hot:
-                after = meta.nbytes + raw_overhead(store, h) if dry_run else store.admin.rewrite_blob(h, "raw")
+                after = meta.nbytes + raw_overhead(store, h) if dry_run else store.admin.rewrite_chunk(h, "raw")
             elif dry_run:
                 after = estimate_zstd(store, h, level)
                 if after >= meta.stored_bytes:
                     continue
             else:
-                after = store.admin.rewrite_blob(h, "zstd", level=level)
+                after = store.admin.rewrite_chunk(h, "zstd", level=level)
                 if after is not None and after >= meta.stored_bytes:  # incompressible: keep the zero-copy form
-                    store.admin.rewrite_blob(h, "raw")
+                    store.admin.rewrite_chunk(h, "raw")
                     continue
             if after is None:
                 continue

@@ -16,9 +16,9 @@ import numpy as np
 from ..errors import CorruptData, KvShelfError
 from ..store import Store
 from ..store.objects.chunkfile import KVZ_MAGIC, Piece, content_hash, kvz_buffers, storage_dtype
-from ..store.restore.destinations import Destinations, fill_from_blob
-from ..store.save.chunking import plan_blobs
-from ..store.index.schema import BlobRef, Manifest
+from ..store.restore.destinations import Destinations, fill_from_chunk
+from ..store.save.chunking import plan_chunks
+from ..store.index.schema import ChunkRef, Manifest
 from .densify import densify, dropped_blocks
 
 ZSTD_LEVEL = 3  # what the store's .kvz writer uses by default
@@ -28,13 +28,13 @@ ZSTD_LEVEL = 3  # what the store's .kvz writer uses by default
 def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
     """Every array of a snapshot, read and verified from its blobs (no codec, no cache object)."""
     dest = Destinations(list(manifest.entries))
-    for ref in manifest.blobs:
-        with store.open_blob(ref.hash, verify=True) as reader:
-            fill_from_blob(reader, ref, dest)
+    for ref in manifest.all_chunks:
+        with store.open_chunk(ref.hash, verify=True) as reader:
+            fill_from_chunk(reader, ref, dest)
     return dest.finish()
 
 
-def swap(store: Store, old: Manifest, new: Manifest, todo: list[tuple[BlobRef, list[Piece]]]) -> None:
+def swap(store: Store, old: Manifest, new: Manifest, todo: list[tuple[ChunkRef, list[Piece]]]) -> None:
     """Write the new blobs and swap the manifest (``Store.replace_snapshot``: save gate held, old blobs leased across
     the swap and left for a later ``gc``). A snapshot replaced or removed meanwhile raises ``Lost``."""
     if not store.replace_snapshot(old, new, todo):
@@ -62,10 +62,10 @@ def densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
     arrays = read_snapshot(store, m)
     pairs = [densify(e, a) for e, a in zip(m.entries, arrays)]
     entries, new_arrays = [p[0] for p in pairs], [p[1] for p in pairs]
-    plans = plan_blobs(entries, new_arrays, m.chunk_tokens)
+    plans = plan_chunks(entries, new_arrays, m.chunk_tokens)
     chunks, own, todo = [], [], []
     for plan in plans:
-        ref = BlobRef(content_hash(plan.pieces), plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
+        ref = ChunkRef(content_hash(plan.pieces), plan.start, plan.stop, sum(p.nbytes for p in plan.pieces))
         (own if plan.stop == 0 else chunks).append(ref)
         todo.append((ref, plan.pieces))
     new = msgspec.structs.replace(m, entries=entries, chunks=chunks, own=own)
@@ -74,13 +74,13 @@ def densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
 
 
 # --- step 3: merging undersized chunks --------------------------------------------------------------------------------
-def merge_plan(m: Manifest, refs_of: Callable[[str], int], leased: set[str]) -> list[list[BlobRef]]:
+def merge_plan(m: Manifest, refs_of: Callable[[str], int], leased: set[str]) -> list[list[ChunkRef]]:
     """Runs of consecutive chunks to merge: each holds an undersized chunk (fewer than ``chunk_tokens`` tokens),
     only chunks no other snapshot references, at most ``2 * chunk_tokens`` tokens in all."""
-    bins: list[list[BlobRef]] = []
-    current: list[BlobRef] = []
+    bins: list[list[ChunkRef]] = []
+    current: list[ChunkRef] = []
 
-    def small(r: BlobRef) -> bool:
+    def small(r: ChunkRef) -> bool:
         return r.stop - r.start < m.chunk_tokens
 
     for ref in m.chunks:
@@ -97,11 +97,11 @@ def merge_plan(m: Manifest, refs_of: Callable[[str], int], leased: set[str]) -> 
     return bins
 
 
-def _merged_pieces(store: Store, m: Manifest, group: list[BlobRef]) -> list[Piece]:
+def _merged_pieces(store: Store, m: Manifest, group: list[ChunkRef]) -> list[Piece]:
     parts: dict[str, list[np.ndarray]] = {}
     meta: dict[str, tuple[str, int]] = {}
     for ref in group:
-        with store.open_blob(ref.hash, verify=True) as reader:
+        with store.open_chunk(ref.hash, verify=True) as reader:
             bufs = reader.read_into([None] * len(reader.tensors))
             for t, buf in zip(reader.tensors, bufs):
                 i, j = (int(x) for x in t.name.split(".", 2)[:2])
@@ -120,12 +120,12 @@ def _merged_pieces(store: Store, m: Manifest, group: list[BlobRef]) -> list[Piec
     return pieces
 
 
-def merge_one(store: Store, m: Manifest, bins: list[list[BlobRef]]) -> None:
-    replacement: dict[str, BlobRef] = {}
+def merge_one(store: Store, m: Manifest, bins: list[list[ChunkRef]]) -> None:
+    replacement: dict[str, ChunkRef] = {}
     todo = []
     for group in bins:
         pieces = _merged_pieces(store, m, group)
-        ref = BlobRef(content_hash(pieces), group[0].start, group[-1].stop, sum(r.nbytes for r in group))
+        ref = ChunkRef(content_hash(pieces), group[0].start, group[-1].stop, sum(r.nbytes for r in group))
         todo.append((ref, pieces))
         replacement[group[0].hash] = ref
         for r in group[1:]:
@@ -144,7 +144,7 @@ def merge_one(store: Store, m: Manifest, bins: list[list[BlobRef]]) -> None:
 def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
     """The bytes a chunk's frame would take stored as zstd (for ``--dry-run``): the very frame the recompression
     would write (``kvz_buffers``: byte-shuffled float planes, then zstd), measured, never written."""
-    with store.open_blob(hash_, verify=False) as reader:
+    with store.open_chunk(hash_, verify=False) as reader:
         bufs = reader.read_into([None] * len(reader.tensors))
         pieces = [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
         return sum(len(b) for b in kvz_buffers(pieces, dict(reader.metadata), level))
@@ -152,7 +152,7 @@ def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
 
 def raw_overhead(store: Store, hash_: str) -> int:
     """The bytes of a blob's safetensors framing (its raw file = framing + payload), for ``--dry-run``."""
-    with store.open_blob(hash_, verify=False) as reader:
+    with store.open_chunk(hash_, verify=False) as reader:
         return reader.data_start - reader.base - (len(KVZ_MAGIC) if reader.compressed else 0)
 
 

@@ -7,7 +7,7 @@ later layouts prove they still open, list, restore and verify what v1 wrote (``t
 
 Sessions: MLA f32; encoded affine-8 and TurboQuant-8 with their f32 shadow; paged affine-4; KV f16 and bf16; a
 prefix-sharing pair (the second extends the first, so chunks are shared); one chunk recompressed to zstd with
-``rewrite_blob``. Checksums are xxh3-64 over every state array's dtype, shape and bits.
+``rewrite_chunk``. Checksums are xxh3-64 over every state array's dtype, shape and bits.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
         assert info.blobs_reused >= 2, info
         expected["share-b"] = {"tokens": grown, "checksums": [state_checksum(c) for c in shared]}
         victim = store.manifest(info.snapshot_id).chunks[-1].hash
-        assert store.rewrite_blob(victim, "zstd", level=3) is not None
+        assert store.rewrite_chunk(victim, "zstd", level=3) is not None
         assert store.verify(deep=True) == []
     with open(EXPECTED, "w") as f:
         json.dump({"identity": [IDENTITY.model_id, IDENTITY.config_fingerprint, IDENTITY.tokenizer_hash],

@@ -237,7 +237,7 @@ def test_a_reader_on_a_full_disk_keeps_its_objects_from_another_process(tmpfs) -
         own = pack_of(store, "f0-read")
         before = own.read_bytes()
         with store.lease(m):
-            assert store.leased_hashes() >= {r.hash for r in m.blobs}  # this handle sees its in-memory lease
+            assert store.leased_hashes() >= {r.hash for r in m.all_chunks}  # this handle sees its in-memory lease
             done = subprocess.run([sys.executable, "-c", _DELETER.format(helpers=str(Path(sw.__file__).parent),
                                                                         store=str(store_dir), session="f0-read")],
                                   capture_output=True, text=True, timeout=120)

@@ -49,7 +49,7 @@ def test_a_readers_lease_lives_exactly_as_long_as_its_process(tmp_path, namespac
     root = tmp_path / "s"
     with open_test_store(root, chunk_tokens=16) as store:
         info = store.save("a", token_ids(48), session(MLA, (48,)))
-        packs = {store.chunk_location(r.hash)[0] for r in store.manifest(info.snapshot_id).blobs}
+        packs = {store.chunk_location(r.hash)[0] for r in store.manifest(info.snapshot_id).all_chunks}
     ready = tmp_path / "ready"
     script = HOLDER.format(helpers=str(TESTS / "helpers"), repo=str(TESTS.parent), root=str(root), ready=str(ready))
     holder = subprocess.Popen([*prefix, sys.executable, "-c", script], start_new_session=True)

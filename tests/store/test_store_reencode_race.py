@@ -2,7 +2,7 @@
 re-encoding moves it and removes the old form -> reader opens" is forced through the test seam
 ``restoring.BEFORE_OPEN`` (called between a reader's location lookup and its open), never left to timing.
 
-Before issue 12, ``rewrite_blob`` unlinked the other encoding without the writer lock and a reader in that window saw
+Before issue 12, ``rewrite_chunk`` unlinked the other encoding without the writer lock and a reader in that window saw
 ``FileNotFoundError``, took it for corruption and quarantined a healthy snapshot.
 """
 
@@ -31,18 +31,18 @@ def test_an_unleased_reader_follows_a_chunk_moved_between_lookup_and_open(tmp_pa
     with open_store(tmp_path / "s", identity=MODEL, chunk_tokens=16) as store:
         info = store.save("a", list(range(N)), caches)
         h = store.manifest(info.snapshot_id).chunks[0].hash
-        assert store.rewrite_blob(h, "zstd") is not None  # now alone in a one-chunk pack (no manifest in it)
+        assert store.rewrite_chunk(h, "zstd") is not None  # now alone in a one-chunk pack (no manifest in it)
         old = store.chunk_location(h)[0]
         moved = []
 
         def reencode(name: str) -> None:
             if name == old and not moved:  # once: the reader has the old location in hand
                 moved.append(None)  # (the rewrite's own read passes through here too)
-                moved[0] = store.rewrite_blob(h, "raw")
+                moved[0] = store.rewrite_chunk(h, "raw")
                 assert not os.path.exists(tmp_path / "s" / old), "the old form must be gone for this test"
 
         hook.append(reencode)
-        with store.open_blob(h, verify=True) as reader:  # what verify(deep=True) and compaction use
+        with store.open_chunk(h, verify=True) as reader:  # what verify(deep=True) and compaction use
             reader.read_into([None] * len(reader.tensors))
         assert moved and moved[0] is not None and store.chunk_location(h)[0] != old
         assert store.verify(deep=True) == []
@@ -59,13 +59,13 @@ def test_a_leased_restore_is_never_re_encoded_under_it(tmp_path, hook) -> None:
         info = store.save("a", list(range(N)), caches)
         hashes = [r.hash for r in store.manifest(info.snapshot_id).chunks]
         for h in hashes:
-            store.rewrite_blob(h, "zstd")
+            store.rewrite_chunk(h, "zstd")
         tried = []
 
         def reencode(name: str) -> None:
             if not tried:
                 tried.append("busy")  # (the rewrite's own reads pass through here too)
-                tried[:] = [store.rewrite_blob(h, "raw") for h in hashes]
+                tried[:] = [store.rewrite_chunk(h, "raw") for h in hashes]
 
         hook.append(reencode)
         r = store.restore("a")
@@ -82,7 +82,7 @@ def test_a_restore_retries_when_its_chunks_moved_and_only_calls_a_real_loss_corr
             open_store(tmp_path / "s", identity=MODEL, chunk_tokens=16) as other:
         info = store.save("a", list(range(N)), caches)
         h = store.manifest(info.snapshot_id).chunks[0].hash
-        store.rewrite_blob(h, "zstd")
+        store.rewrite_chunk(h, "zstd")
         old = store.chunk_location(h)[0]
         done = []
 
@@ -93,7 +93,7 @@ def test_a_restore_retries_when_its_chunks_moved_and_only_calls_a_real_loss_corr
                 done.append(1)
                 store.leases.close()  # the reader's lease file is gone from the other handle's view
                 try:
-                    assert other.rewrite_blob(h, "raw") is not None
+                    assert other.rewrite_chunk(h, "raw") is not None
                 finally:
                     store.leases = type(store.leases)(store.root)
                 if os.path.exists(tmp_path / "s" / old):

@@ -98,8 +98,8 @@ def test_zstd_blobs_read_transparently_under_the_same_hash(tmp_path):
         store.save("a", tokens, session(case))
         m = store.manifest(store.sessions()[0].snapshot_id)
         before = store.stats()["stored_bytes"]
-        for ref in m.blobs:
-            assert store.rewrite_blob(ref.hash, "zstd") is not None
+        for ref in m.all_chunks:
+            assert store.rewrite_chunk(ref.hash, "zstd") is not None
             assert store.chunk_info(ref.hash).encoding == "zstd"
         packs = dict(store.iter_packs())
         raw_pack = store.summaries()[m.snapshot_id].pack
@@ -111,6 +111,6 @@ def test_zstd_blobs_read_transparently_under_the_same_hash(tmp_path):
         same_caches(store.restore("a").caches, session(case))
         same_caches(store.restore_prefix(tokens[:9] + [1]).caches, trimmed(session(case), 3))
         assert store.verify(deep=True) == []
-        assert store.rewrite_blob(m.chunks[0].hash, "raw") is not None
+        assert store.rewrite_chunk(m.chunks[0].hash, "raw") is not None
         same_caches(store.restore("a").caches, session(case))
         assert store.verify(deep=True) == []

@@ -146,10 +146,10 @@ def test_lease_keeps_blobs_from_rewrites_and_releases_without_a_use(store_dir) -
         sid = next(s.snapshot_id for s in store.sessions() if s.session_id == "s-mla")
         used = store.summaries()[sid].last_used_ns
         with store.lease(sid) as m:
-            assert m.snapshot_id == sid and store.leased_hashes() >= {r.hash for r in m.blobs}
-            assert store.rewrite_blob(m.chunks[0].hash, "zstd") is None  # leased: skipped
+            assert m.snapshot_id == sid and store.leased_hashes() >= {r.hash for r in m.all_chunks}
+            assert store.rewrite_chunk(m.chunks[0].hash, "zstd") is None  # leased: skipped
         assert store.leased_hashes() == set()
-        assert store.rewrite_blob(m.chunks[0].hash, "zstd") is not None
+        assert store.rewrite_chunk(m.chunks[0].hash, "zstd") is not None
         assert store.summaries()[sid].last_used_ns == used
         with pytest.raises(KvShelfError, match="not in the store"):
             with store.lease("0" * 32):
@@ -273,13 +273,13 @@ def test_zstd_level_is_used_and_reaches_the_cli(store_dir, tmp_path) -> None:
     shutil.copytree(store_dir, best)
     with open_store(store_dir, admin=True) as store:
         h = next(m for m in store.iter_manifests() if m.session_id == "s-mla").chunks[0].hash
-        low = store.rewrite_blob(h, "zstd", level=1)
-        store.rewrite_blob(h, "raw")
-        high = store.rewrite_blob(h, "zstd", level=19)
+        low = store.rewrite_chunk(h, "zstd", level=1)
+        store.rewrite_chunk(h, "raw")
+        high = store.rewrite_chunk(h, "zstd", level=19)
         assert low is not None and high is not None and high < low
         assert store.chunk_info(h).stored_bytes == high and store.verify(deep=True) == []
         with pytest.raises(ValueError, match="1..22"):
-            store.rewrite_blob(h, "raw", level=0)
+            store.rewrite_chunk(h, "raw", level=0)
     a = run_json("compact", "--cold-after", "0s", "--level", "1", "--store", str(fast))
     b = run_json("compact", "--cold-after", "0s", "--level", "19", "--store", str(best))
     step = {s["name"]: s for s in a["steps"]}["recompress"], {s["name"]: s for s in b["steps"]}["recompress"]
@@ -308,7 +308,7 @@ def test_zstd_chunks_used_again_go_back_to_raw(store_dir) -> None:
         only = {"merge": False, "densify_pages": False, "compact_index": False}  # merging would rewrite s-other
         # the hot window ends halfway between the last cold use and the restore, whenever this runs: however
         # slow the machine, the restored chunks are younger than it and the others older
-        hot = {r.hash for r in manifest_hot.blobs}
+        hot = {r.hash for r in manifest_hot.all_chunks}
 
         def window() -> float:
             return time.time() - (cold_until + hot_from) / 2

@@ -28,7 +28,7 @@ from kvshelf.latent_legos import AffineFormat, EncodedLatentCache, MLACache, Tur
 from kvshelf.latent_legos.contracts import EditEpoch, edit_epoch
 from kvshelf.latent_legos.kv import KVCache, QuantizedKVCache, TurboQuantKVCache
 from kvshelf.store.objects.chunkfile import content_hash
-from kvshelf.store.save.chunking import plan_blobs
+from kvshelf.store.save.chunking import plan_chunks
 from kvshelf.store.save.hash_reuse import UnchangedBook
 
 KV_DIMS = dict(heads=2, dk=64, dv=64, dtype=mx.float16)
@@ -77,7 +77,7 @@ def content(entries, arrays) -> list:
 
 def scratch_hashes(entries, arrays, chunk_tokens: int) -> list[str]:
     """The chunk names of this content hashed from scratch, in manifest order (token chunks, then the own one)."""
-    return [content_hash(plan.pieces) for plan in plan_blobs(entries, arrays, chunk_tokens)]
+    return [content_hash(plan.pieces) for plan in plan_chunks(entries, arrays, chunk_tokens)]
 
 
 def manifest_hashes(store, snapshot_id: str) -> list[str]:

@@ -18,7 +18,7 @@ from tools_data import (
 )
 
 from kvshelf import open_store  # noqa: E402
-from kvshelf.store.index.schema import BlobRef  # noqa: E402
+from kvshelf.store.index.schema import ChunkRef  # noqa: E402
 
 SUBCOMMANDS = ["demo", "ls", "show", "stats", "verify", "gc", "compact", "export", "import", "rebuild-index", "watch"]
 
@@ -135,7 +135,7 @@ def test_verify_deep_rehashes_and_names_the_sessions(fresh_store) -> None:
     with open_store(fresh_store, identity=MODEL) as store:
         sid = store.sessions(namespace="")[0]
         manifest = store.manifest(store.restore("s-turbo").snapshot_id)
-    ref: BlobRef = next(r for r in manifest.chunks if r.start == 64)  # not shared with any other session
+    ref: ChunkRef = next(r for r in manifest.chunks if r.start == 64)  # not shared with any other session
     with open_store(fresh_store, identity=MODEL) as store:
         name, offset, length = store.chunk_location(ref.hash)
     path = fresh_store / name

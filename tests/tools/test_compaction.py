@@ -103,9 +103,9 @@ def test_hot_chunks_stay_raw(store_dir) -> None:
 
 
 def test_merging_never_touches_shared_chunks() -> None:
-    from kvshelf.store.index.schema import BlobRef
+    from kvshelf.store.index.schema import ChunkRef
 
-    refs = [BlobRef(f"{i:032x}", 32 * i, min(32 * i + 32, 100), 10) for i in range(4)]  # last one: 4 tokens
+    refs = [ChunkRef(f"{i:032x}", 32 * i, min(32 * i + 32, 100), 10) for i in range(4)]  # last one: 4 tokens
     manifest = type("M", (), {"chunks": refs, "chunk_tokens": 32})()
     owners = {refs[0].hash: 1, refs[1].hash: 1, refs[2].hash: 1, refs[3].hash: 1}
     assert merge_plan(manifest, owners.get, set()) == [[refs[2], refs[3]]]

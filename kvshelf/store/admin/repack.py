@@ -68,7 +68,7 @@ def _move_batch(admin, ctx: StoreContext, txns: Transactions, reclaimer: Reclaim
     builder = PackBuilder()
     for h, m in batch:
         name, offset, length = keys.location(h, m)
-        with admin.open_blob(h, verify=True) as reader:  # verified before anything is copied
+        with admin.open_chunk(h, verify=True) as reader:  # verified before anything is copied
             reader.read_into([None] * len(reader.tensors))
         with open_object(ctx.bytes, name) as r:
             n = length if length is not None else r.size()

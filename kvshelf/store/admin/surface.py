@@ -16,7 +16,7 @@ from ..context import StoreContext
 from ..index import keys, ledger
 from ..index import schema as mf
 from ..index.protocol import meta_int
-from ..index.schema import BlobRef, ChunkMeta, Manifest, PackMeta, Summary
+from ..index.schema import ChunkRef, ChunkMeta, Manifest, PackMeta, Summary
 from ..integrity.gc import Gc
 from ..integrity.rebuild import Rebuild
 from ..integrity.verify import Verifier
@@ -24,7 +24,7 @@ from ..liveness.leases import Leases
 from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate
 from ..liveness.transactions import Transactions
-from ..objects.chunkfile import BlobReader, Piece, content_hash, kvz_buffers, raw_buffers
+from ..objects.chunkfile import ChunkReader, Piece, content_hash, kvz_buffers, raw_buffers
 from ..objects.pack import PackBuilder, new_pack_name
 from ..restore.chunks import chunk_info, open_chunk
 from ..restore.snapshots import Snapshots, sid_bytes
@@ -44,7 +44,7 @@ class StoreAdmin:
         self.ctx, self.snapshots, self.leases, self.reclaimer, self.pins = ctx, snapshots, leases, reclaimer, pins
         self.txns, self.gate, self.saver, self.writer = txns, gate, saver, writer
         self.verifier, self.sweeper, self.rebuilder, self.swap = verifier, gc, rebuild, swap
-        self._placed: dict = {}  # chunks written by put_blobs that no commit has indexed yet: where they lie
+        self._placed: dict = {}  # chunks written by put_chunks that no commit has indexed yet: where they lie
 
     # ------------------------------------------------------------------ listings
     def manifest(self, snapshot_id: str) -> Manifest:
@@ -110,10 +110,10 @@ class StoreAdmin:
         """Chunk hashes that live readers hold right now (never rewrite or remove these)."""
         return self.reclaimer.live_leases()[1]
 
-    def open_blob(self, hash_: str, verify: bool = True) -> BlobReader:
+    def open_chunk(self, hash_: str, verify: bool = True) -> ChunkReader:
         """A reader over one indexed chunk in whatever encoding it is stored (raw or zstd), wherever it lies.
 
-        Unleased, so a re-encoding (``rewrite_blob``, repack) may move the chunk between reading its location and
+        Unleased, so a re-encoding (``rewrite_chunk``, repack) may move the chunk between reading its location and
         opening the object: a missing object is only called corrupt once the index, read again, still places the
         chunk there; otherwise the new location is opened (re-encoding is invisible to readers)."""
         return open_chunk(self.ctx.index, self.ctx.bytes, hash_, verify)
@@ -178,14 +178,14 @@ class StoreAdmin:
         lost their last reference meanwhile are left for ``gc``."""
         self.ctx.check_open()
         manifest = snapshot if isinstance(snapshot, Manifest) else self.manifest(snapshot)
-        refs = list(manifest.blobs) if hashes is None else [BlobRef(h, 0, 0, 0) for h in hashes]
+        refs = list(manifest.all_chunks) if hashes is None else [ChunkRef(h, 0, 0, 0) for h in hashes]
         key = self.leases.take(manifest, refs)
         try:
             yield manifest
         finally:
             self.leases.release(key, None, [])
 
-    def put_blobs(self, items: Sequence[tuple[BlobRef, list[Piece]]]) -> list[str]:
+    def put_chunks(self, items: Sequence[tuple[ChunkRef, list[Piece]]]) -> list[str]:
         """Write the chunks not already indexed (raw, durable, in one pack; ``ref.hash`` must be the content hash of
         the pieces); returns the hashes written. Hold ``save_gate()`` (shared) from this call until they are
         referenced by a commit (``replace_manifest``), or a concurrent gc may take the pack for crash residue."""
@@ -203,7 +203,7 @@ class StoreAdmin:
                 self._placed.update(placed)
         return [r.hash for r, _ in new]
 
-    def rewrite_blob(self, hash_: str, encoding: str, *, level: int = 3) -> int | None:
+    def rewrite_chunk(self, hash_: str, encoding: str, *, level: int = 3) -> int | None:
         """Re-store a chunk in ``encoding`` ("raw" or "zstd", at zstd ``level``) under the same hash, as a one-chunk
         pack; returns stored bytes (None: skipped). The content is read and verified first; manifests do not change.
         Leased or unreferenced chunks are skipped, and so is one already in ``encoding``. Readers never see it
@@ -217,7 +217,7 @@ class StoreAdmin:
             info = self.chunk_info(hash_)
             if info is None or info.encoding == encoding or hash_ in self.leased_hashes():
                 return None
-            with self.open_blob(hash_, verify=True) as reader:
+            with self.open_chunk(hash_, verify=True) as reader:
                 bufs = reader.read_into([None] * len(reader.tensors))
                 pieces = [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
                 metadata = dict(reader.metadata)
@@ -284,26 +284,26 @@ class StoreAdmin:
                 self.reclaimer.reclaim([pack])
                 return False
             with ctx.lock:
-                for r in new.blobs:
+                for r in new.all_chunks:
                     self._placed.pop(r.hash, None)
             self.reclaimer.reclaim(result[1])
             return True
 
     def replace_snapshot(self, old: Manifest, new: Manifest,
-                         blobs: Mapping[str, list[Piece]] | Sequence[tuple[BlobRef, list[Piece]]] = ()) -> bool:
+                         blobs: Mapping[str, list[Piece]] | Sequence[tuple[ChunkRef, list[Piece]]] = ()) -> bool:
         """Rewrite a snapshot in place (same id, same session, e.g. compacted chunks): write the new chunks under
         the save gate, swap the manifest atomically (``replace_manifest(expected=old)``), with ``old``'s chunks leased
         across the swap so a reader that fetched the old manifest still finds every chunk it names. Returns False
         (the new chunks nothing references are left for reclaim) when the snapshot changed meanwhile."""
         if isinstance(blobs, Mapping):
-            refs = {r.hash: r for r in new.blobs}
+            refs = {r.hash: r for r in new.all_chunks}
             items = [(refs[h], pieces) for h, pieces in blobs.items()]
         else:
             items = list(blobs)
         with self.lease(old), self.ctx.removers.removing():  # removers' lock before the gate (removers.py)
             with self.gate.hold():
                 for _attempt in range(5):
-                    self.put_blobs(items)
+                    self.put_chunks(items)
                     try:
                         return self.replace_manifest(old.snapshot_id, new, expected=old)
                     except ledger.MissingChunks:  # indexed when checked, dropped before the commit: write again

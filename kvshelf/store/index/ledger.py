@@ -52,7 +52,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     """Index ``manifest`` (its manifest lies in ``pack``, "" for a v1 manifest file), replacing the session's
     previous snapshot (or ``replaces``). Returns (dropped sid, objects that may now be unreferenced)."""
     now = time.time_ns() if now is None else now
-    unique = {r.hash: r for r in manifest.blobs}
+    unique = {r.hash: r for r in manifest.all_chunks}
     chunk_records = {h: txn.get("chunks", bytes.fromhex(h)) for h in unique}
     missing = [h for h, raw in chunk_records.items() if raw is None and h not in placed]
     if missing:
@@ -118,7 +118,7 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
     txn.delete("lru", keys.lru_key(summary.id_key, summary.last_used_ns, sid))
     candidates: list[str] = []
     total = meta_int(txn, b"total_bytes")
-    for h in {r.hash for r in manifest.blobs}:
+    for h in {r.hash for r in manifest.all_chunks}:
         key = bytes.fromhex(h)
         raw = txn.get("chunks", key)
         if raw is None:

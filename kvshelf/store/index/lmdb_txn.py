@@ -1,6 +1,6 @@
-"""One LMDB transaction as an ``indexstore.IndexTxn``: table names instead of database handles, cursors kept inside.
+"""One LMDB transaction as an ``protocol.IndexTxn``: table names instead of database handles, cursors kept inside.
 
-Why a separate room: ``index.Index`` owns the environment (open, format, growth, errors); this file is only the
+Why a separate room: ``lmdb_env.Index`` owns the environment (open, format, growth, errors); this file is only the
 translation of the protocol's calls onto ``lmdb.Transaction`` and its cursors, so no room above the index ever
 holds an LMDB handle. Duplicate tables are LMDB ``dupsort`` databases: ``dup_count`` is O(1) on the cursor.
 """

@@ -1,6 +1,6 @@
 """The index-transaction seam: named tables of sorted byte keys, read snapshots and atomic write transactions.
 
-Why: the store's index must be pluggable like its bytes (``backend.ByteStore``): ``Store`` and its rooms speak only
+Why: the store's index must be pluggable like its bytes (``protocol.ByteStore``): ``Store`` and its rooms speak only
 this protocol, so LMDB (``lmdb_env.Index``, the default) and process memory (``MemoryIndexStore``) are
 interchangeable, and a shared tier can keep the index elsewhere. The contract every implementation keeps (one
 conformance suite, ``tests/store/test_index_store_conformance.py``):

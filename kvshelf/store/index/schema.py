@@ -1,7 +1,7 @@
 """What the index keeps about each snapshot and chunk: msgspec Structs, stored as msgpack.
 
 The full ``Manifest`` is also written beside the chunks (in its pack's trailer; layout v1: ``blobs/manifests/<id>.msgpack``,
-sealed by ``sealing.py`` when a v2 store opens it) so that the index can be rebuilt from the objects alone. ``Summary`` is the small per-snapshot record lookups and eviction read; the
+sealed by ``integrity/legacy_v1.py`` when a v2 store opens it) so that the index can be rebuilt from the objects alone. ``Summary`` is the small per-snapshot record lookups and eviction read; the
 manifest proper (with every cache entry) is decoded only on restore.
 """
 
@@ -22,14 +22,17 @@ NonNeg = Annotated[int, Meta(ge=0, le=2**62)]
 HexId = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
 
 
-class BlobRef(Struct, frozen=True, array_like=True):
-    """One blob a snapshot reads: content hash, the token range it covers ([0, 0) for untokened tensors), bytes."""
+class ChunkRef(Struct, frozen=True, array_like=True):
+    """One chunk a snapshot reads: content hash, the token range it covers ([0, 0) for untokened tensors), bytes."""
 
     hash: HexId
     start: NonNeg
     stop: NonNeg
     nbytes: NonNeg
 
+
+
+BlobRef = ChunkRef  # the name before the store said "chunk" for one thing; exported for callers
 
 class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything needed to restore a snapshot and to re-index it after the index is lost."""
@@ -45,8 +48,8 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     tokens: list[NonNeg]
     entries: list[CacheEntry]
     chunk_tokens: Annotated[int, Meta(ge=1)]
-    chunks: list[BlobRef]
-    own: list[BlobRef] = []
+    chunks: list[ChunkRef]
+    own: list[ChunkRef] = []
     created_at: float = 0.0
     minimum_reusable_offset: NonNeg = 0
     trimmable: bool = True
@@ -56,12 +59,15 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return len(self.tokens)
 
     @property
-    def blobs(self) -> list[BlobRef]:
+    def all_chunks(self) -> list[ChunkRef]:
+        """Every chunk the snapshot reads: its token-range ``chunks`` and its untokened ``own`` ones."""
         return [*self.chunks, *self.own]
+
+    blobs = all_chunks  # the name before the store said "chunk" for one thing; kept for callers
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.blobs)
+        return sum(b.nbytes for b in self.all_chunks)
 
 
 class Summary(Struct, frozen=True, array_like=True):
@@ -171,5 +177,5 @@ def decode(data: bytes | memoryview, kind: type, what: str):
     return obj
 
 
-__all__ = ["BlobRef", "Manifest", "Summary", "ChunkMeta", "PackMeta", "Lease", "unseal", "is_sealed", "encode", "decode",
+__all__ = ["BlobRef", "ChunkRef", "Manifest", "Summary", "ChunkMeta", "PackMeta", "Lease", "unseal", "is_sealed", "encode", "decode",
            "seal_tokens", "tokens_of", "MANIFEST_VERSION"]

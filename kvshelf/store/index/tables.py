@@ -1,6 +1,7 @@
-"""What quarantine keeps: the objects a quarantined snapshot used, named in its ``quarantine`` record.
+"""Typed reads of index tables, so a caller gets records, not bytes to decode by hand.
 
-Quarantine unlinks nothing (issue 12: a corrupt chunk must leave its evidence for ``verify`` and an operator). The
+What quarantine keeps: the objects a quarantined snapshot used, named in its ``quarantine`` record. Quarantine
+unlinks nothing (a corrupt chunk must leave its evidence for ``verify`` and an operator). The
 record ``[sid hex, reason, [object names]]`` keeps those objects out of every reclaim path — ``gc``'s orphan sweep
 and the unlink after a delete or eviction (``liveness.reclaim``) — until an operator drops the record
 (``Store.drop_quarantined`` or ``delete`` of the session); then ``gc`` may take what nothing else references.

@@ -2,7 +2,7 @@
 
 A v1 store keeps each snapshot's manifest in ``blobs/manifests/<sid>.msgpack`` as bare msgpack: no checksum, so a
 flipped byte inside a token id decodes as another valid token, and a rebuild from that file would index (and later
-serve) caches under tokens they were never computed for. v2 records are sealed (``manifest.encode``: ``0xC1 |
+serve) caches under tokens they were never computed for. v2 records are sealed (``schema.encode``: ``0xC1 |
 xxh3-64 | msgpack``); ``seal_v1_manifests`` rewrites each v1 manifest file in that form — only after checking that
 it agrees with the index's own record of the snapshot (two independent copies that agree are the best evidence a
 v1 store has), atomically through the byte store's durable ``put`` (tmp file, fsync, rename, directory fsync).

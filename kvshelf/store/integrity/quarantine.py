@@ -44,7 +44,7 @@ class Quarantine:
                 m = mf.decode(mraw, Manifest, "manifest") if mraw is not None else None
             except KvShelfError:
                 m = None
-            for ref in (m.blobs if m is not None else ()):
+            for ref in (m.all_chunks if m is not None else ()):
                 meta_raw = txn.get("chunks", bytes.fromhex(ref.hash))
                 try:
                     meta = mf.decode(meta_raw, mf.ChunkMeta, "chunk record") if meta_raw is not None else None

@@ -94,14 +94,14 @@ def _reindex(index, byte_store, skipped: list[Finding]) -> int:
     ordered = sorted(found.values(), key=lambda item: item[1].created_at)
     for _written, m, pack in ordered:  # oldest first: a session's newest snapshot replaces older ones
         where = f"snapshot {m.snapshot_id} (session {m.session_id!r})"
-        missing = [r.hash for r in m.blobs if r.hash not in located]
+        missing = [r.hash for r in m.all_chunks if r.hash not in located]
         if missing:
             skipped.append(Finding("rebuild-skipped-snapshot", where, f"{len(missing)} of its chunks are in no "
                                    f"readable pack or blob (first: {missing[0]})", (m.session_id,)))
             continue
         if m.created_at <= dead_until.get(keys.manifest_keys(m)[2], float("-inf")):
             continue  # its session was deleted, evicted or quarantined at or after this snapshot (not a loss)
-        placed = {r.hash: located[r.hash] for r in m.blobs}
+        placed = {r.hash: located[r.hash] for r in m.all_chunks}
         index.write(lambda txn, m=m, pack=pack, placed=placed: ledger.commit(
             index, txn, m, pack, sizes.get(pack, 0), placed))
     with index.read() as txn:

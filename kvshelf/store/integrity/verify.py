@@ -2,7 +2,7 @@
 
 ``verify`` recomputes from the manifests what every other table must hold (refcounts, per-pack counts, the prefix
 records and heads of every session's current snapshot, sessions, LRU keys, total bytes) and compares, then checks
-the byte store against the index; it streams (``verifying.py`` says how its memory stays bounded and why a save or
+the byte store against the index; it streams (``integrity/verify_counts.py`` says how its memory stays bounded and why a save or
 delete committing meanwhile never becomes a finding). ``gc`` is ``gc.py``, ``rebuild_index`` is ``rebuild.py``.
 """
 
@@ -82,7 +82,7 @@ def _quarantine_findings(ctx: StoreContext, out: list[Finding]) -> None:
 def _verify(v: Verifier, deep: bool, out: list[Finding]) -> None:
     """Streamed (``verifying`` says how memory stays bounded and why a concurrent commit invents nothing): the
     manifests in batches, each checked against its other records inside its batch's read transaction and any
-    finding re-checked in a fresh one; then session pointers; then the counts (``verifying.check_counts``); then
+    finding re-checked in a fresh one; then session pointers; then the counts (``verify_counts.check_counts``); then
     crash residue, confirmed under the exclusive save gate."""
     ctx = v.ctx
     residue = orphans(ctx.index, ctx.bytes, v.reclaimer.leased_objects())  # listed first, confirmed last
@@ -191,7 +191,7 @@ def _check_manifest(ctx: StoreContext, txn, sid: bytes, raw: bytes, deep: bool, 
 def _confirmed_orphans(v: Verifier, found: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The orphans listed before verify's passes that are still dead, unleased and present after them, looked at
     with the removers' lock and the save gate held exclusively: no delete, eviction or lease release is then between
-    its commit and the unlink of what it freed (``removers.py``), and no save between writing its pack and committing
+    its commit and the unlink of what it freed (``liveness/removers_lock.py``), and no save between writing its pack and committing
     it — so what is still dead and present has no remover: crash residue. Removers or saves keeping the locks busy
     for 10 s leave them unconfirmed and unreported this round (``gc`` skips its sweep the same way)."""
     if not found:

@@ -104,7 +104,7 @@ def _range(p: int, parts: int) -> tuple[bytes | None, bytes | None]:
 
 
 def _count_refs(refs: Counter, m: Manifest, p: int, parts: int) -> None:
-    for h in {r.hash for r in m.blobs}:
+    for h in {r.hash for r in m.all_chunks}:
         hb = bytes.fromhex(h)
         if parts == 1 or _part(hb, parts) == p:
             refs[hb] += 1
@@ -280,7 +280,7 @@ def _recount(ctx, c: _Candidates) -> list[Finding]:
                 heads += 1
                 prefix_records += len(records.records_after(skey[16:32], records.lineage_id(skey),
                                                             np.asarray(m.tokens, "<i8"), 0, ctx.block))
-            for h in {r.hash for r in m.blobs}:
+            for h in {r.hash for r in m.all_chunks}:
                 if bytes.fromhex(h) in c.chunks:
                     refs[bytes.fromhex(h)] += 1
             if s.pack in c.packs:
@@ -332,7 +332,7 @@ def _with_users(ctx, found: list[Finding]) -> list[Finding]:
             m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
         except (CorruptData, IncompatibleFormat):
             continue
-        for r in m.blobs:
+        for r in m.all_chunks:
             if r.hash in hashes:
                 users[r.hash].add(m.session_id)
     return [Finding(f.kind, f.where, f.detail, tuple(sorted(users.get(f.where[len("blob "):], ()))))

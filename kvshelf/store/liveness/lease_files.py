@@ -19,7 +19,7 @@ A full disk: the file's room (``LEASE_ROOM``) is allocated when it is made, and 
 (``posix_fallocate``) *before* it is written, so a publication either fits in allocated blocks or writes nothing —
 the file never holds a torn body that would read as "leasing everything" and stop deletes from freeing space. When
 it writes nothing, ``add`` keeps the lease in memory (this handle's own unlinkers see it) and returns False: the
-reader then protects its read with object locks instead (``objlocks.py``), which need no space at all.
+reader then protects its read with object locks instead (``liveness/object_locks.py``), which need no space at all.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class LeaseBook:
     def add(self, key: bytes, lease: Lease) -> bool:
         """Hold ``lease`` and publish it. False when the disk had no room to publish it: the lease is held in memory
         only (seen by this handle, not by other handles), and the caller must protect its read another way
-        (``objlocks.py``) or drop it with ``remove``."""
+        (``liveness/object_locks.py``) or drop it with ``remove``."""
         with self._lock:
             self._held[key] = lease
             try:

@@ -18,7 +18,7 @@ from ...errors import SnapshotNotFound, StoreFull
 from ..context import StoreContext
 from ..index import keys, ledger
 from ..index import schema as mf
-from ..index.schema import BlobRef, ChunkMeta, Lease, Manifest
+from ..index.schema import ChunkRef, ChunkMeta, Lease, Manifest
 from ..objects.protocol import capability
 from .object_locks import lock_objects
 from .reclaim import Reclaimer
@@ -41,7 +41,7 @@ class Leases:
         self._counter = 0
         self._read_locks: dict = {}  # lease key -> objlocks.ReadLocks, for leases the lease file had no room for
 
-    def locate(self, txn, manifest: Manifest, refs: list[BlobRef]) -> dict[str, tuple[str, int, int | None]]:
+    def locate(self, txn, manifest: Manifest, refs: list[ChunkRef]) -> dict[str, tuple[str, int, int | None]]:
         """Where each of ``refs`` lies now; ``Gone`` (the snapshot) or ``Stale`` (a chunk no longer indexed)."""
         if txn.get("manifests", bytes.fromhex(manifest.snapshot_id)) is None:
             raise Gone
@@ -54,7 +54,7 @@ class Leases:
             where[r.hash] = keys.location(r.hash, mf.decode(raw, ChunkMeta, f"chunk record {r.hash}"))
         return where
 
-    def take(self, manifest: Manifest, refs: list[BlobRef], with_where: bool = False):
+    def take(self, manifest: Manifest, refs: list[ChunkRef], with_where: bool = False):
         """Publish a lease on ``refs`` (and the objects they lie in), then check in a fresh read transaction that
         they are all still referenced where we looked them up. No commit, no fsync. Returns the lease key (and,
         ``with_where``, where each chunk lies)."""
@@ -110,7 +110,7 @@ class Leases:
         finally:
             self._unlock_objects(key)
 
-    def release(self, key: bytes, touch: bytes | None, refs: Sequence[BlobRef | str]) -> None:
+    def release(self, key: bytes, touch: bytes | None, refs: Sequence[ChunkRef | str]) -> None:
         """Drop a lease (no commit). A use (``touch``) is remembered for the next write transaction. Objects of the
         lease that lost their last reference while it was held are unlinked now."""
         with self.ctx.removers.removing():  # from the lease's end to the unlink of what it kept alive (removers.py)

@@ -169,10 +169,10 @@ def _parse_header(raw: bytes, where: str) -> tuple[list[TensorInfo], dict[str, s
     return infos, metadata
 
 
-class BlobReader:
+class ChunkReader:
     """An open chunk — a whole v1 blob file, or ``length`` bytes at ``base`` inside a pack — read through a ranged
     source (``read_into(offset, buffers)``): its tensors, and ``read_into`` that fills caller buffers and checks the
-    content hash. ``BlobReader(path)`` opens a file by path (v1 blobs, tools)."""
+    content hash. ``ChunkReader(path)`` opens a file by path (v1 blobs, tools)."""
 
     def __init__(self, path: str | None = None, expect_hash: str | None = None, *, source=None, base: int = 0,
                  length: int | None = None, where: str | None = None, owns_source: bool | None = None):
@@ -227,7 +227,7 @@ class BlobReader:
             self.source.close()
         self.source = None
 
-    def __enter__(self) -> "BlobReader":
+    def __enter__(self) -> "ChunkReader":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -295,5 +295,5 @@ class BlobReader:
                     at += v.nbytes
 
 
-__all__ = ["TensorInfo", "Piece", "BlobReader", "axis_window", "content_hash", "descriptor", "raw_buffers", "kvz_buffers",
+__all__ = ["TensorInfo", "Piece", "ChunkReader", "axis_window", "content_hash", "descriptor", "raw_buffers", "kvz_buffers",
            "storage_dtype", "DTYPES", "KVZ_MAGIC"]

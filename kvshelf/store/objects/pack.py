@@ -11,7 +11,7 @@ Layout (``packs/<snapshot id>.pack`` for a save; see ``new_pack_name``)::
     manifest (msgpack; the snapshot this save committed; empty for packs written by tools)
     u64 manifest length | u64 xxh3-64 of the manifest | b"KVSHPKT\\n"
 
-Chunks stay content-addressed by xxh3-128 over their logical content (``blobfile.content_hash``), so a pack chunk and
+Chunks stay content-addressed by xxh3-128 over their logical content (``chunkfile.content_hash``), so a pack chunk and
 a v1 blob of the same content have the same name and deduplicate against each other.
 """
 

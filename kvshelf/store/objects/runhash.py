@@ -1,6 +1,6 @@
 """xxh3-128 over many runs with the GIL released, so a save's writer thread never waits behind its hash.
 
-Used by ``blobfile.content_hash`` for chunks of large runs. Restores no longer use it: ``piecereads`` found the
+Used by ``chunkfile.content_hash`` for chunks of large runs. Restores no longer use it: ``piecereads`` found the
 ``xxhash`` object faster on cache-hot runs (see its docstring); the history below is why this exists.
 
 Why: a KV piece lands in its destination as H head runs of ``tokens × head_dim × itemsize`` bytes (64 KiB for 256

@@ -1,6 +1,6 @@
 """Prefix records kept per session lineage, so a re-save of a grown session writes only its new boundaries.
 
-Why (issue 12): the ``prefix`` table used to tag each record with the snapshot id, so every save of a session
+Why: the ``prefix`` table once tagged each record with the snapshot id, so every save of a session
 deleted all ~T/16 records of the snapshot it replaced and wrote all of the new one's: a chat saved after every turn
 cost O(T) index writes per save, O(T^2) over the chat. A record now ends in the session's *lineage id* — 16 bytes
 naming its (identity, namespace, session) key, the same for every save of that session — and the plain ``heads``

@@ -55,8 +55,8 @@ class _Wire:
 
 
 class StreamChunk:
-    """One ``GET`` reply being read: its descriptor parsed, its tensors read on ``read_into`` (``BlobReader``-like,
-    for ``layout.fill_from_blob``), its hash checked against its name before ``read_into`` returns."""
+    """One ``GET`` reply being read: its descriptor parsed, its tensors read on ``read_into`` (``ChunkReader``-like,
+    for ``destinations.fill_from_chunk``), its hash checked against its name before ``read_into`` returns."""
 
     def __init__(self, wire: _Wire, length: int, hash_: str):
         self.wire, self.hash = wire, hash_
@@ -106,7 +106,7 @@ class StreamChunk:
 def fetch_into(client, keys: list[str], hashes: list[str], consume, on_batch=None) -> None:
     """Pipelined ``GET keys`` on one connection; ``consume(i, open_chunk or None)`` for each reply in order (None:
     the key is missing; ``open_chunk()`` parses the framing and returns the ``StreamChunk``, which ``consume`` must
-    read fully — ``fill_from_blob`` — before returning)."""
+    read fully — ``fill_from_chunk`` — before returning)."""
     pool = client.connection_pool
     conn = pool.get_connection()
     ok = False

@@ -8,7 +8,7 @@ Two directions:
   bytes``. The descriptor is the one the local content hash starts with, so ``xxh3_128(value[4:])`` *is* the local
   chunk hash: any host verifies a remote chunk with the name it already has.
 * in: ``RemoteChunk`` — a fetched value parsed and verified (length, descriptor, hash) and handed to the local
-  restore machinery (``destinations.fill_from_blob`` into ``Destinations``), and ``build_caches`` — the codec load of a
+  restore machinery (``destinations.fill_from_chunk`` into ``Destinations``), and ``build_caches`` — the codec load of a
   snapshot cut to ``p`` from verified chunks, exactly as a local restore does it.
 """
 
@@ -24,10 +24,10 @@ import xxhash
 from ...errors import CorruptData, IdentityMismatch, InvalidCacheState
 from ..objects.chunkfile import TensorInfo, descriptor, storage_dtype
 from ..context import StoreContext
-from ..index.schema import BlobRef, Manifest
+from ..index.schema import ChunkRef, Manifest
 from ..prefix.hashing import tokens_array
 from ..restore.chunks import open_chunk
-from ..restore.destinations import Destinations, fill_from_blob
+from ..restore.destinations import Destinations, fill_from_chunk
 
 _DESC = msgspec.msgpack.Decoder(list[tuple[str, str, list[int]]])
 
@@ -40,17 +40,17 @@ def chunk_buffers(ctx: StoreContext, hash_: str) -> list[bytes | memoryview]:
     return [struct.pack("<I", len(desc)), desc, *bufs]
 
 
-def unique_refs(manifest: Manifest) -> list[BlobRef]:
-    return list({r.hash: r for r in manifest.blobs}.values())
+def unique_refs(manifest: Manifest) -> list[ChunkRef]:
+    return list({r.hash: r for r in manifest.all_chunks}.values())
 
 
-def needed_refs(manifest: Manifest, p: int) -> list[BlobRef]:
+def needed_refs(manifest: Manifest, p: int) -> list[ChunkRef]:
     """The chunks a restore of the first ``p`` tokens reads (as the local restore: ``start < p`` plus own)."""
     return [r for r in manifest.chunks if r.start < p] + list(manifest.own)
 
 
 class RemoteChunk:
-    """A fetched chunk value, verified before anything reads it; quacks like ``BlobReader`` for ``fill_from_blob``."""
+    """A fetched chunk value, verified before anything reads it; quacks like ``ChunkReader`` for ``fill_from_chunk``."""
 
     def __init__(self, value: bytes | None, hash_: str):
         where = f"remote chunk {hash_}"
@@ -131,7 +131,7 @@ def build_caches(ctx: StoreContext, manifest: Manifest, p: int, fill) -> list:
     if p < manifest.length:
         entries = [ctx.provider.for_entry(e).prefix_entry(e, p) for e in entries]
     dest = Destinations(entries)
-    by_hash: dict[str, list[BlobRef]] = {}
+    by_hash: dict[str, list[ChunkRef]] = {}
     for ref in needed_refs(manifest, p):
         by_hash.setdefault(ref.hash, []).append(ref)
     fill(dest, by_hash)
@@ -145,16 +145,16 @@ def fill_from(chunks: Iterable[tuple[str, RemoteChunk]]):
         left = dict(by_hash)
         for hash_, chunk in chunks:
             for ref in left.pop(hash_, []):
-                fill_from_blob(chunk, ref, dest)
+                fill_from_chunk(chunk, ref, dest)
         if left:
             raise CorruptData(f"remote chunks {sorted(left)} never arrived")
 
     return fill
 
 
-def fill_one(reader, ref: BlobRef, dest) -> int:
+def fill_one(reader, ref: ChunkRef, dest) -> int:
     """One chunk (a ``RemoteChunk`` or a ``direct.StreamChunk``) into its place in ``dest``."""
-    return fill_from_blob(reader, ref, dest)
+    return fill_from_chunk(reader, ref, dest)
 
 
 __all__ = ["tokens_of", "chunk_buffers", "unique_refs", "needed_refs", "RemoteChunk", "check_manifest", "build_caches",

@@ -7,7 +7,7 @@
   ``MULTI``/``EXEC``, so no host ever sees half an entry. A marker key with a TTL says a publish is in progress
   (``gc`` waits for it; a publisher does not start while a ``gc`` marker exists).
 * lookup: after the local lookup, if the local hit does not already cover the prompt; the remote hit is used only
-  when strictly longer. Token-verified (``index.py``).
+  when strictly longer. Token-verified (``index/lmdb_env.py``).
 * restore: the manifest, then the chunks covering the cut, pipelined (``GET`` in batches of ``fetch_batch_bytes``),
   every chunk verified by its hash before it is used. A missing chunk (evicted, flushed) → a miss; a corrupt or
   truncated one → counted, deleted, the index entry dropped, a miss. A remote hit may be kept locally

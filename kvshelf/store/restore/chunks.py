@@ -13,7 +13,7 @@ from ..index import keys
 from ..index import schema as mf
 from ..index.protocol import IndexStore
 from ..index.schema import ChunkMeta
-from ..objects.chunkfile import BlobReader
+from ..objects.chunkfile import ChunkReader
 from ..objects.local import open_object
 from ..objects.protocol import ByteStore, ObjectMissing
 from . import direct as restoring
@@ -26,7 +26,7 @@ def chunk_info(index: IndexStore, hash_: str) -> ChunkMeta | None:
     return None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
 
 
-def open_chunk(index: IndexStore, byte_store: ByteStore, hash_: str, verify: bool = True) -> BlobReader:
+def open_chunk(index: IndexStore, byte_store: ByteStore, hash_: str, verify: bool = True) -> ChunkReader:
     """A reader over one indexed chunk in whatever encoding it is stored (raw or zstd), wherever it lies."""
     where = None
     for _attempt in range(4):
@@ -42,7 +42,7 @@ def open_chunk(index: IndexStore, byte_store: ByteStore, hash_: str, verify: boo
             source = open_object(byte_store, where[0])
         except ObjectMissing:
             continue
-        return BlobReader(None, hash_ if verify else None, source=source, base=where[1], length=where[2],
+        return ChunkReader(None, hash_ if verify else None, source=source, base=where[1], length=where[2],
                           where=hash_, owns_source=True)
     raise CorruptData(f"chunk {hash_}: its object {where[0] if where else '?'} is missing")
 

@@ -17,7 +17,7 @@ from msgspec.structs import replace
 from ...codecs.batch_plan import BatchPlan
 from ...codecs.header import CacheEntry, TensorSlot
 from ...errors import CorruptData, KvShelfError
-from ..index.schema import BlobRef
+from ..index.schema import ChunkRef
 from ..objects.chunkfile import axis_window
 
 _MX_STORAGE = {"bfloat16": mx.uint16}
@@ -160,7 +160,7 @@ class RowDestinations:
         return i, j, slot, window
 
 
-def fill_from_blob(reader, ref: BlobRef, dest: Destinations) -> int:
+def fill_from_chunk(reader, ref: ChunkRef, dest: Destinations) -> int:
     """Read one blob into its destinations (verifying the hash if the reader expects one); returns bytes read."""
     targets, copies = [], []
     for t in reader.tensors:
@@ -190,5 +190,5 @@ def fill_from_blob(reader, ref: BlobRef, dest: Destinations) -> int:
     return reader.data_bytes
 
 
-__all__ = ["BatchDestinations", "Destinations", "RowDestinations", "as_stored", "fill_from_blob", "owned_zeros",
+__all__ = ["BatchDestinations", "Destinations", "RowDestinations", "as_stored", "fill_from_chunk", "owned_zeros",
            "slot_index"]

@@ -6,7 +6,7 @@ touches every page, then the read touches it again: measured 1.5–2× slower at
 object allocates each tensor uninitialised and calls ``readinto(memoryview)`` once with its own buffer. So the
 destinations are described as a safetensors header (``VirtualFile``); each ``readinto`` only records where that
 tensor's pieces go (``_plan_slot``: a ``[1, H, t, D]`` piece of a ``[1, H, T, D]`` plane is H head runs) and zeroes
-what no piece covers. Once every destination exists, ``piecereads.fill_chunks`` reads chunk after chunk in the order
+what no piece covers. Once every destination exists, ``piece_reads.fill_chunks`` reads chunk after chunk in the order
 they lie in the pack — not layer after layer, which would hop across the pack once per layer and defeat readahead on
 a cold read — a few large ``preadv`` calls per chunk on two threads, each chunk hashed by the thread that read it.
 Only a piece straddling a prefix cut goes through a temporary.
@@ -27,10 +27,10 @@ import numpy as np
 from ...errors import CorruptData
 from . import hugepages
 from ..objects.protocol import ObjectMissing
-from ..objects.chunkfile import BlobReader, storage_dtype
+from ..objects.chunkfile import ChunkReader, storage_dtype
 from .destinations import as_stored, owned_zeros, slot_index
 from ..objects.local import open_object
-from ..index.schema import BlobRef
+from ..index.schema import ChunkRef
 from .piece_reads import ChunkHash, PieceJob, fill_chunks
 from .virtualfile import VirtualFile
 
@@ -41,7 +41,7 @@ class Read:
 
     manifest: object
     entries: list
-    needed: list[BlobRef]
+    needed: list[ChunkRef]
     lease: bytes | None
     where: dict[str, tuple[str, int, int | None]] = field(default_factory=dict)
     ok: bool = False
@@ -72,9 +72,9 @@ class Objects:
                 raise CorruptData(f"chunk object {name} is missing") from None
         return r
 
-    def chunk(self, ref: BlobRef, where: tuple[str, int, int | None], verify: bool) -> BlobReader:
+    def chunk(self, ref: ChunkRef, where: tuple[str, int, int | None], verify: bool) -> ChunkReader:
         name, offset, length = where
-        return BlobReader(None, ref.hash if verify else None, source=self.get(name), base=offset, length=length,
+        return ChunkReader(None, ref.hash if verify else None, source=self.get(name), base=offset, length=length,
                           where=ref.hash, owns_source=False)
 
     def close(self) -> None:
@@ -100,7 +100,7 @@ class _Slot:
         self.col0 = col0
         self.itemsize = storage_dtype(self.dtype).itemsize
         self.nbytes = math.prod(self.shape) * self.itemsize
-        self.pieces: list[tuple[int, BlobRef, int]] = []  # (chunk index, ref, tensor index within the chunk)
+        self.pieces: list[tuple[int, ChunkRef, int]] = []  # (chunk index, ref, tensor index within the chunk)
 
     @property
     def padded(self) -> bool:
@@ -131,7 +131,7 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
             mapped.append(dest)
         slots.append(row)
         by_slot.append(mapped)
-    readers: list[BlobReader] = []
+    readers: list[ChunkReader] = []
     hashes: list[ChunkHash] = []
     try:
         for c, ref in enumerate(read.needed):
@@ -179,7 +179,7 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
             r.close()
 
 
-def check_coverage(read: Read, slots: list[list[_Slot]], readers: list[BlobReader]) -> None:
+def check_coverage(read: Read, slots: list[list[_Slot]], readers: list[ChunkReader]) -> None:
     """Σ bytes the chunks bring to each destination = the bytes its slot declares (≥ for a cut restore, whose
     last chunk reaches past the cut) — checked from the chunk headers alone, before anything is allocated, so a
     record whose shapes do not match its chunks is ``CorruptData`` and never a huge or half-filled allocation."""
@@ -209,7 +209,7 @@ def _detached(dest: memoryview) -> memoryview:
     return memoryview((ctypes.c_char * dest.nbytes).from_address(addr)).cast("B")
 
 
-def _plan_slot(slot: _Slot, dest: memoryview, readers: list[BlobReader], jobs: list[list[PieceJob]],
+def _plan_slot(slot: _Slot, dest: memoryview, readers: list[ChunkReader], jobs: list[list[PieceJob]],
                zeroing: list) -> None:
     """Give each of the slot's pieces its destination runs (``jobs[chunk]``) and queue the zeroing of what no piece
     covers (``zeroing``: run after the reads); the shapes in the chunk headers are checked here, before a byte is

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import xxhash
 
 from ...errors import CorruptData
-from ..objects.chunkfile import BlobReader, descriptor
+from ..objects.chunkfile import ChunkReader, descriptor
 
 
 class ChunkHash:
     """The running content hash of one chunk, fed tensor by tensor in header order."""
 
-    def __init__(self, reader: BlobReader, verify: bool):
+    def __init__(self, reader: ChunkReader, verify: bool):
         self.reader, self.verify = reader, verify
         self.h = xxhash.xxh3_128(descriptor(reader.tensors)) if verify else None
         self.next = 0
@@ -82,7 +82,7 @@ RAW_BATCH_BYTES = 4 << 20  # bytes per preadv when nothing is hashed (fewer call
 # misses the cache once a batch outgrows what the core keeps)
 
 
-def fill_chunks(jobs: list[list[PieceJob]], readers: list[BlobReader], hashes: list[ChunkHash],
+def fill_chunks(jobs: list[list[PieceJob]], readers: list[ChunkReader], hashes: list[ChunkHash],
                 after: list | None = None) -> None:
     """Read every chunk's pieces into their destinations in FILE order (chunk by chunk, tensors in header order),
     on ``READ_THREADS`` threads dealt whole chunks: a cold pack is read front to back (readahead works, no seek per
@@ -122,7 +122,7 @@ def fill_chunks(jobs: list[list[PieceJob]], readers: list[BlobReader], hashes: l
             raise exc
 
 
-def _fill_chunk(reader: BlobReader, jobs: list[PieceJob], h: ChunkHash) -> None:
+def _fill_chunk(reader: ChunkReader, jobs: list[PieceJob], h: ChunkHash) -> None:
     batch: list[PieceJob] = []
     start = end = size = 0
     decompressed: dict = {}
@@ -165,7 +165,7 @@ def _fill_chunk(reader: BlobReader, jobs: list[PieceJob], h: ChunkHash) -> None:
     flush()
 
 
-def read_piece(reader: BlobReader, c: int, k: int, views: list[memoryview], decompressed) -> None:
+def read_piece(reader: ChunkReader, c: int, k: int, views: list[memoryview], decompressed) -> None:
     t = reader.tensors[k]
     if not reader.compressed:
         try:

@@ -16,7 +16,7 @@ from ..integrity.quarantine import Quarantine
 from ..liveness.leases import Gone, Leases, Stale
 from ..results import PrefixHit, Restored, RestoredBatch
 from . import direct as restoring
-from .destinations import BatchDestinations, fill_from_blob, slot_index
+from .destinations import BatchDestinations, fill_from_chunk, slot_index
 from .snapshots import Snapshots
 
 
@@ -209,7 +209,7 @@ class Reader:
 
     def _open_chunks(self, read: restoring.Read, objects: restoring.Objects, also: Sequence = ()) -> list:
         """The readers of every chunk ``read`` needs (headers only: no tensor byte yet), after the single-row
-        path's own coverage check (``restoring.check_coverage``, reused as it is) on them. A missing or damaged
+        path's own coverage check (``direct.check_coverage``, reused as it is) on them. A missing or damaged
         chunk, or a record whose slots its chunks do not exactly fill, releases the leases of ``read`` and
         ``also``, quarantines the snapshot and raises ``CorruptData`` — as a single-row restore of it would."""
         readers, ref = [], None
@@ -229,7 +229,7 @@ class Reader:
         for ref, reader in zip(read.needed, readers):
             try:
                 with reader:
-                    self.ctx.counters.bytes_read += fill_from_blob(reader, ref, dest)
+                    self.ctx.counters.bytes_read += fill_from_chunk(reader, ref, dest)
                     self.ctx.counters.blobs_read += 1
             except CorruptData as exc:
                 self._corrupt(read, exc, ref, also)
@@ -264,7 +264,7 @@ def check_cut(manifest: Manifest, p: int) -> None:
 
 
 def _coverage_slots(read: restoring.Read, readers: list) -> list:
-    """Per layer and slot of ``read.entries`` the single-row path's destination record (``restoring._Slot``) with
+    """Per layer and slot of ``read.entries`` the single-row path's destination record (``direct._Slot``) with
     the chunk tensors that fill it, which is what ``check_coverage`` compares; a tensor naming no slot is corrupt."""
     slots = [[restoring._Slot(i, j, s) for j, s in enumerate(e.tensors)] for i, e in enumerate(read.entries)]
     for c, (ref, reader) in enumerate(zip(read.needed, readers)):

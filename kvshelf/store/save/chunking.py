@@ -59,7 +59,7 @@ class Region:
         return tuple(self.host.shape)
 
 
-class BlobPlan:
+class ChunkPlan:
     """One blob to write: the token range it covers ([0, 0) for the untokened blob) and its tensors' regions; the
     pieces (zero-copy runs) are made on first use."""
 
@@ -78,11 +78,11 @@ class BlobPlan:
         return sum(r.host.nbytes for r in self.regions)
 
     def descriptor(self) -> bytes:
-        """What the content hash starts with (``blobfile.descriptor`` of the pieces), without making them."""
+        """What the content hash starts with (``chunkfile.descriptor`` of the pieces), without making them."""
         return descriptor(self.regions)
 
 
-def plan_blobs(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_tokens: int) -> list[BlobPlan]:
+def plan_chunks(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_tokens: int) -> list[ChunkPlan]:
     """Chunk blobs in token order, then (if any) the blob of tensors without a token axis."""
     hosts = [[host_view(a) for a in row] for row in arrays]
     extent = 0
@@ -100,7 +100,7 @@ def plan_blobs(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_to
                     continue
                 region = axis_window(host, slot.token_axis, start, min(stop, host.shape[slot.token_axis]))
                 pieces.append(Region(f"{i}.{j}.{slot.name}", slot.dtype, region))
-        plans.append(BlobPlan(start, stop, pieces))
+        plans.append(ChunkPlan(start, stop, pieces))
     own = [
         Region(f"{i}.{j}.{slot.name}", slot.dtype, host)
         for i, (entry, row) in enumerate(zip(entries, hosts))
@@ -108,8 +108,8 @@ def plan_blobs(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_to
         if slot.token_axis is None
     ]
     if own:
-        plans.append(BlobPlan(0, 0, own))
+        plans.append(ChunkPlan(0, 0, own))
     return plans
 
 
-__all__ = ["BlobPlan", "Region", "host_view", "plan_blobs", "runs"]
+__all__ = ["ChunkPlan", "Region", "host_view", "plan_chunks", "runs"]

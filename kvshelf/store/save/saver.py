@@ -29,8 +29,8 @@ from ..index import ledger
 from ..index import schema as mf
 from . import hash_reuse as unchanged
 from ..objects.chunkfile import raw_buffers
-from .chunking import BlobPlan, plan_blobs
-from ..index.schema import BlobRef, Manifest
+from .chunking import ChunkPlan, plan_chunks
+from ..index.schema import ChunkRef, Manifest
 from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate
 from ..liveness.transactions import Transactions
@@ -74,15 +74,15 @@ def capture(provider, session_id: str, tokens, caches, namespace: str) -> Captur
     return Capture(session_id, namespace, toks, entries, arrays, nbytes, marks)
 
 
-def chunk_metadata(ref: BlobRef) -> dict[str, str]:
+def chunk_metadata(ref: ChunkRef) -> dict[str, str]:
     """The safetensors metadata every chunk frame carries (format tag, content hash, token range)."""
     return {"format": "kvshelf-chunk-v1", "kvshelf.hash": ref.hash, "kvshelf.tokens": f"{ref.start}:{ref.stop}"}
 
 
-def _manifest(ctx: StoreContext, cap: Capture, sid: str, plans: list[BlobPlan], hashes: list[str]) -> Manifest:
+def _manifest(ctx: StoreContext, cap: Capture, sid: str, plans: list[ChunkPlan], hashes: list[str]) -> Manifest:
     chunks, own = [], []
     for plan, h in zip(plans, hashes):
-        ref = BlobRef(h, plan.start, plan.stop, plan.nbytes)
+        ref = ChunkRef(h, plan.start, plan.stop, plan.nbytes)
         (own if plan.stop == 0 else chunks).append(ref)
     ident = ctx.identity
     return Manifest(
@@ -94,7 +94,7 @@ def _manifest(ctx: StoreContext, cap: Capture, sid: str, plans: list[BlobPlan], 
         trimmable=all(ctx.provider.for_entry(e).header_trimmable(e) for e in cap.entries))
 
 
-def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[BlobPlan], sid: str, hashes: list[str],
+def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[ChunkPlan], sid: str, hashes: list[str],
                  hasher: unchanged.ChunkHasher):
     """The save's pack written while its chunks are hashed: chunk k+1 is hashed (and checked against the index)
     while chunk k is being written (``put_stream``). Returns (manifest, pack, size, placed)."""
@@ -113,7 +113,7 @@ def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[BlobPlan], sid: st
                     seen.add(h)
                     continue
                 seen.add(h)
-                ref = BlobRef(h, plan.start, plan.stop, plan.nbytes)
+                ref = ChunkRef(h, plan.start, plan.stop, plan.nbytes)
                 frame = raw_buffers(plan.pieces, chunk_metadata(ref))
                 builder.add(h, frame, keep=False)
                 yield frame
@@ -138,7 +138,7 @@ class Saver:
     def write(self, cap: Capture) -> SnapshotInfo:
         ctx = self.ctx
         t0 = time.perf_counter()
-        plans = plan_blobs(cap.entries, cap.arrays, ctx.chunk_tokens)
+        plans = plan_chunks(cap.entries, cap.arrays, ctx.chunk_tokens)
         sid = uuid.uuid4().hex
         stream = ctx.max_bytes is None and capability(ctx.bytes, "supports_streaming")
         hashes: list[str] = []
@@ -148,7 +148,7 @@ class Saver:
                 hasher.bind(txn)
             hashes = [hasher(plan) for plan in plans]
             manifest = _manifest(ctx, cap, sid, plans, hashes)
-            need = sum(r.nbytes for r in {r.hash: r for r in manifest.blobs}.values())
+            need = sum(r.nbytes for r in {r.hash: r for r in manifest.all_chunks}.values())
             if ctx.max_bytes is not None and need > ctx.max_bytes:
                 raise StoreFull(f"snapshot of session {cap.session_id!r} needs {need} bytes, more than the store "
                                 f"budget max_bytes={ctx.max_bytes}; nothing was written")
@@ -165,10 +165,10 @@ class Saver:
                     todo = []
                 else:
                     with ctx.index.read() as txn:
-                        todo = [r for r in {r.hash: r for r in manifest.blobs}.values()
+                        todo = [r for r in {r.hash: r for r in manifest.all_chunks}.values()
                                 if txn.get("chunks", bytes.fromhex(r.hash)) is None]
                 by_hash = dict(zip(hashes, plans))
-                unique = {r.hash: r for r in manifest.blobs}
+                unique = {r.hash: r for r in manifest.all_chunks}
                 written = sum(unique[h].nbytes for h in placed)
                 n_written = len(placed)
                 for _attempt in range(5):  # the first pack carries the manifest; a retry's only what it re-writes

@@ -1,7 +1,7 @@
 """Removals on a full disk: delete, quarantine and gc must work exactly when the disk is full.
 
 Why a room of its own: making space is what an operator does on a full disk, so the paths that free space cannot
-themselves need space they do not have. Reads need none at all (``objlocks.py``); a removal's index commit needs a
+themselves need space they do not have. Reads need none at all (``liveness/object_locks.py``); a removal's index commit needs a
 few pages (LMDB is copy-on-write), and gets them in this order of resort:
 
 1. the commit as it is (pages LMDB can reuse from its free list need no new block);

@@ -3,9 +3,9 @@
 LMDB is copy-on-write: deleting a session on a full filesystem needs fresh pages, so ``delete`` (the one thing that
 would make room) failed with ``StoreFull`` exactly when it was needed. Each store keeps ``locks/reserve``, a file
 allocated with ``posix_fallocate``; a delete, quarantine or gc that meets ``StoreFull`` truncates it and retries
-(``fulldisk.py``), and the space freed afterwards is taken back (``ensure``) by the delete, ``gc`` and each handle's
+(``space/full_disk.py``), and the space freed afterwards is taken back (``ensure``) by the delete, ``gc`` and each handle's
 open. Best effort everywhere: a filesystem without room for the reserve simply has none, and then the removal paths
-first free what is certainly dead (``fulldisk.py``).
+first free what is certainly dead (``space/full_disk.py``).
 
 Why a fixed 512 KiB was not enough: a delete rewrites every B-tree page it touches. Its prefix records (one per
 16-token boundary) have random keys, so in a store of many long sessions nearly each lands on a page of its own.
