@@ -22,6 +22,7 @@ from ..codecs import CodecProvider
 from ..errors import KvShelfError
 from .identity import Identity
 from .index.lmdb_env import Index
+from .prefix import records
 from .index.protocol import IndexStore
 from .liveness import object_locks as objlocks, open_lock as openlock
 from .liveness.lease_files import LeaseBook
@@ -143,7 +144,8 @@ class StoreContext:
         try:
             if capability(objects, "reaps_tmp"):
                 objects.reap_tmp()
-            index = index_store if index_store is not None else Index(os.path.join(root, "index"), map_size=map_size)
+            index = index_store if index_store is not None else Index(os.path.join(root, "index"), map_size=map_size,
+                                                                       retag_prefix_records=records.rebuild_table)
         except BaseException:
             openlock.release(lock_key)
             raise

@@ -79,6 +79,13 @@ class EncodedLatentCache(RightJustifiedRows):
         return self._stored()
 
     @property
+    def persisted_state(self) -> list[mx.array]:
+        """``state`` in persisted form: the planes as the encoding writes them (TurboQuant k8 codes flipped back),
+        then the shadow — the bytes a snapshot of this cache stores."""
+        planes = self._codec.stored(self._planes.views()) if self._planes else []
+        return [*planes, *(self._shadow.views() if self._shadow is not None else [])]
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: planes, shadow and read buffer, spare capacity included."""
         held = self._planes.nbytes + (self._shadow.nbytes if self._shadow is not None else 0)

@@ -80,6 +80,11 @@ class PagedLatentCache(ReuseFloor):
         """Every row's pools in held form (``family_codec``; ``persisted_pools`` gives what a snapshot writes)."""
         return [pool for row in self._rows for pool in row.pools]
 
+    @property
+    def persisted_state(self) -> list[mx.array]:
+        """``state`` in persisted form (the pools' bytes as a snapshot writes them)."""
+        return [pool for row in self._rows for pool in self.persisted_pools(row.pools)]
+
     def persisted_pools(self, pools: Sequence[mx.array]) -> list[mx.array]:
         """Held pools (``pages[i].pools``) -> the persisted planes' bytes (TurboQuant k8 codes flip back)."""
         return self._codec.stored(pools)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ...errors import CorruptData
 from ..context import StoreContext
-from ..index import keys, ledger
+from ..index import keys
+from ..liveness import ledger
 from ..index import schema as mf
 from ..objects.local import open_object
 from ..index.schema import ChunkMeta, Summary

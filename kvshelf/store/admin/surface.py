@@ -13,7 +13,8 @@ from typing import Any
 
 from ...errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError
 from ..context import StoreContext
-from ..index import keys, ledger
+from ..index import keys, tables
+from ..liveness import ledger
 from ..index import schema as mf
 from ..index.protocol import meta_int
 from ..index.schema import ChunkRef, ChunkMeta, Manifest, PackMeta, Summary
@@ -138,7 +139,10 @@ class StoreAdmin:
             if ctx.id_key is not None:
                 for key, _ in txn.range("lru", ctx.id_key, keys.after_prefix(ctx.id_key)):
                     own += 1
-                    s = mf.decode(txn.get("summaries", keys.lru_sid(key)), Summary, "summary")
+                    s = tables.summary(txn, keys.lru_sid(key))
+                    if s is None:
+                        raise CorruptData(f"LRU record {key.hex()} names snapshot {keys.lru_sid(key).hex()}, which has "
+                                          f"no summary (a damaged index: run `kvshelf verify`)")
                     own_bytes += s.nbytes
             n_quarantined = txn.count("quarantine")
         doc = {"root": ctx.root, "model_id": None if ctx.identity is None else ctx.identity.model_id,

@@ -32,7 +32,6 @@ import lmdb
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
 from . import lmdb_check as lmdbcheck
-from ..prefix import records
 from .. import syncs
 from .protocol import DUP_TABLES, PLAIN_TABLES, Batching
 from .lmdb_txn import LmdbTxn
@@ -90,7 +89,10 @@ class Index(Batching):
     supports_page_stats = True  # pages on this disk: a delete's commit may need fresh ones (space/reserve.py)
     lmdb_directory = True  # copy_to / reopen / map_size / users (the offline tools' index swap)
 
-    def __init__(self, path: str, map_size: int = 64 << 30):
+    def __init__(self, path: str, map_size: int = 64 << 30, retag_prefix_records=None):
+        """``retag_prefix_records(txn)``: what re-tags the prefix records of an index older than format 3 (the
+        prefix room owns those records, and the index imports no room above it: the store passes it in)."""
+        self._retag = retag_prefix_records
         ensure_dir(path)
         self.path = os.path.realpath(path)
         self.pid = os.getpid()
@@ -130,7 +132,8 @@ class Index(Batching):
                     txn.put("meta", b"format", struct.pack("<Q", INDEX_FORMAT))
                     if found is None or found < 2:  # v1 leases: gone with commits
                         txn.raw.drop(self.env.open_db(b"leases", txn=txn.raw), delete=True)
-                    records.rebuild_table(txn)  # formats 1, 2: prefix records tagged by snapshot, re-tagged
+                    if self._retag is not None:  # formats 1, 2: prefix records tagged by snapshot, re-tagged
+                        self._retag(txn)
             else:
                 raise IncompatibleFormat(f"index at {self.path} has format {found}, "
                                          f"this kvshelf reads format {INDEX_FORMAT}")
@@ -210,7 +213,7 @@ class Index(Batching):
 
     def reopen(self, map_size: int) -> "Index":
         """A fresh handle on this directory (after the tools replaced it while this one was closed)."""
-        return Index(self.path, map_size=map_size)
+        return Index(self.path, map_size=map_size, retag_prefix_records=self._retag)
 
     def copy_to(self, target: str) -> None:
         """A compacting copy of the environment into directory ``target`` (``rebuild`` / ``compact`` swap it in);

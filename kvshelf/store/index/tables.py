@@ -11,6 +11,33 @@ from __future__ import annotations
 
 import msgspec
 
+from . import schema as mf
+from .schema import ChunkMeta, Manifest, PackMeta, Summary
+
+
+def manifest(txn, sid: bytes) -> Manifest | None:
+    """The snapshot's manifest record (None: not indexed; ``CorruptData`` naming it when damaged)."""
+    raw = txn.get("manifests", sid)
+    return None if raw is None else mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()}")
+
+
+def summary(txn, sid: bytes) -> Summary | None:
+    """The snapshot's summary record (None: not indexed)."""
+    raw = txn.get("summaries", sid)
+    return None if raw is None else mf.decode(raw, Summary, f"summary {bytes(sid).hex()}")
+
+
+def chunk_meta(txn, hash_: str) -> ChunkMeta | None:
+    """The chunk's record: refcount, bytes, encoding, last use, location (None: not indexed)."""
+    raw = txn.get("chunks", bytes.fromhex(hash_))
+    return None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
+
+
+def pack_meta(txn, pack: str) -> PackMeta | None:
+    """The pack's record: live chunks and bytes, size, manifests held (None: not indexed)."""
+    raw = txn.get("packs", pack.encode())
+    return None if raw is None else mf.decode(raw, PackMeta, f"pack record {pack}")
+
 
 def quarantined_objects(index, txn) -> set[str]:
     """Object names every quarantine record of ``index`` keeps (a record that does not decode keeps nothing)."""
@@ -24,4 +51,4 @@ def quarantined_objects(index, txn) -> set[str]:
     return out
 
 
-__all__ = ["quarantined_objects"]
+__all__ = ["chunk_meta", "manifest", "pack_meta", "quarantined_objects", "summary"]

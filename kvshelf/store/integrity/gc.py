@@ -9,7 +9,8 @@ import dataclasses
 
 from ...errors import StoreBusy, StoreFull
 from ..context import StoreContext
-from ..index import keys, ledger
+from ..index import keys
+from ..liveness import ledger
 from ..index.protocol import IndexStore
 from ..index.tables import quarantined_objects
 from ..liveness.reclaim import Reclaimer

@@ -13,7 +13,8 @@ import msgspec
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError
 from ..context import StoreContext
-from ..index import keys, ledger
+from ..index import keys
+from ..liveness import ledger
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
 from ..objects.local import open_object

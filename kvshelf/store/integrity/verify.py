@@ -12,7 +12,8 @@ import msgspec
 import numpy as np
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy
-from ..index import keys, ledger
+from ..index import keys
+from ..liveness import ledger
 from ..prefix import records
 from . import verify_counts as verifying
 from ..index import schema as mf

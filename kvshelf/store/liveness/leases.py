@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 from ...errors import SnapshotNotFound, StoreFull
 from ..context import StoreContext
-from ..index import keys, ledger
-from ..index import schema as mf
-from ..index.schema import ChunkRef, ChunkMeta, Lease, Manifest
+from ..index import keys, tables
+from . import ledger
+from ..index.schema import ChunkRef, Lease, Manifest
 from ..objects.protocol import capability
 from .object_locks import lock_objects
 from .reclaim import Reclaimer
@@ -47,11 +47,11 @@ class Leases:
             raise Gone
         where = {}
         for r in refs:
-            raw = txn.get("chunks", bytes.fromhex(r.hash))
-            if raw is None:  # unreferenced: maybe already unlinked (the manifest in hand was rewritten since)
+            meta = tables.chunk_meta(txn, r.hash)
+            if meta is None:  # unreferenced: maybe already unlinked (the manifest in hand was rewritten since)
                 raise Stale(f"snapshot {manifest.snapshot_id} of session {manifest.session_id!r} was rewritten "
                             f"(compacted) after its manifest was read")
-            where[r.hash] = keys.location(r.hash, mf.decode(raw, ChunkMeta, f"chunk record {r.hash}"))
+            where[r.hash] = keys.location(r.hash, meta)
         return where
 
     def take(self, manifest: Manifest, refs: list[ChunkRef], with_where: bool = False):

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..context import StoreContext
-from ..index import keys, ledger
+from ..index import keys
+from . import ledger
 from ..index.tables import quarantined_objects
 from ..objects.protocol import capability
 from .lease_files import Unknown

@@ -14,8 +14,8 @@ import msgspec
 
 from ...errors import KvShelfError
 from ..context import StoreContext
-from ..index import keys, ledger
-from ..index import schema as mf
+from ..index import keys, tables
+from . import ledger
 from ..objects.protocol import put_unsynced
 from . import removers_lock as removers
 from .reclaim import Reclaimer
@@ -32,10 +32,9 @@ class Removal:
 
     def drop(self, txn, sid: bytes, reason: str = "") -> Dropped | None:
         """Drop a snapshot in ``txn``: (sid, objects freed, tombstone), or None when it is not indexed."""
-        raw = txn.get("summaries", sid)
-        if raw is None:
+        s = tables.summary(txn, sid)
+        if s is None:
             return None
-        s = mf.decode(raw, mf.Summary, f"summary {sid.hex()}")
         for follower in self.followers:
             follower.forget(txn, s)
         tomb = msgspec.msgpack.encode([keys.summary_session_key(s), s.created_at, reason])

@@ -14,9 +14,8 @@ from collections.abc import Callable
 import msgspec
 
 from ..context import StoreContext
-from ..index import keys
+from ..index import keys, tables
 from ..index import schema as mf
-from ..index.schema import ChunkMeta, Summary
 
 TOUCH_FLUSH_SECONDS = 2.0
 
@@ -84,19 +83,16 @@ class UseBook:
     @staticmethod
     def apply(txn, sid: bytes, now: int, hashes: list[str]) -> None:
         """Write one use: the summary's last-used time and LRU key, and each chunk's last use."""
-        raw = txn.get("summaries", sid)
-        if raw is None:
+        s = tables.summary(txn, sid)
+        if s is None:
             return
-        s = mf.decode(raw, Summary, "summary")
         txn.delete("lru", keys.lru_key(s.id_key, s.last_used_ns, sid))
         txn.put("lru", keys.lru_key(s.id_key, now, sid), b"")
         txn.put("summaries", sid, mf.encode(msgspec.structs.replace(s, last_used_ns=now)))
         for h in hashes:
-            k = bytes.fromhex(h)
-            raw = txn.get("chunks", k)
-            if raw is not None:
-                m = mf.decode(raw, ChunkMeta, "chunk record")
-                txn.put("chunks", k, mf.encode(msgspec.structs.replace(m, last_used_ns=now)))
+            m = tables.chunk_meta(txn, h)
+            if m is not None:
+                txn.put("chunks", bytes.fromhex(h), mf.encode(msgspec.structs.replace(m, last_used_ns=now)))
 
 
 __all__ = ["TOUCH_FLUSH_SECONDS", "UseBook"]

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ..index import schema as mf
+from ..index import schema as mf, tables
 from ..index.protocol import IndexTxn
 from ..index.schema import Summary
 from .source import Bounds
@@ -49,8 +49,7 @@ class IndexRecords:
     def summaries(self, sids: Sequence[bytes]) -> list[Summary | None]:
         out = []
         for sid in sids:
-            raw = self.txn.get("summaries", sid)
-            s = None if raw is None else mf.decode(raw, Summary, f"summary {sid.hex()}")
+            s = tables.summary(self.txn, sid)
             if s is not None:
                 self._sessions[sid] = s.session_id
             out.append(s)

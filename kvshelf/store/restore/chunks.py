@@ -9,8 +9,7 @@ called corrupt once the index, read again, still places the chunk there; otherwi
 from __future__ import annotations
 
 from ...errors import CorruptData
-from ..index import keys
-from ..index import schema as mf
+from ..index import keys, tables
 from ..index.protocol import IndexStore
 from ..index.schema import ChunkMeta
 from ..objects.chunkfile import ChunkReader
@@ -22,8 +21,7 @@ from . import direct as restoring
 def chunk_info(index: IndexStore, hash_: str) -> ChunkMeta | None:
     """Refcount, payload bytes, stored bytes, encoding, last use and location of an indexed chunk."""
     with index.read() as txn:
-        raw = txn.get("chunks", bytes.fromhex(hash_))
-    return None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
+        return tables.chunk_meta(txn, hash_)
 
 
 def open_chunk(index: IndexStore, byte_store: ByteStore, hash_: str, verify: bool = True) -> ChunkReader:

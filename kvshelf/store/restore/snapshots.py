@@ -13,7 +13,7 @@ from ...errors import CorruptData, IdentityMismatch, InvalidCacheState, Snapshot
 from .. import inputs
 from ..context import StoreContext
 from ..identity import namespace_key
-from ..index import keys
+from ..index import keys, tables
 from ..index import schema as mf
 from ..index.schema import Manifest
 from ..results import SessionInfo
@@ -50,10 +50,10 @@ class Snapshots:
             return txn.get("manifests", bytes.fromhex(snapshot_id)) is not None
 
     def in_txn(self, txn, sid: bytes) -> Manifest:
-        raw = txn.get("manifests", sid)
-        if raw is None:
+        m = tables.manifest(txn, sid)
+        if m is None:
             raise SnapshotNotFound(f"snapshot {sid.hex()} is not in the store at {self.ctx.root}")
-        return mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+        return m
 
     def check_identity(self, manifest: Manifest) -> None:
         for name in ("model_id", "config_fingerprint", "tokenizer_hash"):
@@ -86,10 +86,9 @@ class Snapshots:
         out = []
         with self.ctx.index.read() as txn:
             for _key, sid in txn.range("sessions", prefix, keys.after_prefix(prefix)):
-                raw = txn.get("summaries", sid)
-                if raw is None:
+                s = tables.summary(txn, sid)
+                if s is None:
                     continue
-                s = mf.decode(raw, mf.Summary, "summary")
                 used = max(s.last_used_ns, touched.get(bytes(sid), 0))
                 out.append(SessionInfo(s.session_id, s.namespace, bytes(sid).hex(), s.length, s.nbytes,
                                        s.created_at, used / 1e9))

@@ -25,7 +25,7 @@ import numpy as np
 from ...errors import InvalidCacheState, KvShelfError, StoreFull
 from .. import inputs
 from ..context import StoreContext
-from ..index import ledger
+from ..liveness import ledger
 from ..index import schema as mf
 from . import hash_reuse as unchanged
 from ..objects.chunkfile import raw_buffers

@@ -25,7 +25,7 @@ import msgspec
 
 from ...errors import InvalidCacheState, KvShelfError, SnapshotNotFound
 from ..identity import namespace_key
-from ..index import keys, schema as mf
+from ..index import keys, tables
 from ..context import StoreContext
 from ..index.schema import Summary
 
@@ -99,8 +99,7 @@ class Pins:
 
     @staticmethod
     def _summary(txn, sid: bytes) -> Summary | None:
-        raw = txn.get("summaries", sid)
-        return None if raw is None else mf.decode(raw, Summary, f"summary {sid.hex()}")
+        return tables.summary(txn, sid)
 
     def _current(self, txn, skey: bytes) -> Summary | None:
         sid = txn.get("sessions", skey)

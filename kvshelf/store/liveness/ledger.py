@@ -17,11 +17,14 @@ import time
 
 import numpy as np
 
-from . import keys
+from msgspec.structs import replace
+
+from ...errors import CorruptData
+from ..index import keys, tables
 from ..prefix import records
-from . import schema as mf
-from .schema import ChunkMeta, Manifest, PackMeta, Summary
-from .protocol import meta_int, set_meta_int
+from ..index import schema as mf
+from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
+from ..index.protocol import meta_int, set_meta_int
 
 
 class MissingChunks(Exception):
@@ -35,16 +38,12 @@ class MissingChunks(Exception):
 Placed = dict[str, tuple[str, int, int, str, int]]  # hash -> (pack, offset, length, encoding, pack size), unindexed
 
 
-def _pack_meta(index, txn, pack: str) -> PackMeta | None:
-    raw = txn.get("packs", pack.encode())
-    return None if raw is None else mf.decode(raw, PackMeta, f"pack record {pack}")
-
-
 def _bump_pack(index, txn, pack: str, chunks: int = 0, nbytes: int = 0, manifests: int = 0,
                size: int | None = None) -> None:
-    m = _pack_meta(index, txn, pack) or PackMeta(0, 0, size or 0, 0)
-    txn.put("packs", pack.encode(), mf.encode(PackMeta(m.live_chunks + chunks, m.live_bytes + nbytes,
-                                              size if size is not None else m.size, m.manifests + manifests)))
+    m = tables.pack_meta(txn, pack) or PackMeta(0, 0, size or 0, 0)
+    txn.put("packs", pack.encode(), mf.encode(replace(m, live_chunks=m.live_chunks + chunks,
+                                                      live_bytes=m.live_bytes + nbytes, manifests=m.manifests + manifests,
+                                                      size=size if size is not None else m.size)))
 
 
 def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Placed,
@@ -60,7 +59,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     idk, nsk, skey = keys.manifest_keys(manifest)
     sid = bytes.fromhex(manifest.snapshot_id)
     total = meta_int(txn, b"total_bytes")
-    if pack and _pack_meta(index, txn, pack) is None:
+    if pack and tables.pack_meta(txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
     for h, ref in unique.items():
         raw = chunk_records[h]
@@ -71,12 +70,12 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
             meta = ChunkMeta(1, ref.nbytes, length, encoding, now, where, offset)
             total += length
             if where:
-                if _pack_meta(index, txn, where) is None:
+                if tables.pack_meta(txn, where) is None:
                     _bump_pack(index, txn, where, size=size)
                 _bump_pack(index, txn, where, chunks=1, nbytes=length)
         else:
             m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
-            meta = ChunkMeta(m.refs + 1, m.nbytes, m.stored_bytes, m.encoding, now, m.pack, m.offset)
+            meta = replace(m, refs=m.refs + 1, last_used_ns=now)
         txn.put("chunks", bytes.fromhex(h), mf.encode(meta))
     set_meta_int(txn, b"total_bytes", total)
     if pack:
@@ -103,11 +102,13 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
     """Remove a snapshot from the index; returns the objects (packs, v1 blobs, its v1 manifest file) that may have
     lost their last use. Its session's prefix records and head go with it (if it is the head) unless
     ``prefix_records`` is False: ``commit`` has already moved them to the snapshot replacing it."""
-    raw = txn.get("manifests", sid)
-    if raw is None:
+    manifest = tables.manifest(txn, sid)
+    if manifest is None:
         return []
-    manifest = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
-    summary = mf.decode(txn.get("summaries", sid), Summary, f"summary {sid.hex()}")
+    summary = tables.summary(txn, sid)
+    if summary is None:
+        raise CorruptData(f"snapshot {sid.hex()} has a manifest record but no summary record (a damaged index: run "
+                          f"`kvshelf verify`)")
     for name in ("manifests", "summaries", "tokens"):
         txn.delete(name, sid)
     skey = keys.summary_session_key(summary)
@@ -120,10 +121,9 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
     total = meta_int(txn, b"total_bytes")
     for h in {r.hash for r in manifest.all_chunks}:
         key = bytes.fromhex(h)
-        raw = txn.get("chunks", key)
-        if raw is None:
+        m = tables.chunk_meta(txn, h)
+        if m is None:
             continue
-        m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
         if m.refs <= 1:
             txn.delete("chunks", key)
             total -= m.stored_bytes
@@ -132,8 +132,7 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
                 _bump_pack(index, txn, where, chunks=-1, nbytes=-m.stored_bytes)
             candidates.append(where)
         else:
-            txn.put("chunks", key, mf.encode(ChunkMeta(m.refs - 1, m.nbytes, m.stored_bytes, m.encoding, m.last_used_ns,
-                                             m.pack, m.offset)))
+            txn.put("chunks", key, mf.encode(replace(m, refs=m.refs - 1)))
     set_meta_int(txn, b"total_bytes", total)
     if summary.pack:
         _bump_pack(index, txn, summary.pack, manifests=-1)
@@ -147,41 +146,37 @@ def move_chunk(index, txn, hash_: str, pack: str, offset: int, length: int, enco
                pack_size: int) -> list[str]:
     """Point an indexed chunk at a new copy (recompression, repacking); returns the object it left."""
     key = bytes.fromhex(hash_)
-    raw = txn.get("chunks", key)
-    if raw is None:
+    m = tables.chunk_meta(txn, hash_)
+    if m is None:
         return []
-    m = mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
     old = keys.location(hash_, m)[0]
     if old == pack and m.offset == offset:
         return []
     if keys.is_pack(old):
         _bump_pack(index, txn, old, chunks=-1, nbytes=-m.stored_bytes)
-    if _pack_meta(index, txn, pack) is None:
+    if tables.pack_meta(txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
     _bump_pack(index, txn, pack, chunks=1, nbytes=length)
     total = meta_int(txn, b"total_bytes") - m.stored_bytes + length
     set_meta_int(txn, b"total_bytes", total)
-    txn.put("chunks", key, mf.encode(ChunkMeta(m.refs, m.nbytes, length, encoding, m.last_used_ns, pack, offset)))
+    txn.put("chunks", key, mf.encode(replace(m, stored_bytes=length, encoding=encoding, pack=pack, offset=offset)))
     return [old]
 
 
 def move_manifest(index, txn, sid: bytes, pack: str, pack_size: int) -> list[str]:
     """The snapshot's manifest now lies in ``pack`` too (an in-place rewrite): returns the object it left."""
-    raw = txn.get("summaries", sid)
-    if raw is None:
+    s = tables.summary(txn, sid)
+    if s is None:
         return []
-    s = mf.decode(raw, Summary, f"summary {sid.hex()}")
     if s.pack == pack:
         return []
     old = s.pack or keys.legacy_manifest(sid.hex())
     if s.pack:
         _bump_pack(index, txn, s.pack, manifests=-1)
-    if _pack_meta(index, txn, pack) is None:
+    if tables.pack_meta(txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
     _bump_pack(index, txn, pack, manifests=1)
-    txn.put("summaries", sid, mf.encode(Summary(s.id_key, s.ns_key, s.session_id, s.namespace, s.length,
-                                   s.minimum_reusable_offset, s.trimmable, s.nbytes, s.created_at, s.last_used_ns,
-                                   pack)))
+    txn.put("summaries", sid, mf.encode(replace(s, pack=pack)))
     return [old]
 
 
@@ -189,23 +184,21 @@ def object_live(index, txn, name: str) -> bool:
     """Whether an object is still needed by the index: a pack with live chunks or a live manifest, a v1 blob whose
     chunk record still points at it, a v1 manifest file of an indexed snapshot."""
     if keys.is_pack(name):
-        m = _pack_meta(index, txn, name)
+        m = tables.pack_meta(txn, name)
         return m is not None and (m.live_chunks > 0 or m.manifests > 0)
     legacy = keys.parse_legacy_blob(name)
     if legacy is not None:
         h, encoding = legacy
-        raw = txn.get("chunks", bytes.fromhex(h))
-        if raw is None:
-            return False
-        m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
-        return not m.pack and m.encoding == encoding
+        m = tables.chunk_meta(txn, h)
+        return m is not None and not m.pack and m.encoding == encoding
     if name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
         sid_hex = name[len(keys.LEGACY_MANIFESTS):-len(".msgpack")]
         try:
-            raw = txn.get("summaries", bytes.fromhex(sid_hex))
+            sid = bytes.fromhex(sid_hex)
         except ValueError:
             return False
-        return raw is not None and not mf.decode(raw, Summary, f"summary {sid_hex}").pack  # not moved into a pack
+        s = tables.summary(txn, sid)
+        return s is not None and not s.pack  # not moved into a pack
     return True  # anything else is not the ledger's to remove
 
 
