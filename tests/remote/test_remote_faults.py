@@ -18,8 +18,7 @@ from redis_servers import RedisServer, redis_server  # noqa: F401  (fixture)
 from kvshelf import Identity, open_store
 from kvshelf.errors import SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
-from kvshelf.store.remote import fetch as fetch_mod
-from kvshelf.store.remote import tier as tier_mod
+from kvshelf.store import seams
 
 IDENTITY = Identity("remote-test", config_fingerprint="cfg", tokenizer_hash="tok")
 G = LatentGeometry(kv_lora_rank=16, rope_head_dim=8)
@@ -73,9 +72,9 @@ def check_outcome(store, prompt, expect_tokens):
 
 @pytest.fixture
 def hooks():
-    yield tier_mod
-    fetch_mod.FETCH_HOOK = None
-    tier_mod.PUBLISH_HOOK = None
+    yield seams
+    seams.FETCH_HOOK.clear()
+    seams.PUBLISH_HOOK.clear()
 
 
 @READS
@@ -95,7 +94,7 @@ def test_server_killed_mid_fetch_is_a_clean_miss(tmp_path, hooks, direct):
                 if i == 0:
                     server.kill()
 
-            fetch_mod.FETCH_HOOK = kill_after_first
+            seams.FETCH_HOOK.append(kill_after_first)
             assert check_outcome(b, toks + [5], toks) is None
             assert batches == [0] and b.tier.counters["restore_misses"] >= 1
             assert b.sessions() == [] and a.restore("s").length == 256  # A's local copy is untouched
@@ -116,7 +115,7 @@ def test_server_killed_mid_publish_leaves_local_store_whole(tmp_path, hooks):
                 if len(uploads) == 2:
                     server.kill()
 
-            hooks.PUBLISH_HOOK = kill_after_two
+            seams.PUBLISH_HOOK.append(kill_after_two)
             info = a.save("s", toks, caches_for(toks))
             assert a.tier.flush(30)
             assert a.tier.counters["publish_failed"] == 1 and a.tier.counters["published"] == 0
@@ -140,7 +139,7 @@ def test_connection_cut_mid_publish_leaves_no_index_entry(tmp_path, redis_server
                 if len(uploads) == 2:
                     proxy.close()
 
-            hooks.PUBLISH_HOOK = cut_after_two
+            seams.PUBLISH_HOOK.append(cut_after_two)
             a.save("s", toks, caches_for(toks))
             assert a.tier.flush(30) and a.tier.counters["publish_failed"] == 1
             assert a.verify(deep=True) == [] and a.restore("s").length == 256

@@ -10,14 +10,14 @@ from redis_servers import _cluster_servers, redis_cluster, redis_server  # noqa:
 from test_remote_faults import bits_of, caches_for, host, published, tokens
 from tools_data import run_json
 
-from kvshelf.store.remote import tier as tier_mod
+from kvshelf.store import seams
 from kvshelf.store.remote.maintenance import RemoteAdmin
 
 
 @pytest.fixture
 def hooks():
-    yield tier_mod
-    tier_mod.PUBLISH_HOOK = None
+    yield seams
+    seams.PUBLISH_HOOK.clear()
 
 
 def chunk_keys(client) -> set[str]:
@@ -64,12 +64,12 @@ def test_gc_waits_for_a_publish_in_progress(tmp_path, redis_server, hooks):
         release.wait(30)
 
     with host(tmp_path / "a", redis_server.url) as a, RemoteAdmin(redis_server.url) as admin:
-        hooks.PUBLISH_HOOK = pause
+        seams.PUBLISH_HOOK.append(pause)
         a.save("s", toks, caches_for(toks))
         assert uploading.wait(30)
         report = admin.gc(wait=0.2)  # the first chunk is uploaded, its entry not yet committed
         assert report["skipped"] == "a publish is in progress" and len(chunk_keys(admin.client)) == 1
-        hooks.PUBLISH_HOOK = None
+        seams.PUBLISH_HOOK.clear()
         release.set()
         assert a.tier.flush(30) and a.tier.counters["published"] == 1
         assert admin.gc()["chunks"] == 0

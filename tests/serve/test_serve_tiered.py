@@ -19,7 +19,7 @@ from store_cases import flip_chunk_byte
 
 from kvshelf import Identity, open_store
 from kvshelf.mlx_lm import TieredPromptCache
-from kvshelf.store import seams as blobs
+from kvshelf.store import seams
 
 KEY = ("tiny-llama", None, None)
 T = [5, 17, 42, 8, 77, 3, 61, 29, 90, 11, 13, 21, 34, 55, 2, 4, 6, 9, 12, 15]
@@ -106,11 +106,12 @@ def test_a_full_write_queue_skips_and_counts_instead_of_blocking(llama, store):
     assert store.lookup(T + [1]) is not None and store.lookup([60, 61, 62, 63, 1]) is None
 
 
-def test_a_full_disk_is_counted_and_generation_goes_on_from_ram(llama, store, monkeypatch):
+def test_a_full_disk_is_counted_and_generation_goes_on_from_ram(llama, store, request):
     def enospc(path, nbytes):
         raise OSError(errno.ENOSPC, "No space left on device (test)", path)
 
-    monkeypatch.setattr(blobs, "FAULT_HOOK", enospc)
+    seams.FAULT_HOOK.append(enospc)
+    request.addfinalizer(seams.FAULT_HOOK.clear)
     front = tiered(store)
     front.insert_cache(KEY, list(T), filled(llama, T))
     assert front.flush(timeout=60) and front.counters["writes_failed"] == 1

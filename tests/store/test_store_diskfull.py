@@ -160,8 +160,8 @@ def test_real_full_filesystem_during_the_index_commit_raises_store_full(small_fs
         _check_intact(store, saved)
 
 
-def test_injected_enospc_in_the_blob_writer_raises_store_full(tmp_path: Path, monkeypatch) -> None:
-    from kvshelf.store import seams as blobs
+def test_injected_enospc_in_the_blob_writer_raises_store_full(tmp_path: Path, request) -> None:
+    from kvshelf.store import seams
 
     store_dir = tmp_path / "store"
     saved: dict[str, int] = {}
@@ -172,7 +172,8 @@ def test_injected_enospc_in_the_blob_writer_raises_store_full(tmp_path: Path, mo
             raise OSError(errno.ENOSPC, "No space left on device", path)
         budget["left"] -= nbytes
 
-    monkeypatch.setattr(blobs, "FAULT_HOOK", full_disk)
+    seams.FAULT_HOOK.append(full_disk)
+    request.addfinalizer(seams.FAULT_HOOK.clear)
     with sw.open_test_store(store_dir) as store:
         _save(store, "f0-grow", 200)
         saved["f0-grow"] = 200

@@ -13,7 +13,7 @@ from codec_cases import CASES_BY_ID
 from store_cases import chunk_file, flip_chunk_byte, open_test_store, same_caches, session, token_ids
 
 from kvshelf.errors import CorruptData, SnapshotNotFound, StoreFull
-from kvshelf.store import seams as blobs_module
+from kvshelf.store import seams
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 PER_TOKEN = 2 * (64 + 32) * 4  # two f32 MLA layers of widths 64 + 32
@@ -30,7 +30,7 @@ def packs_on_disk(root):
 @pytest.fixture(autouse=True)
 def _no_fault_hook():
     yield
-    blobs_module.FAULT_HOOK = None
+    seams.FAULT_HOOK.clear()
 
 
 def test_restore_prefix_reads_only_the_chunks_covering_the_prefix(tmp_path):
@@ -121,13 +121,13 @@ def _enospc(path, nbytes):
 def test_save_async_failure_surfaces_in_flush_and_leaves_the_store_consistent(tmp_path):
     with open_test_store(tmp_path / "s", chunk_tokens=16) as store:
         store.save("a", token_ids(40), mla(40))
-        blobs_module.FAULT_HOOK = _enospc
+        seams.FAULT_HOOK.append(_enospc)
         fut = store.save_async("b", token_ids(40, seed=1), mla(40, seed=1))
         with pytest.raises(StoreFull, match="no space left"):
             store.flush()
         assert isinstance(fut.exception(), StoreFull)
         store.flush()  # the error was reported once
-        blobs_module.FAULT_HOOK = None
+        seams.FAULT_HOOK.clear()
         assert [s.session_id for s in store.sessions()] == ["a"]
         assert store.verify(deep=True) == []
         fut = store.save_async("b", token_ids(40, seed=1), mla(40, seed=1))
@@ -157,7 +157,7 @@ def _wait_blocked_in_submit(t: threading.Thread, timeout: float = 60.0) -> None:
 
 def test_save_async_blocks_when_queued_bytes_exceed_the_bound(tmp_path):
     gate = threading.Event()
-    blobs_module.FAULT_HOOK = lambda path, nbytes: gate.wait(10)
+    seams.FAULT_HOOK.append(lambda path, nbytes: gate.wait(10))
     returned = []
     with open_test_store(tmp_path / "s", chunk_tokens=16, max_pending_bytes=50 * PER_TOKEN) as store:
         store.save_async("a", token_ids(40), mla(40))  # 40 tokens queued, the writer blocks on the gate

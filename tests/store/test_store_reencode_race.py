@@ -1,6 +1,6 @@
 """Re-encoding a chunk is invisible to readers (issue 12): the interleaving "reader found the chunk's location ->
 re-encoding moves it and removes the old form -> reader opens" is forced through the test seam
-``restoring.BEFORE_OPEN`` (called between a reader's location lookup and its open), never left to timing.
+``kvshelf.store.seams.BEFORE_OPEN`` (called between a reader's location lookup and its open), never left to timing.
 
 Before issue 12, ``rewrite_chunk`` unlinked the other encoding without the writer lock and a reader in that window saw
 ``FileNotFoundError``, took it for corruption and quarantined a healthy snapshot.
@@ -14,14 +14,14 @@ import pytest
 from tools_data import MODEL, make_caches, same_reads
 
 from kvshelf import open_store
-from kvshelf.store.restore import direct as restoring
+from kvshelf.store import seams
 
 N = 40
 
 
 @pytest.fixture
 def hook():
-    hooks = restoring.BEFORE_OPEN
+    hooks = seams.BEFORE_OPEN
     yield hooks
     hooks.clear()
 

@@ -29,7 +29,7 @@ from tools_data import (
 from kvshelf import open_store  # noqa: E402
 from kvshelf.errors import KvShelfError  # noqa: E402
 from kvshelf.store import StoreBusy  # noqa: E402
-from kvshelf.store import seams as blobs_module  # noqa: E402
+from kvshelf.store import seams  # noqa: E402
 from kvshelf.tools import admin  # noqa: E402
 from kvshelf.tools.admin import open_admin  # noqa: E402
 from kvshelf.tools.compaction import compact  # noqa: E402
@@ -50,7 +50,7 @@ def store_dir(template, tmp_path) -> Path:
 @pytest.fixture(autouse=True)
 def _no_fault_hook():
     yield
-    blobs_module.FAULT_HOOK = None
+    seams.FAULT_HOOK.clear()
 
 
 def _bits(caches) -> list[bytes]:
@@ -80,7 +80,7 @@ def _save_during_manifest_write(root: Path, snapshot_id: str, session: str, toke
         worker.join(60)
         assert not errors, errors
 
-    blobs_module.FAULT_HOOK = hook
+    seams.FAULT_HOOK.append(hook)
     return fired
 
 
@@ -92,7 +92,7 @@ def test_replace_manifest_loses_cleanly_to_a_save_committed_after_its_read(store
         fired = _save_during_manifest_write(store_dir, sid, "s-mla", newer, make_caches("mla", 90, 42))
         assert store.replace_manifest(sid, old) is False  # the same manifest, but the session moved on meanwhile
         assert fired.is_set()
-        blobs_module.FAULT_HOOK = None
+        seams.FAULT_HOOK.clear()
         r = store.restore("s-mla")
         assert r.tokens == newer and _bits(r.caches) == _bits(make_caches("mla", 90, 42))
         assert store.verify(deep=True) == []
@@ -109,7 +109,7 @@ def test_compaction_skips_a_snapshot_saved_again_during_its_rewrite(store_dir) -
     with open_admin(store_dir) as store:
         report = compact(store, cold_after=3600.0, grace=0.0, compact_index=False)
         assert fired.is_set()
-        blobs_module.FAULT_HOOK = None
+        seams.FAULT_HOOK.clear()
         densify = report.step("densify")
         assert densify.count == 0 and len(densify.skipped) == 1
         assert densify.skipped[0].startswith(sid) and "saved again" in densify.skipped[0]

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import store_workers as sw  # noqa: E402
 
+from kvshelf.store import seams
 from kvshelf.store.index import schema as mf  # noqa: E402
 from kvshelf.store.integrity import verify_counts as verifying  # noqa: E402
 from kvshelf.store.index.schema import ChunkMeta  # noqa: E402
@@ -136,13 +137,13 @@ def test_verify_invents_nothing_while_another_process_saves_and_deletes(tmp_path
                 overlapped[0] += 1
 
             n_verifies = [0]
-            verifying.AFTER_BATCH.append(a_commit_lands_now)
+            seams.AFTER_BATCH.append(a_commit_lands_now)
             try:
                 for _ in range(40):
                     n_verifies[0] += 1
                     assert store.verify(deep=True) == []
             finally:
-                verifying.AFTER_BATCH.remove(a_commit_lands_now)
+                seams.AFTER_BATCH.remove(a_commit_lands_now)
             assert overlapped[0] == 40  # every verify had a commit land between two of its batches
             # real damage planted while the writer runs is still found, and only it: a chunk only f0-v-0 uses
             mine = store.manifest(next(s.snapshot_id for s in store.sessions() if s.session_id == "f0-v-0"))
@@ -166,8 +167,6 @@ if __name__ == "__main__" and sys.argv[1:2] == ["churn"]:
 
 def slow_remover(store_dir: str, committed: str, go: str) -> int:
     """Delete one session, stopping between the commit and the unlink of what it freed until ``go`` exists."""
-    from kvshelf.store.liveness import removers_lock as removers
-
     def pause() -> None:
         Path(committed).write_text("")
         for _ in range(12000):  # waits on the test's file (up to 120 s), never on a guess
@@ -175,7 +174,7 @@ def slow_remover(store_dir: str, committed: str, go: str) -> int:
                 return
             time.sleep(0.01)
 
-    removers.BEFORE_UNLINK.append(pause)
+    seams.BEFORE_UNLINK.append(pause)
     with sw.open_test_store(store_dir) as store:
         store.delete("f1-v-1")
     return 0
@@ -199,7 +198,7 @@ def test_a_remover_between_its_commit_and_its_unlink_is_not_residue(tmp_path):
             time.sleep(0.01)
         assert committed.exists(), proc.stderr.read() if proc.poll() is not None else "the remover never committed"
         released = []
-        verifying.BEFORE_CONFIRM.append(lambda: (go.write_text(""), released.append(1)))
+        seams.BEFORE_CONFIRM.append(lambda: (go.write_text(""), released.append(1)))
         try:
             with sw.open_test_store(root) as store:
                 assert [s.session_id for s in store.sessions() if s.session_id == "f1-v-1"] == []  # committed
@@ -207,7 +206,7 @@ def test_a_remover_between_its_commit_and_its_unlink_is_not_residue(tmp_path):
                 assert released == [1]  # there were residue candidates (the remover's packs), and they were waited for
                 assert store.verify(deep=True) == []
         finally:
-            verifying.BEFORE_CONFIRM.clear()
+            seams.BEFORE_CONFIRM.clear()
     finally:
         go.write_text("")
         _out, err = proc.communicate(timeout=120)

@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy
+from .. import seams
 from ..index import keys
 from ..liveness import ledger
 from ..prefix import records
@@ -99,7 +100,7 @@ def _verify(v: Verifier, deep: bool, out: list[Finding]) -> None:
                 suspects.append((sid, found))
         for sid, found in suspects:  # after the batch's transaction: again from a fresh read of the snapshot
             out.extend(_recheck_manifest(ctx, sid, deep, found))
-        verifying.after_batch()
+        seams.AFTER_BATCH()  # a test may make another process commit exactly here
     for txn, rows in ctx.index.batches("sessions", verifying.VERIFY_BATCH):
         for key, sid in rows:
             if txn.get("manifests", sid) is None:
@@ -197,7 +198,7 @@ def _confirmed_orphans(v: Verifier, found: list[tuple[str, str]]) -> list[tuple[
     for 10 s leave them unconfirmed and unreported this round (``gc`` skips its sweep the same way)."""
     if not found:
         return []
-    verifying.before_confirm()
+    seams.BEFORE_CONFIRM()
     ctx = v.ctx
     with ctx.removers.quiescent(timeout=10.0) as quiet:
         if not quiet:

@@ -41,21 +41,6 @@ from ..index.protocol import meta_int
 
 COUNT_LIMIT = 1 << 18  # chunk hashes counted per pass over the manifests (the refcount pass's memory bound)
 VERIFY_BATCH = 256  # records per read transaction
-AFTER_BATCH: list = []  # test seam: callables run between two manifest batches (none outside tests)
-
-
-BEFORE_CONFIRM: list = []  # test seam: callables run just before verify confirms its crash-residue candidates
-
-
-def before_confirm() -> None:
-    for hook in list(BEFORE_CONFIRM):
-        hook()
-
-
-def after_batch() -> None:
-    """Run the seam's hooks: lets a test make another process commit exactly between two of verify's batches."""
-    for hook in list(AFTER_BATCH):
-        hook()
 
 
 @dataclass

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import msgspec
 
 from ...errors import KvShelfError
+from .. import seams
 from ..context import StoreContext
 from ..index import keys, tables
 from . import ledger
 from ..objects.protocol import put_unsynced
-from . import removers_lock as removers
 from .reclaim import Reclaimer
 
 Dropped = tuple[bytes, list[str], bytes]  # (snapshot id, objects freed, tombstone)
@@ -42,7 +42,7 @@ class Removal:
 
     def after(self, dropped: bytes, freed: list[str], tomb: bytes, quarantined: bool = False) -> None:
         """After the drop committed: unlink what is dead, then leave the tombstone."""
-        removers.before_unlink()
+        seams.BEFORE_UNLINK()
         self.reclaimer.reclaim(freed)
         try:
             put_unsynced(self.ctx.bytes, keys.tomb(dropped.hex(), quarantined=quarantined), [tomb])

@@ -23,12 +23,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-BEFORE_UNLINK: list = []  # test seam: callables run by a remover after its commit, before it unlinks
-
-
-def before_unlink() -> None:
-    for hook in list(BEFORE_UNLINK):
-        hook()
 
 
 class RemoversLock:
@@ -83,4 +77,4 @@ class RemoversLock:
             os.close(fd)
 
 
-__all__ = ["BEFORE_UNLINK", "RemoversLock", "before_unlink"]
+__all__ = ["RemoversLock"]

@@ -15,9 +15,9 @@ import queue
 import threading
 
 from ...errors import CorruptData, KvShelfError
+from .. import seams
 from . import direct, local
 
-FETCH_HOOK = None  # test seam: called as FETCH_HOOK(batch_index) after each fetched batch
 
 
 class Missing(KvShelfError):
@@ -58,7 +58,7 @@ def fill_direct(tier, dest, by_hash) -> None:
                 raise
             tier.counters["chunks_fetched"] += 1
 
-        hook = (lambda i=i: FETCH_HOOK(i)) if FETCH_HOOK is not None else None
+        hook = (lambda i=i: seams.FETCH_HOOK(i)) if seams.FETCH_HOOK else None
         direct.fetch_into(tier.client, [tier.keys.chunk(r.hash) for r in batch], [r.hash for r in batch],
                           consume, on_batch=hook)
 
@@ -80,8 +80,7 @@ def fetch_ahead(tier, refs):
                 for r in b:
                     pipe.get(tier.keys.chunk(r.hash))
                 values = pipe.execute()
-                if FETCH_HOOK is not None:
-                    FETCH_HOOK(i)
+                seams.FETCH_HOOK(i)
             except BaseException as exc:  # handed to the reader, which raises it
                 ahead.put((b, exc))
                 return
@@ -118,4 +117,4 @@ def verified(tier, batch, values):
         tier.counters["bytes_fetched"] += len(value)
         yield r.hash, chunk
 
-__all__ = ["filler", "fill_direct", "fetch_ahead", "batches", "verified", "Missing", "FETCH_HOOK"]
+__all__ = ["filler", "fill_direct", "fetch_ahead", "batches", "verified", "Missing"]

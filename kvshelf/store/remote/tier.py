@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, StoreFull
+from .. import seams
 from ..context import StoreContext
 from ..index import schema as mf
 from ..objects.protocol import BackendUnavailable
@@ -56,7 +57,6 @@ from .records import (
 
 IMPORTED = "remote/"          # local session id prefix of remote hits kept locally (never published again)
 MARKER_MS = 120_000           # a publish-in-progress marker outlives a crashed publisher by this much at most
-PUBLISH_HOOK = None           # test seam: called as PUBLISH_HOOK(chunk_hash) after each uploaded chunk
 _REMOTE_ERRORS = (BackendUnavailable, StoreFull)
 
 
@@ -202,8 +202,7 @@ class RemoteTier:
                 self.counters["bytes_uploaded"] += self.chunks.put(self.keys.chunk_name(r.hash), buffers)
                 self.counters["chunks_uploaded"] += 1
                 self.client.pexpire(marker, MARKER_MS)
-                if PUBLISH_HOOK is not None:
-                    PUBLISH_HOOK(r.hash)
+                seams.PUBLISH_HOOK(r.hash)
 
     def _commit(self, manifest: Manifest) -> None:
         nsk = namespace_key(self.ctx.id_key, manifest.namespace)

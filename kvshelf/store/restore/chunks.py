@@ -9,13 +9,13 @@ called corrupt once the index, read again, still places the chunk there; otherwi
 from __future__ import annotations
 
 from ...errors import CorruptData
+from .. import seams
 from ..index import keys, tables
 from ..index.protocol import IndexStore
 from ..index.schema import ChunkMeta
 from ..objects.chunkfile import ChunkReader
 from ..objects.local import open_object
 from ..objects.protocol import ByteStore, ObjectMissing
-from . import direct as restoring
 
 
 def chunk_info(index: IndexStore, hash_: str) -> ChunkMeta | None:
@@ -35,7 +35,7 @@ def open_chunk(index: IndexStore, byte_store: ByteStore, hash_: str, verify: boo
         if now == where:
             break  # it did not move: the object really is gone
         where = now
-        restoring.before_open(where[0])
+        seams.BEFORE_OPEN(where[0])
         try:
             source = open_object(byte_store, where[0])
         except ObjectMissing:

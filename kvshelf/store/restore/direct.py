@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import CorruptData
+from .. import seams
 from . import hugepages
 from ..objects.protocol import ObjectMissing
 from ..objects.chunkfile import ChunkReader, storage_dtype
@@ -47,13 +48,6 @@ class Read:
     ok: bool = False
 
 
-BEFORE_OPEN: list = []  # test seam: callables run with an object's name between finding a chunk and opening it
-
-
-def before_open(name: str) -> None:
-    """Run the test seam's hooks (none outside tests): lets a test force a re-encoding into that window."""
-    for hook in list(BEFORE_OPEN):
-        hook(name)
 
 
 class Objects:
@@ -65,7 +59,7 @@ class Objects:
     def get(self, name: str):
         r = self._open.get(name)
         if r is None:
-            before_open(name)
+            seams.BEFORE_OPEN(name)  # a test may force a re-encoding into this window
             try:
                 r = self._open[name] = open_object(self.byte_store, name)
             except ObjectMissing:
