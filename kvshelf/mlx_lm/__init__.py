@@ -35,3 +35,8 @@ from .serve.model_identity import model_identity
 from .serve.prompt_cache import TieredPromptCache
 
 __all__ += ["TieredPromptCache", "model_identity"]
+
+# --- checkpoints while prefilling (docs/CHECKPOINTS.md) ----------------------------------------------------------
+from .checkpoints import Collector as CheckpointCollector, prefill
+
+__all__ += ["CheckpointCollector", "prefill"]

@@ -54,6 +54,7 @@ from .restore.reader import ReadingMixin
 from .admin.surface import ToolsSurface
 from .save.hash_reuse import UnchangedBook
 from .save.background import BackgroundWriter
+from .save.checkpoints import Checkpoints, is_checkpoint, parent_of
 
 
 class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSurface):
@@ -119,6 +120,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
                          "batch_layers_direct": 0, "batch_layers_fallback": 0, "chunks_hashed": 0,
                          "bytes_hashed": 0, "chunks_hash_reused": 0, "bytes_hash_reused": 0}
         self._unchanged = UnchangedBook()  # each session's last save here: hashes a grown save may reuse
+        self.checkpoints = Checkpoints(lambda: self.index, self._session_key, self._save_derived)  # save/checkpoints.py
         self._closed = self._closing = False
         self.tier = None  # the shared tier (kvshelf.store.remote), attached by open_store(remote=...)
         self._init_fulldisk()  # sizes and takes the reserve (reserve.py) now that the index can say what it needs
@@ -199,12 +201,36 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         return keys.session_key(self.id_key, self._ns_key(namespace), session_id)
 
     # ------------------------------------------------------------------ saving
-    def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
-        """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written)."""
+    def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "",
+             checkpoints: dict[int, Sequence[Any]] | None = None) -> SnapshotInfo:
+        """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written).
+        ``checkpoints={k: caches_at_k}`` also saves the state after ``tokens[:k]`` (docs/CHECKPOINTS.md)."""
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
-        return self._published(saving.write(self, saving.capture(self, session_id, tokens, caches, namespace)))
+        info = self._published(saving.write(self, saving.capture(self, session_id, tokens, caches, namespace)))
+        if checkpoints:  # checkpoints (save/checkpoints.py): after the session, so they share its chunks
+            self.checkpoints.save_many(session_id, saving.tokens_array(tokens), checkpoints, namespace)
+        return info
+
+    # --- checkpoints (save/checkpoints.py) ---------------------------------------------------------------------------
+    def save_checkpoint(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
+                        namespace: str = "") -> SnapshotInfo:
+        """Save ``caches`` (the state after ``tokens`` = the session's first k tokens) as a checkpoint of the
+        existing session at k: lookups reuse it for prompts that match those k tokens (docs/CHECKPOINTS.md)."""
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
+        self._check_scoped("save_checkpoint")
+        return self.checkpoints.save(session_id, tokens, caches, namespace)
+
+    def list_checkpoints(self, session_id: str, namespace: str = "") -> list:
+        """The session's checkpoints (``CheckpointInfo``: length, snapshot id, bytes referenced), by length."""
+        inputs.check_session(session_id, namespace)
+        self._check_scoped("list_checkpoints")
+        return self.checkpoints.listed(session_id, namespace)
+
+    def _save_derived(self, derived_id: str, tokens, caches: Sequence[Any], namespace: str) -> SnapshotInfo:
+        return self._published(saving.write(self, saving.capture(self, derived_id, tokens, caches, namespace)))
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
                    namespace: str = "") -> Future:
@@ -242,7 +268,9 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         s = mf.decode(raw, mf.Summary, f"summary {sid.hex()}")
         self.pins.forget(txn, s)  # a removed session keeps no pin (space/pins.py)
         tomb = msgspec.msgpack.encode([keys.summary_session_key(s), s.created_at, reason])
-        return sid, ledger.drop(self.index, txn, sid), tomb
+        freed = ledger.drop(self.index, txn, sid)
+        freed += self.checkpoints.drop_along(txn, s, lambda c: ledger.drop(self.index, txn, c))  # taken along
+        return sid, freed, tomb
 
     def _after_drop(self, dropped: bytes, freed: list[str], tomb: bytes, quarantined: bool = False) -> None:
         """After a delete / eviction / quarantine: leave a tombstone (the session and its creation time, so
@@ -271,6 +299,9 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
             best = _Lookup(self, txn, nsk, prompt).run()
         hit = None if best is None else PrefixHit(best[1].session_id, best[2].hex(), best[0], best[1].namespace,
                                                   best[1].length)
+        parent = None if hit is None else parent_of(hit.session_id)
+        if parent is not None:  # a checkpoint (save/checkpoints.py): reported as its session's
+            hit = PrefixHit(parent[0], hit.snapshot_id, hit.length, hit.namespace, hit.snapshot_length, True)
         if self.tier is not None:  # local first; the shared tier only when it gives a longer prefix
             hit = self.tier.lookup(prompt, namespace, hit)
         if hit is not None:
@@ -383,6 +414,8 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
                 if raw is None:
                     continue
                 s = mf.decode(raw, mf.Summary, "summary")
+                if is_checkpoint(s.session_id):  # a session's checkpoint, not a session (list_checkpoints)
+                    continue
                 used = max(s.last_used_ns, touched.get(bytes(sid), 0))
                 out.append(SessionInfo(s.session_id, s.namespace, bytes(sid).hex(), s.length, s.nbytes,
                                        s.created_at, used / 1e9))

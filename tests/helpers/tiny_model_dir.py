@@ -110,6 +110,9 @@ def make_model_dir(path: str | Path, arch: str = "llama", seed: int = 0) -> Path
     path.mkdir(parents=True, exist_ok=True)
     config = dict(CONFIGS[arch], vocab_size=len(VOCAB), eos_token_id=VOCAB.index(EOS), bos_token_id=VOCAB.index("<s>"))
     model_class, args_class = _get_classes(config)
+    # Seeded before construction: some constructors draw the values ``_KEEP_AROUND`` keeps (qwen3_next's ``A_log``
+    # is ``log(uniform(0, 16))``), so without it each process built a different model from the same seed.
+    mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     weights = _seeded_weights(model, seed)
     mx.eval(list(weights.values()))
