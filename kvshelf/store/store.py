@@ -120,7 +120,9 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
                          "batch_layers_direct": 0, "batch_layers_fallback": 0, "chunks_hashed": 0,
                          "bytes_hashed": 0, "chunks_hash_reused": 0, "bytes_hash_reused": 0}
         self._unchanged = UnchangedBook()  # each session's last save here: hashes a grown save may reuse
-        self.checkpoints = Checkpoints(lambda: self.index, self._session_key, self._save_derived)  # save/checkpoints.py
+        self.checkpoints = Checkpoints(lambda: self.index, self._session_key, self._save_derived,  # save/checkpoints.py
+                                       lambda sid, toks, caches, ns: saving.capture(self, sid, toks, caches, ns),
+                                       lambda cap: self._published(saving.write(self, cap)))
         self._closed = self._closing = False
         self.tier = None  # the shared tier (kvshelf.store.remote), attached by open_store(remote=...)
         self._init_fulldisk()  # sizes and takes the reserve (reserve.py) now that the index can say what it needs
@@ -208,6 +210,8 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
+        if checkpoints:
+            self.checkpoints.ordered(saving.tokens_array(tokens), checkpoints)  # refused before anything is written
         info = self._published(saving.write(self, saving.capture(self, session_id, tokens, caches, namespace)))
         if checkpoints:  # checkpoints (save/checkpoints.py): after the session, so they share its chunks
             self.checkpoints.save_many(session_id, saving.tokens_array(tokens), checkpoints, namespace)
@@ -233,13 +237,23 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         return self._published(saving.write(self, saving.capture(self, derived_id, tokens, caches, namespace)))
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
-                   namespace: str = "") -> Future:
-        """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures."""
+                   namespace: str = "", checkpoints: dict[int, Sequence[Any]] | None = None) -> Future:
+        """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures.
+        ``checkpoints`` as in ``save``: captured now too, written right after the session."""
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_async")
         cap = saving.capture(self, session_id, tokens, caches, namespace)
-        return self._writer.submit(lambda: self._published(saving.write(self, cap)), cap.nbytes)
+        if not checkpoints:
+            return self._writer.submit(lambda: self._published(saving.write(self, cap)), cap.nbytes)
+        ckpts = self.checkpoints.capture_many(session_id, saving.tokens_array(tokens), checkpoints, namespace)
+
+        def write_all() -> SnapshotInfo:  # the session first: its checkpoints share its chunks and need it
+            info = self._published(saving.write(self, cap))
+            self.checkpoints.write_captured(session_id, namespace, ckpts)
+            return info
+
+        return self._writer.submit(write_all, cap.nbytes + sum(c.nbytes for c in ckpts))
 
     def _published(self, info: SnapshotInfo) -> SnapshotInfo:
         """Local-durable first; then the reserve grows with the longest snapshot (a delete of it must fit on a full

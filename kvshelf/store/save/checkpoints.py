@@ -78,8 +78,11 @@ class Checkpoints:
     namespace)`` is the façade's key function; ``save(session_id, tokens, caches, namespace)`` saves one snapshot."""
 
     def __init__(self, index: Callable[[], Any], session_key: Callable[[str, str], bytes],
-                 save: Callable[[str, np.ndarray, Sequence[Any], str], Any]):
+                 save: Callable[[str, np.ndarray, Sequence[Any], str], Any],
+                 capture: Callable[[str, np.ndarray, Sequence[Any], str], Any] | None = None,
+                 write: Callable[[Any], Any] | None = None):
         self._index, self.session_key, self._save = index, session_key, save
+        self._capture, self._write = capture, write  # save_async: captured now, written in the background
 
     # --- saving ---------------------------------------------------------------------------------------------------
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> Any:
@@ -99,6 +102,12 @@ class Checkpoints:
                   namespace: str) -> list[Any]:
         """``store.save(..., checkpoints={k: caches_at_k})``: each ``0 < k < len(tokens)``, saved in ``k`` order
         after the session itself (so the session's chunks are already there to share)."""
+        return [self.save(session_id, tokens[:int(k)], checkpoints[k], namespace) for k in self.ordered(tokens,
+                                                                                                 checkpoints)]
+
+    @staticmethod
+    def ordered(tokens: np.ndarray, checkpoints: Mapping[int, Sequence[Any]]) -> list:
+        """The checkpoints' token counts in order, each checked (before anything is written)."""
         if not isinstance(checkpoints, Mapping):
             raise InvalidCacheState(f"checkpoints must be a mapping {{k: caches_at_k}}, got "
                                     f"{type(checkpoints).__name__}")
@@ -106,7 +115,24 @@ class Checkpoints:
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 < int(k) < len(tokens):
                 raise InvalidCacheState(f"checkpoint token count {k!r} must be an int with 0 < k < {len(tokens)} "
                                         f"(the session's length)")
-        return [self.save(session_id, tokens[:int(k)], checkpoints[k], namespace) for k in sorted(checkpoints)]
+        return sorted(checkpoints)
+
+    def capture_many(self, session_id: str, tokens: np.ndarray, checkpoints: Mapping[int, Sequence[Any]],
+                     namespace: str) -> list[Any]:
+        """``save_async``'s half in the caller's thread: every checkpoint snapshotted and evaluated now."""
+        return [self._capture(checkpoint_id(session_id, int(k)), tokens[:int(k)], checkpoints[k], namespace)
+                for k in self.ordered(tokens, checkpoints)]
+
+    def write_captured(self, session_id: str, namespace: str, captures: Sequence[Any]) -> list[Any]:
+        """The background half, after the session's own write (so the session exists to own them)."""
+        skey = self.session_key(session_id, namespace)
+        out = []
+        for cap in captures:
+            with self._index().read() as txn:
+                if txn.get("sessions", skey) is None:  # removed meanwhile: its checkpoints would be orphans
+                    return out
+            out.append(self._write(cap))
+        return out
 
     # --- listing --------------------------------------------------------------------------------------------------
     def of(self, txn, skey: bytes) -> list[tuple[bytes, bytes]]:
