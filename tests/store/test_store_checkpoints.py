@@ -7,8 +7,12 @@ its session (delete, eviction, quarantine, ``rebuild_index``), is not listed as 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +21,8 @@ from lookup_oracle import IDENTITY, PROVIDER, caches, oracle, stores
 
 from kvshelf import open_store
 from kvshelf.errors import InvalidCacheState, SnapshotNotFound
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +124,22 @@ def test_rebuild_index_never_brings_back_the_checkpoints_of_a_deleted_session(tm
         assert [c.length for c in store.list_checkpoints("kept", "t")] == [64]
         assert store.lookup(kept[:70] + [99], namespace="t").length == 64
         assert store.verify(deep=True) == []
+
+
+def test_kvshelf_ls_and_show_list_a_sessions_checkpoints_and_not_as_sessions(tmp_path) -> None:
+    root = tmp_path / "s"
+    with open_store(root, identity=IDENTITY, provider=PROVIDER, chunk_tokens=64) as store:
+        _ring_session(store, "a")
+        snapshot = store.sessions()[0].snapshot_id
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ls = subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", "ls", "--store", str(root), "--json"],
+                        capture_output=True, text=True, env=env, timeout=300, check=True)
+    rows = json.loads(ls.stdout)["sessions"]
+    assert [(r["session_id"], r["checkpoints"]) for r in rows] == [("a", [64, 128])]
+    show = subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", "show", "a", "--store", str(root), "--json"],
+                          capture_output=True, text=True, env=env, timeout=300, check=True)
+    doc = json.loads(show.stdout)
+    assert doc["snapshot_id"] == snapshot and [c["tokens"] for c in doc["checkpoints"]] == [64, 128]
+    human = subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", "show", "a", "--store", str(root)],
+                           capture_output=True, text=True, env=env, timeout=300, check=True)
+    assert "checkpoints" in human.stdout and doc["checkpoints"][1]["snapshot_id"] in human.stdout
