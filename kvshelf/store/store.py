@@ -313,11 +313,11 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
             best = _Lookup(self, txn, nsk, prompt).run()
         hit = None if best is None else PrefixHit(best[1].session_id, best[2].hex(), best[0], best[1].namespace,
                                                   best[1].length)
+        if self.tier is not None:  # local first; the shared tier only when it gives a longer prefix
+            hit = self.tier.lookup(prompt, namespace, hit)
         parent = None if hit is None else parent_of(hit.session_id)
         if parent is not None:  # a checkpoint (save/checkpoints.py): reported as its session's
             hit = PrefixHit(parent[0], hit.snapshot_id, hit.length, hit.namespace, hit.snapshot_length, True)
-        if self.tier is not None:  # local first; the shared tier only when it gives a longer prefix
-            hit = self.tier.lookup(prompt, namespace, hit)
         if hit is not None:
             self.counters["hits"] += 1
         return hit
@@ -389,6 +389,7 @@ class Store(LeasingMixin, ReadingMixin, QuarantineMixin, FullDiskMixin, ToolsSur
         def drop(txn):
             sid = txn.get("sessions", skey)
             had_quarantine = txn.delete("quarantine", skey)  # the operator's "drop it"
+            self.checkpoints.drop_quarantined(txn, skey)  # and its checkpoints' (save/checkpoints.py)
             if sid is None:
                 return "quarantine" if had_quarantine else None
             return self._remove(txn, bytes(sid))

@@ -143,3 +143,17 @@ def test_kvshelf_ls_and_show_list_a_sessions_checkpoints_and_not_as_sessions(tmp
     human = subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", "show", "a", "--store", str(root)],
                            capture_output=True, text=True, env=env, timeout=300, check=True)
     assert "checkpoints" in human.stdout and doc["checkpoints"][1]["snapshot_id"] in human.stdout
+
+
+def test_a_quarantined_checkpoint_goes_alone_and_delete_of_its_session_drops_the_record(tmp_path) -> None:
+    with open_store(tmp_path / "s", identity=IDENTITY, provider=PROVIDER, chunk_tokens=64) as store:
+        tokens = _ring_session(store, "a")
+        first = store.list_checkpoints("a")[0]
+        store.quarantine(first.snapshot_id, "test: damaged")
+        assert [c.length for c in store.list_checkpoints("a")] == [128]
+        assert store.lookup(tokens[:70] + [99]) is None and store.lookup(tokens[:130] + [99]).length == 128
+        assert store.stats()["quarantined_sessions"] == 1
+        store.delete("a")
+        assert store.stats()["quarantined_sessions"] == 0 and store.stats()["snapshots"] == 0
+        assert store.gc(dry_run=False).orphan_blobs  # the evidence the quarantine kept, reclaimable once dropped
+        assert store.verify(deep=True) == []

@@ -168,6 +168,16 @@ class Checkpoints:
         return freed
 
     @staticmethod
+    def drop_quarantined(txn, skey: bytes) -> int:
+        """``delete`` of a session also drops the quarantine records of its checkpoints (the operator's "drop
+        it" covers the session's checkpoints too)."""
+        start = skey + _MARK_BYTES
+        found = [bytes(key) for key, _ in txn.range("quarantine", start, keys.after_prefix(start))]
+        for key in found:
+            txn.delete("quarantine", key)
+        return len(found)
+
+    @staticmethod
     def orphans(txn) -> list[bytes]:
         """Snapshot ids of indexed checkpoints whose session is not indexed (``rebuild_index`` drops them)."""
         out = []
