@@ -157,3 +157,13 @@ def test_a_quarantined_checkpoint_goes_alone_and_delete_of_its_session_drops_the
         assert store.stats()["quarantined_sessions"] == 0 and store.stats()["snapshots"] == 0
         assert store.gc(dry_run=False).orphan_blobs  # the evidence the quarantine kept, reclaimable once dropped
         assert store.verify(deep=True) == []
+
+
+def test_restore_batch_takes_a_checkpoint_hit_like_any_prefix_hit(tmp_path) -> None:
+    with open_store(tmp_path / "s", identity=IDENTITY, provider=PROVIDER, chunk_tokens=64) as store:
+        a = _ring_session(store, "a")
+        b = _ring_session(store, "bb", ks=(64,))
+        hits = [store.lookup(a[:130] + [99]), store.lookup(b[:100] + [99])]
+        assert [(h.session_id, h.length, h.checkpoint) for h in hits] == [("a", 128, True), ("bb", 64, True)]
+        batch = store.restore_batch(hits)
+        assert batch.lengths == [128, 64] and batch.tokens == [a[:128], b[:64]]
