@@ -285,7 +285,11 @@ class TieredPromptCache:
         return hit is not None and hit.length == len(tokens)
 
     def _write_behind(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
-        checkpoints = self.checkpoints.take_for(tokens) if len(self.checkpoints) else {}
+        try:
+            checkpoints = self.checkpoints.take_for(tokens, prompt_cache) if len(self.checkpoints) else {}
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be cut: the session is still written
+            self.log.warning("kvshelf checkpoints dropped (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
+            checkpoints = {}
         if not tokens or not _storable(tokens):  # image placeholders are negative ids: RAM only
             self.counters["writes_skipped_unstorable"] += 1
             self.observer.observe_write("unstorable", 0, len(tokens))
