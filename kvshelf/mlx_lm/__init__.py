@@ -40,3 +40,8 @@ __all__ += ["TieredPromptCache", "model_identity"]
 from .resumable import resumable_generate
 
 __all__ += ["resumable_generate"]
+
+# --- checkpoints while prefilling (docs/CHECKPOINTS.md) ----------------------------------------------------------
+from .checkpoints import Collector as CheckpointCollector, prefill
+
+__all__ += ["CheckpointCollector", "prefill"]

@@ -47,6 +47,7 @@ class PrefixHit:
     length: int
     namespace: str = ""
     snapshot_length: int = 0
+    checkpoint: bool = False  # served from one of the session's checkpoints (docs/CHECKPOINTS.md)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ from .space.budget import Budget
 from .space.full_disk import FullDisk
 from .space.pins import Pins
 from .generations import GenerationCheckpoint, GenerationCheckpoints
+from .prefix.hashing import tokens_array
+from .save.checkpoints import CheckpointInfo, Checkpoints, parent_of
 
 # The offline tools' calls: ``store.admin.<name>``. The same names on ``Store`` forward there (kept for callers
 # written before ``store.admin`` existed; new tools code calls ``store.admin``). ``stats``, ``verify``, ``gc`` and
@@ -100,7 +102,11 @@ class Store:
         self._txns = txns = Transactions(ctx, reclaimer)
         self._leases = leases = Leases(ctx, reclaimer, txns.uses)
         self.pins = pins = Pins(ctx)
-        self._removal = removal = Removal(ctx, reclaimer, followers=(pins,))
+        # a session's checkpoints (save/checkpoints.py): saved as derived snapshots, dropped with their session
+        self.checkpoints = checkpoints = Checkpoints(lambda: ctx.index, self._session_key, self._save_derived,
+                                                     lambda *a: self._saver.capture(*a),
+                                                     lambda cap: self._published(self._saver.write(cap)))
+        self._removal = removal = Removal(ctx, reclaimer, followers=(pins, checkpoints))
         self._writer = writer = BackgroundWriter(max_pending_bytes)
         gc = Gc(ctx, gate, txns, reclaimer)
         self._full_disk = full_disk = FullDisk(ctx, txns, removal, gc)  # sizes and takes the reserve from the index
@@ -153,21 +159,56 @@ class Store:
         return self._gate.hold(exclusive, timeout)
 
     # ------------------------------------------------------------------ saving
-    def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
-        """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written)."""
+    def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "",
+             checkpoints: dict[int, Sequence[Any]] | None = None) -> SnapshotInfo:
+        """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written).
+        ``checkpoints={k: caches_at_k}`` also saves the state after ``tokens[:k]`` (docs/CHECKPOINTS.md)."""
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
-        return self._published(self._saver.write(self._saver.capture(session_id, tokens, caches, namespace)))
+        if checkpoints:
+            self.checkpoints.ordered(tokens_array(tokens), checkpoints)  # refused before anything is written
+        info = self._published(self._saver.write(self._saver.capture(session_id, tokens, caches, namespace)))
+        if checkpoints:  # after the session, so they share its chunks
+            self.checkpoints.save_many(session_id, tokens_array(tokens), checkpoints, namespace)
+        return info
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
-                   namespace: str = "") -> Future:
-        """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures."""
+                   namespace: str = "", checkpoints: dict[int, Sequence[Any]] | None = None) -> Future:
+        """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures.
+        ``checkpoints`` as in ``save``: captured now too, written right after the session."""
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_async")
         cap = self._saver.capture(session_id, tokens, caches, namespace)
-        return self._writer.submit(lambda: self._published(self._saver.write(cap)), cap.nbytes)
+        if not checkpoints:
+            return self._writer.submit(lambda: self._published(self._saver.write(cap)), cap.nbytes)
+        ckpts = self.checkpoints.capture_many(session_id, tokens_array(tokens), checkpoints, namespace)
+
+        def write_all() -> SnapshotInfo:  # the session first: its checkpoints share its chunks and need it
+            info = self._published(self._saver.write(cap))
+            self.checkpoints.write_captured(session_id, namespace, ckpts)
+            return info
+
+        return self._writer.submit(write_all, cap.nbytes + sum(c.nbytes for c in ckpts))
+
+    def save_checkpoint(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
+                        namespace: str = "") -> SnapshotInfo:
+        """Save ``caches`` (the state after ``tokens`` = the session's first k tokens) as a checkpoint of the
+        existing session at k: lookups reuse it for prompts that match those k tokens (docs/CHECKPOINTS.md)."""
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
+        self._check_scoped("save_checkpoint")
+        return self.checkpoints.save(session_id, tokens, caches, namespace)
+
+    def list_checkpoints(self, session_id: str, namespace: str = "") -> list[CheckpointInfo]:
+        """The session's checkpoints (``CheckpointInfo``: length, snapshot id, bytes referenced), by length."""
+        inputs.check_session(session_id, namespace)
+        self._check_scoped("list_checkpoints")
+        return self.checkpoints.listed(session_id, namespace)
+
+    def _save_derived(self, derived_id: str, tokens, caches: Sequence[Any], namespace: str) -> SnapshotInfo:
+        return self._published(self._saver.write(self._saver.capture(derived_id, tokens, caches, namespace)))
 
     def _published(self, info: SnapshotInfo) -> SnapshotInfo:
         """Local-durable first; then the reserve grows with the longest snapshot (a delete of it must fit on a full
@@ -200,6 +241,9 @@ class Store:
                                                    found.summary.namespace, found.summary.length)
         if self.tier is not None:  # local first; the shared tier only when it gives a longer prefix
             hit = self.tier.lookup(prompt, namespace, hit)
+        parent = None if hit is None else parent_of(hit.session_id)
+        if parent is not None:  # a checkpoint (save/checkpoints.py): reported as its session's
+            hit = PrefixHit(parent[0], hit.snapshot_id, hit.length, hit.namespace, hit.snapshot_length, True)
         if hit is not None:
             self.counters.hits += 1
         return hit
@@ -240,7 +284,9 @@ class Store:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
         inputs.check_session(session_id, namespace)
         self._check_scoped("delete")
-        self._full_disk.delete(self._session_key(session_id, namespace), session_id, namespace)
+        skey = self._session_key(session_id, namespace)
+        self._full_disk.delete(skey, session_id, namespace,
+                               also=lambda txn: Checkpoints.drop_quarantined(txn, skey))  # its checkpoints' records too
 
     # ------------------------------------------------------------------ pins (space/pins.py)
     def pin(self, session_id: str, namespace: str = "", ttl: float | None = None):

@@ -23,6 +23,7 @@ from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotF
 from ..store import Store, StoreBusy, open_store
 from ..store.identity import identity_key
 from ..store.index.schema import Manifest
+from ..store.save.checkpoints import is_checkpoint, parent_of
 from . import lmdb_files
 from .paths import require_path, require_text
 
@@ -84,7 +85,11 @@ def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
     used = _last_used(store)
     pins = {(p.session_key[:16], p.namespace, p.session_id): p.expires_at for p in store.pins.listing()}
     rows = []
-    for m in manifests(store, **filters):
+    every = list(manifests(store, **filters))
+    held = _checkpoints_by_session(every)
+    for m in every:
+        if is_checkpoint(m.session_id):  # listed with its session (store/save/checkpoints.py)
+            continue
         own = shared = 0
         for ref in {r.hash: r for r in m.all_chunks}.values():
             meta = chunks.get(ref.hash)
@@ -102,9 +107,27 @@ def list_sessions(store: Store, **filters: str | None) -> list[dict[str, Any]]:
             "pinned": (key := (identity_key(m.model_id, m.config_fingerprint, m.tokenizer_hash), m.namespace,
                                m.session_id)) in pins,
             "pin_expires_at": pins.get(key),
+            "checkpoints": [c["tokens"] for c in held.get(_scope(m), [])],
         })
     rows.sort(key=lambda r: -(r["last_used_at"] or 0.0))
     return rows
+
+
+def _scope(m: Manifest) -> tuple:
+    return (m.model_id, m.config_fingerprint, m.tokenizer_hash, m.namespace, m.session_id)
+
+
+def _checkpoints_by_session(ms: list[Manifest]) -> dict[tuple, list[dict[str, Any]]]:
+    """Each session's checkpoints (tokens, snapshot id, bytes referenced), by length."""
+    out: dict[tuple, list[dict[str, Any]]] = {}
+    for m in ms:
+        parent = parent_of(m.session_id)
+        if parent is not None:
+            key = (m.model_id, m.config_fingerprint, m.tokenizer_hash, m.namespace, parent[0])
+            out.setdefault(key, []).append({"tokens": m.length, "snapshot_id": m.snapshot_id, "nbytes": m.nbytes})
+    for rows in out.values():
+        rows.sort(key=lambda r: r["tokens"])
+    return out
 
 
 def resolve(store: Store, target: str, **filters: str | None) -> Manifest:
@@ -155,6 +178,10 @@ def show(store: Store, target: str, **filters: str | None) -> dict[str, Any]:
                            "refs": None if meta is None else meta.refs, "kind": kind})
     doc["chunks"] = chunks
     doc.pop("own", None)
+    if not is_checkpoint(m.session_id):  # the session's checkpoints (store/save/checkpoints.py)
+        doc["checkpoints"] = _checkpoints_by_session(
+            [c for c in store.iter_manifests(skip_damaged=True)
+             if c.namespace == m.namespace and c.session_id.startswith(m.session_id)]).get(_scope(m), [])
     return doc
 
 
@@ -188,7 +215,8 @@ def stats(store: Store, max_bytes: int | None = None) -> dict[str, Any]:
         "store": store.root,
         "snapshots": len(ms),
         "sessions": len({(m.model_id, m.config_fingerprint, m.tokenizer_hash, m.namespace, m.session_id)
-                         for m in ms}),
+                         for m in ms if not is_checkpoint(m.session_id)}),
+        "checkpoints": sum(1 for m in ms if is_checkpoint(m.session_id)),
         "identities": len(identities),
         "namespaces": len({m.namespace for m in ms}),
         "tokens": sum(m.length for m in ms),

@@ -52,11 +52,12 @@ def cmd_ls(args: argparse.Namespace, pr: Printer) -> int:
                 ",".join(r["kinds"]),
                 ",".join(r["formats"]),
                 _pin_text(r),
+                ",".join(str(k) for k in r.get("checkpoints", [])),
             )
             for r in rows
         ]
         columns = ("namespace", "session", "model", "tokens", "own", "shared", "created", "last used", "floor",
-                   "kinds", "formats", "pinned")
+                   "kinds", "formats", "pinned", "checkpoints")
         console.print(rows_table(f"{len(rows)} session(s)", columns, table_rows))
 
     pr.emit({"sessions": rows}, human)
@@ -96,6 +97,10 @@ def cmd_show(args: argparse.Namespace, pr: Printer) -> int:
                       for c in doc.get("chunks", [])]
         console.print(rows_table("chunks", ("hash", "start", "stop", "bytes", "on disk", "encoding", "refs"),
                                  chunk_rows))
+        if doc.get("checkpoints"):  # the session's checkpoints (docs/CHECKPOINTS.md)
+            console.print(rows_table("checkpoints", ("tokens", "snapshot", "bytes"),
+                                     [(c["tokens"], c["snapshot_id"], human_bytes(c["nbytes"]))
+                                      for c in doc["checkpoints"]]))
 
     pr.emit(doc, human)
     return OK

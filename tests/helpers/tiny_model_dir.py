@@ -37,6 +37,19 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
+# A thinking model's template (Qwen3's rule): an assistant message after the last user message keeps its reasoning
+# (an agent's tool-calling steps), an earlier one comes back without it once the next user message arrives. The
+# "reasoning" here is an answer's first word (tiny models write no think tags). So the turn after a tool step
+# re-renders that step shorter and leaves the cached sequence inside the previous prompt, before any segment end
+# mlx-lm's server inserted a cache at.
+THINKING_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|> "
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last %}{{ m['content'].split(' ')[1:] | join(' ') }}"
+    "{% else %}{{ m['content'] }}{% endif %} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
 
 # Small, fast configs; "bench" is larger so that a long prompt's prefill takes about a second or more on a 2-core CPU.
 _LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,  # noqa: C408
@@ -88,20 +101,20 @@ def _seeded_weights(model, seed: int) -> dict:
     return out
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> None:
     """tokenizer.json, tokenizer_config.json (chat template inside) and special_tokens_map.json."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.json").write_text(_tokenizer_json())
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": EOS, "unk_token": "<unk>",
-        "pad_token": "<pad>", "model_max_length": 1 << 20, "chat_template": CHAT_TEMPLATE,
+        "pad_token": "<pad>", "model_max_length": 1 << 20, "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
     }, indent=1))
     (path / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": EOS, "unk_token": "<unk>", "pad_token": "<pad>"}))
 
 
-def make_model_dir(path: str | Path, arch: str = "llama", seed: int = 0) -> Path:
+def make_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a loadable tiny ``arch`` model (one of ``CONFIGS``) with weights seeded by ``seed`` into ``path``."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
@@ -110,12 +123,15 @@ def make_model_dir(path: str | Path, arch: str = "llama", seed: int = 0) -> Path
     path.mkdir(parents=True, exist_ok=True)
     config = dict(CONFIGS[arch], vocab_size=len(VOCAB), eos_token_id=VOCAB.index(EOS), bos_token_id=VOCAB.index("<s>"))
     model_class, args_class = _get_classes(config)
+    # Seeded before construction: some constructors draw the values ``_KEEP_AROUND`` keeps (qwen3_next's ``A_log``
+    # is ``log(uniform(0, 16))``), so without it each process built a different model from the same seed.
+    mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     weights = _seeded_weights(model, seed)
     mx.eval(list(weights.values()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
-    write_tokenizer(path)
+    write_tokenizer(path, chat_template)
     return path
 
 

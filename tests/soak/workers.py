@@ -161,14 +161,16 @@ def run_writer(store: str, seed: int, log: str, kill_at: str | None, steps: int 
             kind, n, vseed = rng.choice(KINDS), rng.randrange(20, 120), rng.randrange(2**30)
             what = f"{ns or '-'} {sid} {kind} {vseed} {n}"
             caches, tokens = make_caches(kind, n, vseed), tokens_for(kind, vseed, n)
+            # issue 22: a kill may land between a session's commit and its checkpoint's
+            more = {"checkpoints": {n // 2: make_caches(kind, n // 2, vseed)}} if rng.random() < 0.3 else {}
             s.flush()  # one pending operation per session at most: the order of commits is the order of calls
             say(f"saving {what}")
             if rng.random() < 0.4:
-                fut = s.save_async(sid, tokens, caches, namespace=ns)
+                fut = s.save_async(sid, tokens, caches, namespace=ns, **more)
                 fut.add_done_callback(lambda f, w=what: say(("saved " if f.exception() is None else "failed ") + w))
             else:
                 try:
-                    s.save(sid, tokens, caches, namespace=ns)
+                    s.save(sid, tokens, caches, namespace=ns, **more)
                     say(f"saved {what}")
                 except KvShelfError as exc:
                     say(f"failed {what} {type(exc).__name__}")
@@ -215,7 +217,9 @@ def run_mixed(store: str, wid: int, seed: int, seconds: float, out: str) -> None
                 if op < 0.3 or sid not in own:
                     kind, n, vseed = KINDS[(wid + 4 * rng.randrange(3)) % len(KINDS)], rng.randrange(20, 100), rng.randrange(2**30)
                     args = (sid, tokens_for(kind, vseed, n), make_caches(kind, n, vseed))
-                    s.save(*args) if rng.random() < 0.6 else (s.save_async(*args), s.flush())
+                    # issue 22: some saves carry a checkpoint at n // 2 (the caches of the first n // 2 rows)
+                    more = {"checkpoints": {n // 2: make_caches(kind, n // 2, vseed)}} if rng.random() < 0.3 else {}
+                    s.save(*args, **more) if rng.random() < 0.6 else (s.save_async(*args, **more), s.flush())
                     own[sid] = [kind, vseed, n]
                 elif op < 0.5:
                     problem = check_restored(s.restore(sid), [own[sid]])
@@ -234,9 +238,14 @@ def run_mixed(store: str, wid: int, seed: int, seconds: float, out: str) -> None
                 elif op < 0.8:
                     kind, vseed, n = own[sid]
                     prompt = [*tokens_for(kind, vseed, n)[: rng.randrange(2, n)], 2**31 - 1]
+                    if rng.random() < 0.3:  # a checkpoint's own length (issue 22): restored exactly, not cut
+                        prompt = [*tokens_for(kind, vseed, n)[: n // 2], 2**31 - 1]
                     r = s.restore_prefix(prompt)
                     if r is not None and r.tokens != prompt[: r.length]:
                         note("wrong", f"prefix restore tokens are not a prefix of the prompt ({sid})")
+                    elif r is not None and r.snapshot_id in {c.snapshot_id for c in s.list_checkpoints(sid)}:
+                        problem = check_restored(r, [[kind, vseed, r.length]])
+                        note("wrong", f"checkpoint of {sid}: {problem}") if problem else None
                 elif op < 0.88:
                     b = s.restore_batch([sid, sid])
                     if b.tokens != [tokens_for(*own[sid][:2], own[sid][2])] * 2:
@@ -244,6 +253,8 @@ def run_mixed(store: str, wid: int, seed: int, seconds: float, out: str) -> None
                 elif op < 0.95:
                     s.delete(sid)
                     del own[sid]
+                    if s.list_checkpoints(sid):
+                        note("wrong", f"a checkpoint outlived its session {sid}")
                 elif op < 0.98:
                     s.gc(dry_run=False)
                 else:

@@ -56,6 +56,8 @@ class ServeMetrics:
         self.writes = PromCounter("kvshelf_writes", "Write-behinds by outcome", ["outcome"], registry=self.registry)
         self.bytes_written = PromCounter("kvshelf_bytes_written", "Bytes written to the store (SSD wear)",
                                          registry=self.registry)
+        self.checkpoint_hits = PromCounter("kvshelf_checkpoint_hits", "Requests whose prefix came from a session's "
+                                           "checkpoint (--checkpoint-every)", registry=self.registry)
         for source in SOURCES:  # every series exists from the start: a rate over a missing series is no rate
             self.requests.labels(source=source)
         for tier in ("ram", "disk", "remote"):
@@ -79,6 +81,8 @@ class ServeMetrics:
         if outcome.source != "none":
             self.cached_tokens.labels(tier=outcome.source).inc(outcome.cached)
             self.restore_seconds.labels(tier=outcome.source).observe(outcome.seconds)
+            if getattr(outcome, "checkpoint", False):
+                self.checkpoint_hits.inc()
         else:
             self.misses.labels(reason=outcome.reason or "nothing_stored").inc()
         with self._lock:

@@ -49,13 +49,14 @@ from typing import Any
 import xxhash
 
 from ...errors import CorruptData, SnapshotNotFound
+from .checkpoints import CHECKPOINT, HeldCheckpoints
 
 log = logging.getLogger("kvshelf.serve")
 
 COUNTERS = ("fetches", "ram_hits", "disk_hits", "remote_hits", "misses", "disk_tokens", "ram_tokens",
             "remote_tokens", "lookup_errors", "writes_queued", "writes_done", "writes_failed", "writes_skipped_full",
             "writes_skipped_unstorable", "writes_duplicate", "writes_skipped_short", "bytes_written",
-            "store_unavailable")
+            "store_unavailable", "checkpoint_hits")
 SOURCES = ("ram", "disk", "remote", "none")
 # why a request got nothing: the metric label ``reason`` of kvshelf_misses_total and the log line's reason=
 MISS_REASONS = ("nothing_stored", "below_min_disk_tokens", "store_unavailable", "damaged_entry", "unstorable_tokens")
@@ -75,6 +76,7 @@ class FetchOutcome:
     reason: str | None
     seconds: float
     at: float
+    checkpoint: bool = False  # the prefix came from a session's checkpoint (serve/checkpoints.py)
 
     def header(self) -> str:
         """The ``X-Kvshelf-Prefix`` header value."""
@@ -149,6 +151,7 @@ class TieredPromptCache:
         self._pending_bytes = 0
         self._inflight: set[str] = set()  # sessions queued and not yet written: a second one is a duplicate
         self._closed = False
+        self.checkpoints = HeldCheckpoints()  # --checkpoint-every inserts, until their session's (checkpoints.py)
 
     # ------------------------------------------------------------------ LRUPromptCache's interface
     def __len__(self) -> int:
@@ -172,12 +175,13 @@ class TieredPromptCache:
         cache, rest = self.ram.fetch_nearest_cache(model, tokens)
         ram_len = len(tokens) - len(rest) if cache is not None else 0
         source, cached = ("ram", ram_len) if cache is not None else ("none", 0)
-        reason = None
+        reason, checkpoint = None, False
         if len(tokens) - 1 > ram_len and _storable(tokens):
             restored, reason = self._from_disk(model, tokens, ram_len)
             if restored is not None:
-                cache, cached, source = restored
+                cache, cached, source, checkpoint = restored
                 rest = tokens[cached:]
+                self.counters["checkpoint_hits"] += checkpoint
         elif not _storable(tokens):
             reason = "unstorable_tokens"
         self.counters[f"{source}_hits" if source != "none" else "misses"] += 1
@@ -187,11 +191,12 @@ class TieredPromptCache:
         else:
             reason = reason or "nothing_stored"
         seconds = time.perf_counter() - t0
-        outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time())
+        outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time(), checkpoint)
         self._keep_outcome(tokens, outcome)
         self.observer.observe_fetch(outcome)
-        self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f%s", source, cached, len(tokens),
-                      ram_len, seconds * 1e3, f" reason={reason}" if reason else "")
+        self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f%s%s", source, cached, len(tokens),
+                      ram_len, seconds * 1e3, f" reason={reason}" if reason else "",
+                      " checkpoint=yes" if checkpoint else "")
         return cache, rest
 
     # ------------------------------------------------------------------ outcomes for the HTTP handler
@@ -224,7 +229,11 @@ class TieredPromptCache:
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:
-        """Into RAM (mlx-lm's rules), then written behind to the store: snapshotted now, written later."""
+        """Into RAM (mlx-lm's rules), then written behind to the store: snapshotted now, written later. A
+        ``checkpoint`` insert (``--checkpoint-every``) is held for its session's write instead."""
+        if cache_type == CHECKPOINT:
+            self.checkpoints.hold(tokens, prompt_cache)
+            return
         self._write_behind(model, tokens, prompt_cache)
         self.ram.insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
@@ -254,7 +263,7 @@ class TieredPromptCache:
                 tier = getattr(store, "tier", None)
                 source = "remote" if tier is not None and tier.knows(hit.snapshot_id) else "disk"
                 restored = store.restore_snapshot(hit.snapshot_id, hit.length)
-                return (restored.caches, hit.length, source), None
+                return (restored.caches, hit.length, source, bool(getattr(hit, "checkpoint", False))), None
             except SnapshotNotFound:  # evicted or replaced between lookup and restore (another server), or a remote
                 continue              # fault (the shared tier says so as not found): look again, then a miss
             except Exception as exc:  # noqa: BLE001 - a corrupt chunk is quarantined by the store: a miss here
@@ -276,6 +285,11 @@ class TieredPromptCache:
         return hit is not None and hit.length == len(tokens)
 
     def _write_behind(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
+        try:
+            checkpoints = self.checkpoints.take_for(tokens, prompt_cache) if len(self.checkpoints) else {}
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be cut: the session is still written
+            self.log.warning("kvshelf checkpoints dropped (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
+            checkpoints = {}
         if not tokens or not _storable(tokens):  # image placeholders are negative ids: RAM only
             self.counters["writes_skipped_unstorable"] += 1
             self.observer.observe_write("unstorable", 0, len(tokens))
@@ -308,7 +322,8 @@ class TieredPromptCache:
             self._pending_bytes += nbytes
             self._inflight.add(session)
         try:
-            future = store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace)
+            future = store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace,
+                                      **({"checkpoints": checkpoints} if checkpoints else {}))
         except Exception as exc:  # noqa: BLE001 - e.g. a cache class no codec knows, a closed store
             self._done(nbytes, session)
             self.counters["writes_failed"] += 1
@@ -318,17 +333,18 @@ class TieredPromptCache:
         self.counters["writes_queued"] += 1
         self.log.debug("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self._pending)
         future.add_done_callback(functools.partial(self._finished, nbytes=nbytes, n_tokens=len(tokens),
-                                                   session=session))
+                                                   session=session, checkpoints=len(checkpoints)))
 
-    def _finished(self, future, nbytes: int, n_tokens: int, session: str) -> None:
+    def _finished(self, future, nbytes: int, n_tokens: int, session: str, checkpoints: int = 0) -> None:
         exc = future.exception()
         if exc is None:
             info = future.result()
             self.counters["writes_done"] += 1
             self.counters["bytes_written"] += info.bytes_written
             self.observer.observe_write("saved", info.bytes_written, info.length)
-            self.log.debug("kvshelf write-behind saved tokens=%d new_bytes=%d reused_bytes=%d ms=%.1f session=%s",
-                          info.length, info.bytes_written, info.bytes_reused, info.seconds * 1e3, info.session_id)
+            self.log.debug("kvshelf write-behind saved tokens=%d new_bytes=%d reused_bytes=%d ms=%.1f session=%s%s",
+                          info.length, info.bytes_written, info.bytes_reused, info.seconds * 1e3, info.session_id,
+                          f" checkpoints={checkpoints}" if checkpoints else "")
         else:
             self.counters["writes_failed"] += 1
             self.observer.observe_write("failed", 0, n_tokens)

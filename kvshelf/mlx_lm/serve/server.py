@@ -49,6 +49,7 @@ from ...store import open_store
 from . import startup, warm
 from .http_routes import handler_class, set_current_context
 from .metrics import ServeMetrics
+from .checkpoints import needs_checkpoints, split_segments
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
 from .startup import StartupError
@@ -107,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the shared tier and redis-py, e.g. keep_local=false, password=..., "
                         "socket_timeout=0.5 (repeatable; JSON values)")
+    p.add_argument("--checkpoint-every", type=int, default=1024, metavar="N",
+                   help="for models whose caches cannot be cut (hybrid, recurrent, sliding-window): store a "
+                        "checkpoint every N prompt tokens, so a prompt diverging inside a cached one reuses the "
+                        "nearest before it (default 1024; 0 turns it off)")
     p.add_argument("--kvshelf-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="kvshelf's own log level (default INFO: one line per request; DEBUG adds the "
                         "write-behinds)")
@@ -248,6 +253,17 @@ class Serving:
                                         min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
                                         observer=self.metrics)
 
+        self._checkpoints_for: dict[int, int] = {}
+
+    def checkpoint_every(self, model) -> int:
+        """``--checkpoint-every`` for this model: 0 when its caches can all be cut (checked once per model)."""
+        every = int(getattr(self.opts, "checkpoint_every", 0) or 0)
+        if every <= 0 or model is None:
+            return 0
+        if id(model) not in self._checkpoints_for:
+            self._checkpoints_for[id(model)] = every if needs_checkpoints(model) else 0
+        return self._checkpoints_for[id(model)]
+
     def state(self) -> dict[str, Any]:
         return {"stores": self.opener.stores(), "pending_writes": self.tiered.pending_writes,
                 "pending_bytes": self.tiered.pending_bytes, "queue_entries": self.tiered.queue_entries}
@@ -274,6 +290,13 @@ def _generator_class(base: type, serving_of: dict) -> type:
             ctx, response = super().generate(request, generation_args, progress_callback)
             set_current_context(ctx)  # the handler's thread: its X-Kvshelf-Prefix header names this request's fetch
             return ctx, response
+
+        def _tokenize(self, tokenizer, request, args):  # --checkpoint-every (serve/checkpoints.py)
+            prompt, segments, types, *rest = super()._tokenize(tokenizer, request, args)
+            every = self.kvshelf.checkpoint_every(self.model_provider.model)
+            if every:
+                segments, types = split_segments(segments, types, every)
+            return (prompt, segments, types, *rest)
 
         def _log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
             if log.isEnabledFor(logging.DEBUG):

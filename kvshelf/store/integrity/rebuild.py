@@ -21,6 +21,7 @@ from ..objects.local import open_object
 from ..index.schema import Manifest
 from ..objects.pack import TOMB_DIR, is_pack, read_trailer
 from ..results import Finding
+from ..save.checkpoints import Checkpoints, parent_of
 
 
 class Rebuild:
@@ -102,11 +103,32 @@ def _reindex(index, byte_store, skipped: list[Finding]) -> int:
             continue
         if m.created_at <= dead_until.get(keys.manifest_keys(m)[2], float("-inf")):
             continue  # its session was deleted, evicted or quarantined at or after this snapshot (not a loss)
+        if _checkpoint_of_dead(m, dead_until):
+            continue
         placed = {r.hash: located[r.hash] for r in m.all_chunks}
         index.write(lambda txn, m=m, pack=pack, placed=placed: ledger.commit(
             index, txn, m, pack, sizes.get(pack, 0), placed))
+    _drop_orphan_checkpoints(index)
     with index.read() as txn:
         return txn.count("manifests")
+
+
+def _checkpoint_of_dead(m: Manifest, dead_until: dict[bytes, float]) -> bool:
+    """A checkpoint made before its session was removed is gone with it (save/checkpoints.py)."""
+    parent = parent_of(m.session_id)
+    if parent is None:
+        return False
+    idk, nsk, _ = keys.manifest_keys(m)
+    return m.created_at <= dead_until.get(keys.session_key(idk, nsk, parent[0]), float("-inf"))
+
+
+def _drop_orphan_checkpoints(index) -> None:
+    """Checkpoints whose session was not brought back (never saved, or removed) are not indexed either."""
+    def drop(txn):
+        for sid in Checkpoints.orphans(txn):
+            ledger.drop(index, txn, sid)
+
+    index.write(drop)
 
 
 def _unsealed(name: str, raw: bytes) -> Finding:

@@ -25,7 +25,8 @@ Dropped = tuple[bytes, list[str], bytes]  # (snapshot id, objects freed, tombsto
 
 class Removal:
     """``followers``: records that follow a session and go with its snapshot, in the same write transaction (each
-    has ``forget(txn, summary)``; the session's pin, ``space/pins.py``)."""
+    has ``forget(txn, summary)``, returning the objects it freed, if any: the session's pin, ``space/pins.py``; its
+    checkpoints, ``save/checkpoints.py``)."""
 
     def __init__(self, ctx: StoreContext, reclaimer: Reclaimer, followers: Sequence = ()):
         self.ctx, self.reclaimer, self.followers = ctx, reclaimer, tuple(followers)
@@ -35,10 +36,11 @@ class Removal:
         s = tables.summary(txn, sid)
         if s is None:
             return None
-        for follower in self.followers:
-            follower.forget(txn, s)
         tomb = msgspec.msgpack.encode([keys.summary_session_key(s), s.created_at, reason])
-        return sid, ledger.drop(self.ctx.index, txn, sid), tomb
+        freed = ledger.drop(self.ctx.index, txn, sid)
+        for follower in self.followers:
+            freed += follower.forget(txn, s) or []
+        return sid, freed, tomb
 
     def after(self, dropped: bytes, freed: list[str], tomb: bytes, quarantined: bool = False) -> None:
         """After the drop committed: unlink what is dead, then leave the tombstone."""

@@ -69,13 +69,16 @@ class FullDisk:
             raise full
         return self.txns.write(fn)
 
-    def delete(self, skey: bytes, session_id: str, namespace: str) -> None:
+    def delete(self, skey: bytes, session_id: str, namespace: str, also=None) -> None:
         """``Store.delete``: drop the session's snapshot (or its quarantine record: the operator's "drop it");
-        chunks no other snapshot references are freed. ``SnapshotNotFound`` when there is neither."""
+        chunks no other snapshot references are freed. ``SnapshotNotFound`` when there is neither. ``also(txn)``
+        runs in the same write transaction (the records that follow the session)."""
 
         def drop(txn):
             sid = txn.get("sessions", skey)
             had_quarantine = txn.delete("quarantine", skey)
+            if also is not None:
+                also(txn)
             if sid is None:
                 return "quarantine" if had_quarantine else None
             return self.removal.drop(txn, bytes(sid))
