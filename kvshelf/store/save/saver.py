@@ -23,7 +23,6 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import InvalidCacheState, KvShelfError, StoreFull
-from .. import inputs
 from ..context import StoreContext
 from ..liveness import ledger
 from ..index import schema as mf
@@ -55,8 +54,8 @@ class Capture:
 
 
 def capture(provider, session_id: str, tokens, caches, namespace: str) -> Capture:
-    """Snapshot and evaluate the caches now (what a save, or a queued ``save_async``, writes later)."""
-    inputs.check_session(session_id, namespace)
+    """Snapshot and evaluate the caches now (what a save, or a queued ``save_async``, writes later). The façade
+    checked the session id (a checkpoint's derived id is the store's own: ``checkpoints.py``)."""
     toks = tokens_array(tokens)
     if isinstance(caches, (str, bytes)) or not hasattr(caches, "__len__") or not caches:
         raise InvalidCacheState("caches must be a non-empty sequence of caches (one per layer)")
