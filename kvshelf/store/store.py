@@ -41,6 +41,7 @@ from .liveness.reclaim import Reclaimer
 from .liveness.removal import Removal
 from .liveness.transactions import Transactions
 from .prefix.hashing import BLOCK_TOKENS
+from .prefix.explain import explain_miss
 from .prefix.index_records import IndexRecords
 from .prefix.search import LazyTokens, PrefixSearch
 from .remote.tier import RemoteTier
@@ -247,6 +248,16 @@ class Store:
         if hit is not None:
             self.counters.hits += 1
         return hit
+
+    def explain_miss(self, prompt_tokens: Sequence[int], namespace: str = "") -> str:
+        """Why ``lookup`` finds no usable prefix of the prompt: ``"nothing_stored"``, ``"other_identity"`` (a stored
+        prefix of another model identity), ``"below_floor"`` (shorter than the snapshot's minimum_reusable_offset) or
+        ``"not_exact_length"`` (recurrent or rotating state, and the prompt diverges before its end). Call it on a
+        miss only: it searches again without the usability rules (``prefix/explain.py``)."""
+        prompt_tokens, _ = inputs.check_prompt(prompt_tokens), inputs.check_namespace(namespace)
+        self._check_scoped("explain_miss")
+        with self.index.read() as txn:
+            return explain_miss(txn, self.id_key, namespace, LazyTokens(prompt_tokens, "prompt_tokens"), self.block)
 
     def restore(self, session_id: str, namespace: str = "") -> Restored:
         """The session's latest snapshot, whole."""

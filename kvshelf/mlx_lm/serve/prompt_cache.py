@@ -59,7 +59,8 @@ COUNTERS = ("fetches", "ram_hits", "disk_hits", "remote_hits", "misses", "disk_t
             "store_unavailable", "checkpoint_hits")
 SOURCES = ("ram", "disk", "remote", "none")
 # why a request got nothing: the metric label ``reason`` of kvshelf_misses_total and the log line's reason=
-MISS_REASONS = ("nothing_stored", "below_min_disk_tokens", "store_unavailable", "damaged_entry", "unstorable_tokens")
+MISS_REASONS = ("nothing_stored", "other_identity", "below_floor", "not_exact_length", "below_min_disk_tokens",
+                "store_unavailable", "damaged_entry", "unstorable_tokens")
 WRITE_OUTCOMES = ("saved", "duplicate", "queue_full", "failed", "below_min_write_tokens", "unstorable")
 OUTCOMES_KEPT = 1024  # fetch outcomes waiting for their HTTP handler (a handler that never asks: dropped)
 
@@ -256,7 +257,9 @@ class TieredPromptCache:
         for _attempt in range(2):
             try:
                 hit = store.lookup(tokens, self.namespace)
-                if hit is None or hit.length <= ram_len:
+                if hit is None:  # why (store.explain_miss): another identity's, below a floor, an uncuttable state
+                    return None, store.explain_miss(tokens, self.namespace)
+                if hit.length <= ram_len:
                     return None, "nothing_stored"
                 if hit.length < self.min_disk_tokens:
                     return None, "below_min_disk_tokens"
