@@ -27,6 +27,8 @@ from kvshelf.latent_legos.latent.plane_attention import attend_decoded
 from kvshelf.mlx_lm import make_prompt_cache
 from kvshelf.mlx_lm.latent.attention import LatentKeys
 from kvshelf.mlx_lm.latent.cache import MLALatentCache
+from kvshelf.mlx_lm.latent.dsa import DSALatentCache
+from kvshelf.mlx_lm.latent.faces import LatentLayer
 
 AFFINE_TOL, TURBO_TOL = 1e-5, 2e-2
 FORMATS = {
@@ -207,7 +209,7 @@ def test_tiny_mlx_lm_models_decode_the_same_greedy_tokens_on_the_planes(name, sc
     on_planes = make_prompt_cache(model, scheme, paged_block_size=paged)
     decoded = make_prompt_cache(model, scheme, paged_block_size=paged)
     for cache in decoded:
-        if isinstance(cache, MLALatentCache):
+        if isinstance(cache, LatentLayer):
             cache.attend_on_planes = False  # today's decode-then-attend
     tokens, logits = greedy(model, PROMPT, on_planes, steps=GREEDY_STEPS)
     expected, expected_logits = greedy(model, PROMPT, decoded, steps=GREEDY_STEPS)
@@ -217,6 +219,9 @@ def test_tiny_mlx_lm_models_decode_the_same_greedy_tokens_on_the_planes(name, sc
     assert kl < STEP_KL
     if name == "deepseek_v3":
         assert all(isinstance(c._reads[0], LatentKeys) for c in on_planes)  # the decode steps read the planes
+    else:  # the DSA layers handed mlx-lm their placeholder and attended on the planes
+        assert all(isinstance(c, DSALatentCache) and c._planes is not None and c._planes.reads.on_planes
+                   for c in on_planes)
 
 
 def test_a_decode_step_over_16k_encoded_positions_allocates_less_than_one_decoded_plane():
