@@ -241,16 +241,19 @@ class DSALatentCache(LatentLayer):
         if step is None or step.reads is None or not isinstance(keys, mx.array):
             return None
         if keys is step.placeholder:
-            return LatentKeys(step.reads, queries.shape[0], queries.shape[-1], self.dtype).attend(queries, scale, mask)
-        B = step.placeholder.shape[0]
-        if keys.dtype != mx.int32 or keys.ndim != 4 or keys.shape[0] != B or keys.shape[1] != 1 \
-                or keys.shape[3] != 1 or queries.shape[2] != 1:
-            return None
-        if isinstance(mask, str):
-            mask = None
-        out = attend_gathered(step.reads.plane_rows(), step.reads.pads, keys[:, 0, :, 0], queries, scale, mask,
-                              self.dtype)
-        return out.astype(queries.dtype)
+            out = LatentKeys(step.reads, queries.shape[0], queries.shape[-1], self.dtype).attend(queries, scale, mask)
+        else:
+            B = step.placeholder.shape[0]
+            if keys.dtype != mx.int32 or keys.ndim != 4 or keys.shape[0] != B or keys.shape[1] != 1 \
+                    or keys.shape[3] != 1 or queries.shape[2] != 1:
+                return None
+            mask = None if isinstance(mask, str) else mask
+            out = attend_gathered(step.reads.plane_rows(), step.reads.pads, keys[:, 0, :, 0], queries, scale, mask,
+                                  self.dtype).astype(queries.dtype)
+        # The step's reads have been used (mlx-lm chained them with mx.depends before attending): the index read
+        # (and the zeros the indexer assigned beside it) would otherwise stay held until the next step.
+        self._reads = [step.placeholder, None, None, None]
+        return out
 
     def _commit(self, keys: mx.array) -> mx.array:
         pending = self._pending
