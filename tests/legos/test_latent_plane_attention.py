@@ -26,7 +26,6 @@ from kvshelf.latent_legos.latent.paged import PagedLatentCache
 from kvshelf.latent_legos.latent.plane_attention import attend_decoded, attend_gathered
 from kvshelf.mlx_lm import make_prompt_cache
 from kvshelf.mlx_lm.latent.attention import LatentKeys
-from kvshelf.mlx_lm.latent.cache import MLALatentCache
 from kvshelf.mlx_lm.latent.dsa import DSALatentCache
 from kvshelf.mlx_lm.latent.faces import LatentLayer
 
