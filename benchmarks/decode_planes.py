@@ -104,12 +104,12 @@ def _settled() -> int:
     return mx.get_active_memory()
 
 
-def memory_of(layer, factory, tokens: int) -> tuple[int, int]:
+def memory_of(layer, factory, tokens: int, fill=_fill) -> tuple[int, int]:
     """(bytes the cache holds after a decode step, peak bytes of one step above that), the variant alone."""
     mx.clear_cache()
     before = _settled()
     cache = factory()
-    _fill(layer, cache, tokens)
+    fill(layer, cache, tokens)
     for i in range(2):
         mx.eval(_step(layer, cache, 90 + i))
     held = _settled() - before
@@ -195,6 +195,115 @@ def longest_context_rows(facts: dict, lengths: tuple[int, ...]) -> list[Row]:
     return rows
 
 
+INDEX_DIM, INDEX_HEADS, INDEX_TOPK = 128, 4, 2048
+
+
+def dsa_layer():
+    """A real mlx-lm glm_moe_dsa (deepseek_v32) attention layer: rank 512 + rope 64, 4 heads, an indexer of 4 heads
+    x 128 selecting the top 2048 positions (glm_moe_dsa's own top-k)."""
+    from mlx_lm.models import deepseek_v32
+
+    args = deepseek_v32.ModelArgs(
+        model_type="glm_moe_dsa", vocab_size=64, hidden_size=HIDDEN, index_head_dim=INDEX_DIM,
+        index_n_heads=INDEX_HEADS, index_topk=INDEX_TOPK, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=HEADS, n_shared_experts=1,
+        n_routed_experts=4, kv_lora_rank=RANK, q_lora_rank=128, qk_rope_head_dim=ROPE, v_head_dim=128,
+        qk_nope_head_dim=128, max_position_embeddings=1 << 17, rope_theta=10000.0,
+    )
+    mx.random.seed(0)
+    layer = deepseek_v32.DeepseekV32Attention(args)
+    mx.eval(layer.parameters())
+    return layer
+
+
+def _dsa_faces() -> dict[str, Any]:
+    from mlx_lm.models.cache import CacheList, KVCache
+
+    from kvshelf.latent_legos.latent.encoded import EncodedLatentCache
+    from kvshelf.latent_legos.formats import AffineFormat, TurboFormat
+    from kvshelf.latent_legos.latent.geometry import LatentGeometry
+    from kvshelf.mlx_lm.latent.attention import install
+    from kvshelf.mlx_lm.latent.dsa import DSALatentCache
+
+    install()
+    g = LatentGeometry(RANK, ROPE, index_head_dim=INDEX_DIM)
+    return {
+        "mlx-lm CacheList(KVCache, KVCache)": lambda: CacheList(KVCache(), KVCache()),
+        "affine 8": lambda: DSALatentCache(EncodedLatentCache(g, AffineFormat(8, 64))),
+        "affine 4": lambda: DSALatentCache(EncodedLatentCache(g, AffineFormat(4, 64))),
+        "turbo k8": lambda: DSALatentCache(EncodedLatentCache(g, TurboFormat(8, 3))),
+        "turbo k4": lambda: DSALatentCache(EncodedLatentCache(g, TurboFormat(4, 3))),
+        DECODED: lambda: _decoded(DSALatentCache(EncodedLatentCache(g, TurboFormat(8, 3)))),
+    }
+
+
+DECODED = "turbo k8, decode-then-attend (before)"
+
+
+def _decoded(face):
+    face.attend_on_planes = False  # the path every DSA step took before its placeholder: two decoded appends
+    return face
+
+
+def _dsa_fill(layer, cache, tokens: int) -> None:
+    """``tokens`` positions through the layer's own latent, RoPE and indexer-key projections (what a prefill
+    stores), both of the layer's calls per chunk, as its prefill makes them."""
+    chunk = 4096
+    for start in range(0, tokens, chunk):
+        n = min(chunk, tokens - start)
+        x = mx.random.normal((1, n, HIDDEN), key=mx.random.key(start))
+        kv = layer.kv_a_proj_with_mqa(x)
+        latent, k_pe = mx.split(kv, [RANK], axis=-1)
+        k_pe = layer.rope(k_pe.reshape(1, n, 1, ROPE).transpose(0, 2, 1, 3), start)
+        cache[0].update_and_fetch(mx.expand_dims(layer.kv_a_layernorm(latent), 1), k_pe)
+        ix = layer.indexer
+        k = ix.rope(ix.k_norm(ix.wk(x)).reshape(1, 1, n, INDEX_DIM), offset=start)
+        cache[1].update_and_fetch(k, k)
+        mx.eval([c.state for c in cache.caches] if hasattr(cache, "caches") else cache.state)
+
+
+def dsa_rows(lengths: tuple[int, ...], reps: int, steps: int = STEPS) -> list[Row]:
+    """glm_moe_dsa's attention layer: decode step time and the peak of one step above the cache, each face against
+    mlx-lm's own ``CacheList(KVCache, KVCache)`` on the same layer, interleaved in one run."""
+    layer, faces = dsa_layer(), _dsa_faces()
+    base = next(iter(faces))
+    rows: list[Row] = []
+    for tokens in lengths:
+        memory = {name: memory_of(layer, factory, tokens, _dsa_fill) for name, factory in faces.items()}
+        mx.clear_cache()
+        caches = {}
+        for name, factory in faces.items():
+            caches[name] = factory()
+            _dsa_fill(layer, caches[name], tokens)
+        times: dict[str, list[float]] = {name: [] for name in faces}
+        for rep in range(reps + 1):  # repetition 0 is the warm-up
+            for name, cache in caches.items():
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    mx.eval(_step(layer, cache, rep * steps + i))
+                if rep:
+                    times[name].append((time.perf_counter() - t0) / steps * 1e3)
+        samples = {name: Sample("ms", t) for name, t in times.items()}
+        plane = tokens * RANK * 4
+        for name in faces:
+            if name == base:
+                continue
+            limit = None if name == DECODED else 1.0
+            rows.append(Row(MEASURE, f"glm_moe_dsa decode step {name} @ {tokens} tok", value=samples[name],
+                            baseline=samples[base], baseline_name=base, target="≤ 1.0×" if limit else "report",
+                            limit=limit, check="ratio" if limit else "none",
+                            notes=f"top-{INDEX_TOPK} sparse selection"))
+            held, peak = memory[name]
+            rows.append(Row(MEASURE, f"glm_moe_dsa peak of one step above the cache {name} @ {tokens} tok",
+                            value=Sample("B", [float(peak)]), baseline=Sample("B", [float(plane)]),
+                            baseline_name="one decoded plane (T x 512 x 4 B)", target="< 1×" if limit else "report",
+                            limit=limit, check="ratio" if limit else "none", notes=f"{peak / 2**20:.2f} MiB; mlx-lm {memory[base][1] / 2**20:.2f} MiB; "
+                            f"held {held / 2**20:.2f} MiB vs mlx-lm {memory[base][0] / 2**20:.2f} MiB"))
+        del caches
+        mx.clear_cache()
+    return rows
+
+
 def model_rows(tokens: int, reps: int) -> list[Row]:
     from .decode import model_decode
 
@@ -210,6 +319,7 @@ def run(ctx, only: set[str]) -> list[Row]:
     lengths = LENGTHS["small"] if small else DEFAULT_LENGTHS
     rows, facts = step_rows(lengths, ctx.reps, 4 if small else STEPS)
     rows += longest_context_rows(facts, lengths)
+    rows += dsa_rows(lengths, ctx.reps, 4 if small else STEPS)
     rows += model_rows(lengths[-1], max(1, min(ctx.reps, 3)))
     ctx.facts["decode_planes_lengths"] = list(lengths)
     return rows

@@ -33,3 +33,15 @@ def test_step_rows_measure_every_face_against_mlx_lm_in_one_run():
 def test_measure_24_runs_on_request_only():
     assert "24" not in cli.ALL and "24" in cli.KNOWN
     assert cli.parse_args(["--only", "24"]).only == {"24"}
+
+
+def test_dsa_rows_measure_each_face_against_mlx_lm_on_a_glm_moe_dsa_layer(monkeypatch):
+    monkeypatch.setattr(decode_planes, "INDEX_TOPK", 16)  # a history longer than the top-k: the sparse gather runs
+    rows = decode_planes.dsa_rows((64,), reps=2, steps=1)
+    names = {r.name for r in rows}
+    for face in ("affine 8", "affine 4", "turbo k8", "turbo k4"):
+        assert f"glm_moe_dsa decode step {face} @ 64 tok" in names, face
+        assert f"glm_moe_dsa peak of one step above the cache {face} @ 64 tok" in names, face
+    for row in rows:
+        assert row.measure == "24" and row.value is not None and row.baseline is not None
+        assert row.ratio == pytest.approx(row.value.median / row.baseline.median)

@@ -23,10 +23,11 @@ from kvshelf.latent_legos.latent.encoded import EncodedLatentCache
 from kvshelf.latent_legos.formats import AffineFormat, TurboFormat
 from kvshelf.latent_legos.latent.geometry import LatentGeometry
 from kvshelf.latent_legos.latent.paged import PagedLatentCache
-from kvshelf.latent_legos.latent.plane_attention import attend_decoded
+from kvshelf.latent_legos.latent.plane_attention import attend_decoded, attend_gathered
 from kvshelf.mlx_lm import make_prompt_cache
 from kvshelf.mlx_lm.latent.attention import LatentKeys
-from kvshelf.mlx_lm.latent.cache import MLALatentCache
+from kvshelf.mlx_lm.latent.dsa import DSALatentCache
+from kvshelf.mlx_lm.latent.faces import LatentLayer
 
 AFFINE_TOL, TURBO_TOL = 1e-5, 2e-2
 FORMATS = {
@@ -129,6 +130,52 @@ def test_paged_caches_attend_on_gathered_pages_of_codes(name):
     _check_rows(flat, out, q, qr, 0.1)  # the same codes as the unpaged cache's rows, bit for bit
 
 
+@pytest.mark.parametrize("name", ["affine8/64", "affine4/32", "turbo-k8", "turbo-k4"])
+@pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
+def test_sparse_gathered_columns_attend_on_gathered_codes(name, paged):
+    """DSA's sparse step (``attend_gathered``) over batched rows of unequal length, columns picked in any order
+    (padding columns included, masked as mlx-lm masks them): affine equals the ``quantized_matmul`` reference on the
+    gathered planes bit for bit; TurboQuant equals mlx's fused attention over the decoded read gathered at the same
+    columns bit for bit (what mlx-lm computes on a decoded read)."""
+    fmt = FORMATS[name]
+    flat = EncodedLatentCache(GEOMETRY, fmt)
+    cache = PagedLatentCache(GEOMETRY, fmt, block_size=16) if paged else flat
+    for c in {id(flat): flat, id(cache): cache}.values():
+        singles = []
+        for n in (40, 13):
+            single = c.make_empty_batch()
+            single.append_latent(_normal((1, n, 128), n), _normal((1, n, 64), n + 1))
+            singles.append(single)
+        c.merge_rows(singles)
+        reads = c.store_latent(_normal((2, 1, 128), 7), _normal((2, 1, 64), 8))
+    assert reads.on_planes
+    width, K = reads.width, 9
+    positions = mx.stack([mx.random.permutation(width, key=mx.random.key(b))[:K] for b in range(2)]).astype(mx.int32)
+    visible = positions >= mx.array(reads.pads)[:, None]
+    q = _normal((2, HEADS, 1, 128), 21)
+    pe = mx.where(visible[:, None, None, :], _normal((2, HEADS, 1, K), 22), mx.finfo(mx.float32).min)
+    out = attend_gathered(reads.plane_rows(), reads.pads, positions, q, 0.08, pe)
+    if isinstance(fmt, AffineFormat):
+        for b, pad in enumerate(reads.pads):
+            planes = flat.row_state(b).planes[0]  # a paged row holds the same codes as the flat cache's row
+            local = mx.clip(positions[b] - pad, 0, None)
+            family = _reference_family(fmt, [mx.take(p, local, axis=1) for p in planes])
+            scores = _qmm((q[b : b + 1] * 0.08).reshape(1, 1, HEADS, 128), family, True).reshape(1, HEADS, 1, K)
+            weights = mx.softmax(scores + pe[b : b + 1], axis=-1, precise=True)
+            ref = _qmm(weights.reshape(1, 1, HEADS, K), family, False).reshape(1, HEADS, 1, 128)
+            assert mx.array_equal(out[b : b + 1], ref).item(), b
+    else:
+        read = reads.latent  # [B, width, r], zeros in padding
+        k = mx.take_along_axis(read[:, None], mx.broadcast_to(positions[:, None, :, None], (2, 1, K, 128)), axis=2)
+        ref = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.08, mask=pe)
+        assert mx.array_equal(out, ref).item()
+    decoded = attend_decoded(LatentAttentionState(
+        mx.take_along_axis(reads.latent, mx.broadcast_to(positions[..., None], (2, K, 128)), axis=1),
+        mx.zeros((2, K, 64))), q, 0.08, None, pe)
+    bound = _tolerance(fmt) * max(1.0, mx.abs(decoded).max().item())
+    assert mx.abs(out - decoded).max().item() <= bound
+
+
 def test_float32_rows_keep_decode_then_attend_exactly():
     cache = EncodedLatentCache(GEOMETRY, FORMATS["turbo-k8"], start=64)
     cache.append_latent(_normal((1, 10, 128), 1), _normal((1, 10, 64), 2))
@@ -207,7 +254,7 @@ def test_tiny_mlx_lm_models_decode_the_same_greedy_tokens_on_the_planes(name, sc
     on_planes = make_prompt_cache(model, scheme, paged_block_size=paged)
     decoded = make_prompt_cache(model, scheme, paged_block_size=paged)
     for cache in decoded:
-        if isinstance(cache, MLALatentCache):
+        if isinstance(cache, LatentLayer):
             cache.attend_on_planes = False  # today's decode-then-attend
     tokens, logits = greedy(model, PROMPT, on_planes, steps=GREEDY_STEPS)
     expected, expected_logits = greedy(model, PROMPT, decoded, steps=GREEDY_STEPS)
@@ -217,6 +264,9 @@ def test_tiny_mlx_lm_models_decode_the_same_greedy_tokens_on_the_planes(name, sc
     assert kl < STEP_KL
     if name == "deepseek_v3":
         assert all(isinstance(c._reads[0], LatentKeys) for c in on_planes)  # the decode steps read the planes
+    else:  # the DSA layers handed mlx-lm their placeholder and attended on the planes
+        assert all(isinstance(c, DSALatentCache) and c._planes is not None and c._planes.reads.on_planes
+                   for c in on_planes)
 
 
 def test_a_decode_step_over_16k_encoded_positions_allocates_less_than_one_decoded_plane():

@@ -212,9 +212,12 @@ def test_restore_prefix_cuts_latents_inside_the_session(tmp_path, name):
 
 @pytest.mark.parametrize("scheme", [KvScheme.bf16(), KvScheme.affine(4, 32, quantized_kv_start=7),
                                     KvScheme.turbo(8, 3)], ids=["f32", "affine4@7", "turbo8"])
-def test_dsa_two_call_steps_read_and_store_what_one_append_would(scheme):
+@pytest.mark.parametrize("on_planes", [False, True], ids=["decoded", "planes"])
+def test_dsa_two_call_steps_read_and_store_what_one_append_would(scheme, on_planes):
     """The latent call and the indexer call of each step give the reads, and leave the state, of one append of all
-    three families — on batched rows converting at different steps too (f32-first)."""
+    three families — on batched rows converting at different steps too (f32-first). On the planes, a step whose
+    rows all read planes hands the column placeholder as the latent (attention gathers codes from it) and the
+    same RoPE and index reads."""
     from kvshelf.latent_legos.latent.geometry import LatentGeometry
     from kvshelf.latent_legos.latent.scheme import composed_latent_cache
 
@@ -236,15 +239,26 @@ def test_dsa_two_call_steps_read_and_store_what_one_append_would(scheme):
         index, _ = cache[1].update_and_fetch(fam[2][:, None], fam[2][:, None])
         assert same(latent[:, 0], want.latent) and same(index[:, 0], want.index_keys)
     ours = ours_a.merge([ours_a, ours_b])
+    ours.attend_on_planes = on_planes
+    placeholders = 0
     for step in range(4):  # rows hold 5+s and 2+s positions: start 7 converts them at different steps
         fam = families(2, 1)
         want = reference.append_latent(*fam)
+        converted = getattr(ours.lego, "converted", [False])
         latent, rope = ours[0].update_and_fetch(fam[0][:, None], fam[1][:, None])
         index, _ = ours[1].update_and_fetch(fam[2][:, None], fam[2][:, None])
-        assert same(latent[:, 0], want.latent) and same(rope[:, 0], want.rope), step
+        if on_planes and all(converted):
+            columns = mx.broadcast_to(mx.arange(want.latent.shape[1], dtype=mx.int32)[None, None, :, None],
+                                      (2, 1, want.latent.shape[1], 1))
+            assert latent.dtype == mx.int32 and same(latent, columns), step
+            placeholders += 1
+        else:
+            assert same(latent[:, 0], want.latent), step
+        assert same(rope[:, 0], want.rope), step
         assert same(index[:, 0], want.index_keys), step
     assert ours.lego.row_offsets == reference.row_offsets
     assert all(same(a, b) for a, b in zip(ours.lego.state, reference.state))
+    assert placeholders == (4 if on_planes and scheme.kind == "turbo" else 0)  # affine4@7: row b never converts
 
 
 def test_bfloat16_model_reads_are_bit_identical_to_mlx_lm_kv_cache():

@@ -51,7 +51,28 @@ class AffineEncoding:
         packed, scales, biases = _check_planes(planes, self.plane_widths(), self.plane_dtypes())
         if packed.shape[1] == 0:
             return mx.zeros((packed.shape[0], 0, self.width), dtype=mx.float32)
-        return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits)
+        if 8 % self.bits:
+            return mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits)
+        return dequantize_elementwise(packed, scales, biases, self.group_size, self.bits)
+
+
+def dequantize_elementwise(
+    packed: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> mx.array:
+    """``mx.dequantize`` for codes of 2, 4 or 8 bits as plain elementwise ops, the same bits (``q * scale + bias``
+    per group, codes little-endian in the bytes of mlx's uint32 words).
+
+    mlx's own ``dequantize`` on the CPU briefly holds twice its float32 output; this holds the output once (each
+    op's input is dropped as the next one reads it) beside the codes widened to bytes, which a decode step of the
+    history (the RoPE key mlx-lm multiplies itself) otherwise pays at every step."""
+    lead, words = packed.shape[:-1], packed.shape[-1]
+    width = words * 32 // bits
+    codes = packed.view(mx.uint8)
+    if bits != 8:
+        shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
+        codes = (mx.expand_dims(codes, -1) >> shifts) & mx.array((1 << bits) - 1, dtype=mx.uint8)
+    groups = codes.reshape(*lead, width // group_size, group_size).astype(mx.float32)
+    return (groups * mx.expand_dims(scales, -1) + mx.expand_dims(biases, -1)).reshape(*lead, width)
 
 
 def _check_input(x: mx.array, width: int) -> None:

@@ -71,6 +71,11 @@ def unpack_bits(packed: mx.array, bits: int, width: int) -> mx.array:
     if bits == 8:
         return packed
     lead = packed.shape[:-1]
+    if 8 % bits == 0:  # whole codes per byte (1, 2, 4 bits): code i of a byte sits at bits [i*b, (i+1)*b), the
+        # stream order below, read with one shift and mask per code instead of a byte per stream bit
+        shifts = mx.arange(0, 8, bits, dtype=mx.uint8)
+        codes = (mx.expand_dims(packed, -1) >> shifts) & mx.array((1 << bits) - 1, dtype=mx.uint8)
+        return codes.reshape(*lead, width)
     stream = (mx.expand_dims(packed, -1) >> mx.arange(8, dtype=mx.uint8)) & 1
     stream = stream.reshape(*lead, width, bits)
     return mx.sum(stream << mx.arange(bits, dtype=mx.uint8), axis=-1).astype(mx.uint8)

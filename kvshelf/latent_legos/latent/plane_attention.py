@@ -35,6 +35,7 @@ from ..formats import AffineFormat, LatentFormat, TurboFormat
 
 TURBO_GROUP = 32
 _F32 = mx.float32
+_TOP_BIT = mx.array(0x80, dtype=mx.uint8)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class QuantizedFamily:
     biases: mx.array
     bits: int
     group_size: int
+    stored: tuple[mx.array, ...] | None = None  # TurboQuant: the held planes, for a decode with the format's bits
+    format: LatentFormat | None = None
 
     @property
     def length(self) -> int:
@@ -59,6 +62,31 @@ class QuantizedFamily:
 
     def decode(self) -> mx.array:
         return mx.dequantize(self.codes, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+
+    @property
+    def rounds_on_decode(self) -> bool:
+        """Whether the format's decode differs from the affine values ``quantized_matmul`` uses (TurboQuant rounds
+        every value to bfloat16)."""
+        return self.stored is not None
+
+    def decode_at(self, positions: mx.array) -> mx.array:
+        """The family at ``positions`` (``[K]`` int32) decoded exactly as the format decodes (the bits of a decoded
+        read gathered there): the held planes of those positions gathered, then decoded; ``[1, K, W]`` float32."""
+        if self.stored is None or self.format is None:
+            return self.take(positions).decode()
+        from ..encodings.family import family_encoding
+
+        planes = [mx.take(p, positions, axis=1) for p in self.stored]
+        if isinstance(self.format, TurboFormat) and self.format.k_bits == 8:  # held offset binary -> signed codes
+            planes[0] = (planes[0].view(mx.uint8) ^ _TOP_BIT).view(mx.int8)
+        width = planes[1].shape[-1] * TURBO_GROUP
+        return family_encoding(self.format, width).decode(planes)
+
+    def take(self, positions: mx.array) -> QuantizedFamily:
+        """The family at ``positions`` (``[K]`` int32, in ``[0, length)``): its codes, scales and biases gathered,
+        never decoded values."""
+        return QuantizedFamily(mx.take(self.codes, positions, axis=1), mx.take(self.scales, positions, axis=1),
+                               mx.take(self.biases, positions, axis=1), self.bits, self.group_size)
 
 
 def quantized_family(fmt: LatentFormat, planes: Sequence[mx.array]) -> QuantizedFamily:
@@ -74,7 +102,7 @@ def quantized_family(fmt: LatentFormat, planes: Sequence[mx.array]) -> Quantized
             biases = scales * (zeros.astype(_F32) - 128.0)
         else:
             biases = scales * zeros.astype(_F32)
-        return QuantizedFamily(codes.view(mx.uint32), scales, biases, fmt.k_bits, TURBO_GROUP)
+        return QuantizedFamily(codes.view(mx.uint32), scales, biases, fmt.k_bits, TURBO_GROUP, tuple(planes), fmt)
     raise InvalidCacheState(f"no attention on planes of format {fmt!r}")
 
 
@@ -145,6 +173,52 @@ def attend_rows(
         scores = _apply_mask(scores.reshape(1, H, L, T), _row_mask(mask, b, width - T))
         weights = mx.softmax(scores, axis=-1, precise=True)
         outs.append(row.latent.matmul(weights.reshape(1, 1, H * L, T), transpose=False).reshape(1, H, L, r))
+    return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
+
+
+def attend_gathered(
+    rows: Sequence[PlaneRow],
+    pads: Sequence[int],
+    positions: mx.array,
+    q_latent: mx.array,
+    scale: float,
+    mask: mx.array | None,
+    dtype: mx.Dtype | None = None,
+) -> mx.array:
+    """Sparse absorbed attention (DSA): row b attends its latent at ``positions[b]`` (``[B, K]`` int32, columns of
+    the right-justified buffers, as mlx-lm's ``take_along_axis`` on a decoded read gathers them, in that order).
+
+    The codes, scales and biases of those positions are gathered; nothing is decoded. ``mask`` is additive
+    ``[B|1, H, L, K]`` (mlx-lm's RoPE scores at the same positions, already masked). A position in a row's left
+    padding, which a decoded read holds as zeros, reads the row's first stored position here instead: its
+    column is masked by the RoPE scores, so its weight is zero either way. Returns ``[B, H, L, r]`` float32.
+    TurboQuant rows are the exception (see the body): decoded at the K positions, attended in ``dtype``.
+    """
+    B, H, L, r = q_latent.shape
+    if len(rows) != B or positions.shape[0] != B:
+        raise InvalidCacheState(f"queries have {B} rows, the cache {len(rows)}, the positions {positions.shape[0]}")
+    K, outs = positions.shape[-1], []
+    locals_ = [mx.clip(positions[b] - pad, 0, max(row.length - 1, 0)) if pad else positions[b]
+               for b, (row, pad) in enumerate(zip(rows, pads))]
+    if B and rows[0].latent.rounds_on_decode:
+        # TurboQuant: the K selected rows decoded with the format's own bits (padding as the zeros a decoded read
+        # holds there) and mlx's fused attention, as mlx-lm attends its gather of a decoded read: the same bits.
+        # The sparse selection turns last-bit differences into other top-k picks a few steps on, so this path
+        # keeps today's numbers exactly; its cost is K rows, never the history.
+        keys = []
+        for b, (row, pad, local) in enumerate(zip(rows, pads, locals_)):
+            k = row.latent.decode_at(local)
+            keys.append(mx.where((positions[b] >= pad)[None, :, None], k, 0.0) if pad else k)
+        k = (keys[0] if B == 1 else mx.concatenate(keys, axis=0))[:, None].astype(dtype or _F32)
+        return mx.fast.scaled_dot_product_attention(q_latent, k, k, scale=scale, mask=mask)
+    for b, (row, pad) in enumerate(zip(rows, pads)):
+        family = row.latent.take(locals_[b])
+        q = (q_latent[b : b + 1].astype(_F32) * scale).reshape(1, 1, H * L, r)
+        scores = family.matmul(q, transpose=True).reshape(1, H, L, K)
+        m = None if mask is None else (mask[b : b + 1] if mask.ndim == 4 and mask.shape[0] > 1 else mask)
+        scores = _apply_mask(scores, m)
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        outs.append(family.matmul(weights.reshape(1, 1, H * L, K), transpose=False).reshape(1, H, L, r))
     return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
 
 
@@ -260,6 +334,7 @@ __all__ = [
     "PlaneRow",
     "QuantizedFamily",
     "attend_decoded",
+    "attend_gathered",
     "attend_rows",
     "decoded_reads",
     "planes_attendable",

@@ -87,6 +87,13 @@ def scaled_dot_product_attention(
         if sinks is not None:
             raise InvalidCacheState("kvshelf's latent attention on encoded planes does not take attention sinks")
         return keys.attend(queries, scale, mask)
+    placeholder = getattr(cache, "attend_latent_placeholder", None)  # a DSA layer's decode step on the planes
+    if placeholder is not None:
+        out = placeholder(queries, keys, scale, mask)
+        if out is not None:
+            if sinks is not None:
+                raise InvalidCacheState("kvshelf's latent attention on encoded planes does not take attention sinks")
+            return out
     return _mlx_lm_sdpa()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -11,6 +11,19 @@ deterministic, so the stored state is what one append of all three would leave. 
 rule as one append would: a row that read its float32 shadow on this step (not yet converted when it began) reads
 its index keys from the shadow as well, not from the re-append (which already sees the row converted).
 
+At a decode step (L == 1) where every row reads its encoded planes, the layer attends on the planes, as
+``MLALatentCache`` does, through a placeholder: the latent call appends with ``store_latent`` (nothing decoded) and
+hands mlx-lm, as the latent, the column numbers ``[B, 1, T, 1]`` int32 (column t holds t; 4 bytes a position,
+a broadcast of one ``arange``) and the RoPE key decoded (the model multiplies it itself). mlx-lm's sparse
+selection gathers that placeholder with ``take_along_axis`` exactly as it would gather the latent, so what reaches
+``scaled_dot_product_attention`` is the selected columns in mlx-lm's order (or the placeholder itself when the
+history is no longer than ``index_topk``). kvshelf's installed attention asks the layer
+(``attend_latent_placeholder``, it gets the layer as ``cache``) and attends on the codes, scales and biases of
+those columns (``plane_attention.attend_gathered``): no decoded latent at all. The indexer call appends again with
+``store_latent`` after the trim and decodes the index family only (the indexer multiplies its keys itself).
+Rows still reading float32 (the f32-first rule), a float32 lego, prefill steps and ``attend_on_planes = False``
+take the path below, today's exact reads.
+
 Until the indexer call arrives the step is pending: anything else that touches the layer (another append, a trim,
 a row operation, persisting it) raises ``InvalidCacheState`` rather than store placeholder index keys.
 """
@@ -25,7 +38,10 @@ import mlx.core as mx
 
 from ...errors import InvalidCacheState
 from ...latent_legos.kv.model_face import batch_positions
+from ...latent_legos.latent.plane_attention import LatentReads, attend_gathered
 from ...latent_legos.rows import prefill_leads, zero_prefill_leads
+from .attention import LatentKeys
+from .attention import install as install_latent_attention
 from .faces import F32, LatentLayer, heads_of_one
 
 
@@ -39,6 +55,15 @@ class _Pending:
     shadow_rows: list[bool] | None  # rows that read their f32 shadow this step (None: every row reads the lego)
     index_before: mx.array | None  # the index reads before the step (for the shadow rows)
     leads: list[int]  # per row, columns of this step that land in pending left padding
+
+
+@dataclass
+class _PlanesStep:
+    """A decode step attended on the planes: the placeholder handed to mlx-lm and, once the indexer keys are in,
+    the step's reads (taken from the lego when attention runs, so nothing decoded is held)."""
+
+    placeholder: mx.array
+    reads: LatentReads | None = None
 
 
 class _LatentFace:
@@ -125,6 +150,7 @@ class DSALatentCache(LatentLayer):
             raise InvalidCacheState("a DSA layer needs a latent lego with an index family (index_head_dim)")
         super().__init__(lego, dtype)
         self._pending: _Pending | None = None
+        self._planes: _PlanesStep | None = None
         self._reads: list[mx.array | None] = [None] * 4
         self.caches = (_LatentFace(self), _IndexFace(self))
 
@@ -134,11 +160,13 @@ class DSALatentCache(LatentLayer):
     def _changed(self) -> None:
         self._require_settled("change its rows")
         self._reads = [None] * 4
+        self._planes = None
 
     def _take_contents_of(self, other: Any) -> None:
         super()._take_contents_of(other)
         self.caches = (_LatentFace(self), _IndexFace(self))
         self._reads = [None] * 4
+        self._planes = None
 
     def _require_settled(self, what: str) -> None:
         if self._pending is not None:
@@ -170,7 +198,10 @@ class DSALatentCache(LatentLayer):
         rope = heads_of_one("rope key (values)", values, g.rope_head_dim)
         batch, length = latent.shape[0], latent.shape[1]
         self.dtype = self.dtype or keys.dtype
+        self._planes = None
         converted = getattr(self.lego, "converted", None)  # f32-first legos say which rows still read f32
+        if length == 1 and self._planes_possible(converted):
+            return self._stage_on_planes(latent, rope)
         shadow_rows = None
         index_before = None
         if converted is not None and self.lego.batch_size is not None and not all(converted):
@@ -184,6 +215,46 @@ class DSALatentCache(LatentLayer):
         self._reads = [self._as_model(state.latent), self._as_model(state.rope), None, None]
         return self._reads[0], self._reads[1]
 
+    def _planes_possible(self, converted: list[bool] | None) -> bool:
+        """Whether a decode step may go on the planes: every row already reads its planes (or the lego has no
+        f32-first rows) and the lego stores without decoding."""
+        return (self.attend_on_planes and hasattr(self.lego, "store_latent") and self.lego.batch_size is not None
+                and (converted is None or all(converted)))
+
+    def _stage_on_planes(self, latent: mx.array, rope: mx.array) -> tuple[mx.array, mx.array]:
+        batch, g = latent.shape[0], self.lego.geometry
+        reads = self.lego.store_latent(latent, rope, mx.zeros((batch, 1, g.index_head_dim), dtype=F32))
+        self._pending = _Pending(latent, rope, 1, None, None, [0] * batch)
+        if not reads.on_planes:  # a float32 lego (or a format that does not pack): its reads, as append_latent's
+            self._reads = [self._as_model(reads.latent), self._as_model(reads.rope), None, None]
+            return self._reads[0], self._reads[1]
+        install_latent_attention()
+        columns = mx.arange(reads.width, dtype=mx.int32).reshape(1, 1, reads.width, 1)
+        self._planes = _PlanesStep(mx.broadcast_to(columns, (batch, 1, reads.width, 1)))
+        self._reads = [self._planes.placeholder, None, None, None]  # the RoPE read is the model's to drop
+        return self._planes.placeholder, self._as_model(reads.rope)
+
+    def attend_latent_placeholder(self, queries: mx.array, keys: Any, scale: float, mask: Any) -> mx.array | None:
+        """mlx-lm's absorbed decode attention when ``keys`` is this step's placeholder or mlx-lm's gather of it
+        (see the module docstring); None for anything else (mlx-lm's own attention then runs)."""
+        step = self._planes
+        if step is None or step.reads is None or not isinstance(keys, mx.array):
+            return None
+        if keys is step.placeholder:
+            out = LatentKeys(step.reads, queries.shape[0], queries.shape[-1], self.dtype).attend(queries, scale, mask)
+        else:
+            B = step.placeholder.shape[0]
+            if keys.dtype != mx.int32 or keys.ndim != 4 or keys.shape[0] != B or keys.shape[1] != 1 \
+                    or keys.shape[3] != 1 or queries.shape[2] != 1:
+                return None
+            mask = None if isinstance(mask, str) else mask
+            out = attend_gathered(step.reads.plane_rows(), step.reads.pads, keys[:, 0, :, 0], queries, scale, mask,
+                                  self.dtype).astype(queries.dtype)
+        # The step's reads have been used (mlx-lm chained them with mx.depends before attending): the index read
+        # (and the zeros the indexer assigned beside it) would otherwise stay held until the next step.
+        self._reads = [step.placeholder, None, None, None]
+        return out
+
     def _commit(self, keys: mx.array) -> mx.array:
         pending = self._pending
         if pending is None:
@@ -193,6 +264,10 @@ class DSALatentCache(LatentLayer):
             raise InvalidCacheState(f"indexer keys {list(keys.shape)} do not match the step's latent rows and length")
         self.lego.trim(pending.length)
         self._pending = None
+        if self._planes is not None:  # rows converted before the step stay converted: the re-append is on planes
+            self._planes.reads = self.lego.store_latent(pending.latent, pending.rope, index)
+            self._reads[2] = self._reads[3] = self._as_model(self._planes.reads.index_keys)
+            return self._reads[2]
         read = self.lego.append_latent(pending.latent, pending.rope, index).index_keys
         if pending.shadow_rows is not None and any(pending.shadow_rows):
             fresh = zero_prefill_leads([index], pending.leads)[0]

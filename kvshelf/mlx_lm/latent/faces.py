@@ -56,7 +56,13 @@ def heads_of_one(name: str, array: Any, width: int) -> mx.array:
 
 
 class LatentLayer(MlxLmBatchFace):
-    """What both faces share: the lego, the model dtype of reads, row operations and mlx-lm's bookkeeping names."""
+    """What both faces share: the lego, the model dtype of reads, row operations and mlx-lm's bookkeeping names.
+
+    ``attend_on_planes`` (default True): a decode step over encoded planes is attended on the planes (see
+    ``attention``); False decodes every stored position and hands mlx-lm float32 reads, as before (an A/B switch
+    for accuracy and speed comparisons, settable on an instance)."""
+
+    attend_on_planes = True
 
     def __init__(self, lego: Any, dtype: mx.Dtype | None = None) -> None:
         self.lego = lego
@@ -149,13 +155,8 @@ class LatentLayer(MlxLmBatchFace):
 
 
 class MLALatentCache(LatentLayer):
-    """The ``KVCache`` face of one MLA layer over a latent lego (see the module docstring).
-
-    ``attend_on_planes`` (default True): a decode step over encoded planes hands mlx-lm ``LatentKeys`` and is
-    attended on the planes (``attention``); False decodes every stored position and hands mlx-lm float32
-    reads, as before (an A/B switch for accuracy and speed comparisons)."""
-
-    attend_on_planes = True
+    """The ``KVCache`` face of one MLA layer over a latent lego (see the module docstring); a decode step over
+    encoded planes hands mlx-lm ``LatentKeys``."""
 
     def __init__(self, lego: Any, dtype: mx.Dtype | None = None) -> None:
         super().__init__(lego, dtype)
