@@ -215,12 +215,17 @@ class ArraysCodec(RowStateCodec):
         return False
 
     def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
-        check_prefix(entry, p)
-        if p != entry.offset:
-            raise CacheRangeError(f"recurrent state of {entry.offset} positions has no prefix {p} (exact length only)")
+        check_exact_prefix(entry, p)
         return replace_entry(entry, tensors=prefix_tensors(entry, p))
 
 
+
+def check_exact_prefix(entry: CacheEntry, p: int) -> None:
+    """A recurrent state has one prefix: its whole self (``CacheRangeError`` for any other length)."""
+    check_prefix(entry, p)
+    if p != entry.offset:
+        raise CacheRangeError(f"recurrent state of {entry.offset} positions has no prefix {p} (exact length only)")
+
 STATE_KV_CODECS = (RotatingKvCodec(), ArraysCodec())
 
-__all__ = ["STATE_KV_CODECS", "ArraysCodec", "RotatingKvCodec", "present_slots"]
+__all__ = ["STATE_KV_CODECS", "ArraysCodec", "RotatingKvCodec", "check_exact_prefix", "present_slots"]

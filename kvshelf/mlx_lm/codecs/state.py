@@ -21,7 +21,7 @@ from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, RotatingKVCac
 from ...codecs import dtypes, validate
 from ...codecs.header import CacheEntry
 from ...codecs.kinds.kv import HEAD_KEYS, check_common, extra_dtype, extra_int
-from ...codecs.kinds.kv_state import present_slots
+from ...codecs.kinds.kv_state import check_exact_prefix, present_slots
 from ...codecs.kinds.latent_common import check_prefix, make_slots, replace_entry
 from ...codecs.validate import SlotSpec
 from ...errors import CacheRangeError, InvalidCacheState
@@ -178,9 +178,7 @@ class ArraysCodec(MlxCodec):
         return False
 
     def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
-        check_prefix(entry, p)
-        if p != entry.offset:
-            raise CacheRangeError(f"recurrent state of {entry.offset} positions has no prefix {p} (exact length only)")
+        check_exact_prefix(entry, p)
         return entry
 
 
