@@ -55,7 +55,8 @@ from .space.full_disk import FullDisk
 from .space.pins import Pins
 from .generations import GenerationCheckpoint, GenerationCheckpoints
 from .prefix.hashing import tokens_array
-from .save.checkpoints import CheckpointInfo, Checkpoints, parent_of
+from .index.keys import parent_of
+from .save.checkpoints import CheckpointInfo, Checkpoints
 
 # The offline tools' calls: ``store.admin.<name>``. The same names on ``Store`` forward there (kept for callers
 # written before ``store.admin`` existed; new tools code calls ``store.admin``). ``stats``, ``verify``, ``gc`` and

@@ -23,7 +23,7 @@ from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotF
 from ..store import Store, StoreBusy, open_store
 from ..store.identity import identity_key
 from ..store.index.schema import Manifest
-from ..store.save.checkpoints import is_checkpoint, parent_of
+from ..store.index.keys import is_checkpoint, parent_of
 from . import lmdb_files
 from .paths import require_path, require_text
 

@@ -105,5 +105,28 @@ def parse_legacy_blob(name: str) -> tuple[str, str] | None:
     return stem, encoding
 
 
-__all__ = ["after_prefix", "be64", "identity_key_of", "is_pack", "legacy_blob", "legacy_manifest", "lineage_id", "location", "lru_key",
-           "lru_sid", "manifest_keys", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key", "tomb"]
+# A session's checkpoint (``save/checkpoints.py``) is saved under a derived session id: never a client's (session ids
+# refuse NUL: ``inputs.check_session_id``), and a session's checkpoints sort after it, in k order.
+CHECKPOINT_MARK = "\x00ckpt:"
+_DIGITS = 12                   # zero-padded, so the ``sessions`` range lists a session's checkpoints in k order
+
+
+def checkpoint_id(session_id: str, k: int) -> str:
+    """The derived session id a checkpoint of ``session_id`` at ``k`` tokens is saved under."""
+    return f"{session_id}{CHECKPOINT_MARK}{k:0{_DIGITS}d}"
+
+
+def is_checkpoint(session_id: str) -> bool:
+    return CHECKPOINT_MARK in session_id
+
+
+def parent_of(session_id: str) -> tuple[str, int] | None:
+    """(session id, k) of a checkpoint's derived id; None for a session's own id."""
+    head, mark, k = session_id.rpartition(CHECKPOINT_MARK)
+    if not mark or not k.isdigit():
+        return None
+    return head, int(k)
+
+__all__ = ["CHECKPOINT_MARK", "after_prefix", "be64", "checkpoint_id", "identity_key_of", "is_checkpoint", "is_pack",
+           "legacy_blob", "legacy_manifest", "lineage_id", "location", "lru_key", "lru_sid", "manifest_keys",
+           "parent_of", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key", "tomb"]

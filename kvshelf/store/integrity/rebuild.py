@@ -21,7 +21,8 @@ from ..objects.local import open_object
 from ..index.schema import Manifest
 from ..objects.pack import TOMB_DIR, is_pack, read_trailer
 from ..results import Finding
-from ..save.checkpoints import Checkpoints, parent_of
+from ..index.keys import parent_of
+from ..save.checkpoints import Checkpoints
 
 
 class Rebuild:

@@ -14,7 +14,6 @@ from .. import inputs
 from ..context import StoreContext
 from ..identity import namespace_key
 from ..index import keys, tables
-from ..save.checkpoints import is_checkpoint
 from ..index import schema as mf
 from ..index.schema import Manifest
 from ..results import SessionInfo
@@ -90,7 +89,7 @@ class Snapshots:
                 s = tables.summary(txn, sid)
                 if s is None:
                     continue
-                if is_checkpoint(s.session_id):  # a session's checkpoint, not a session (list_checkpoints)
+                if keys.is_checkpoint(s.session_id):  # a session's checkpoint, not a session (list_checkpoints)
                     continue
                 used = max(s.last_used_ns, touched.get(bytes(sid), 0))
                 out.append(SessionInfo(s.session_id, s.namespace, bytes(sid).hex(), s.length, s.nbytes,

@@ -39,30 +39,12 @@ import numpy as np
 
 from ...errors import InvalidCacheState, SnapshotNotFound
 from ..index import keys
+from ..index.keys import CHECKPOINT_MARK, checkpoint_id, is_checkpoint
 from ..liveness import ledger
 from ..index import schema as mf
 from ..prefix.hashing import tokens_array
 
-MARK = "\x00ckpt:"             # never in a client's session id: ``inputs.check_session_id`` refuses NUL
-_MARK_BYTES = MARK.encode()
-_DIGITS = 12                   # zero-padded, so the ``sessions`` range lists a session's checkpoints in k order
-
-
-def checkpoint_id(session_id: str, k: int) -> str:
-    """The derived session id a checkpoint of ``session_id`` at ``k`` tokens is saved under."""
-    return f"{session_id}{MARK}{k:0{_DIGITS}d}"
-
-
-def is_checkpoint(session_id: str) -> bool:
-    return MARK in session_id
-
-
-def parent_of(session_id: str) -> tuple[str, int] | None:
-    """(session id, k) of a checkpoint's derived id; None for a session's own id."""
-    head, mark, k = session_id.rpartition(MARK)
-    if not mark or not k.isdigit():
-        return None
-    return head, int(k)
+_MARK_BYTES = CHECKPOINT_MARK.encode()
 
 
 class CheckpointInfo(NamedTuple):
@@ -194,4 +176,4 @@ class Checkpoints:
         return out
 
 
-__all__ = ["CheckpointInfo", "Checkpoints", "MARK", "checkpoint_id", "is_checkpoint", "parent_of"]
+__all__ = ["CheckpointInfo", "Checkpoints"]
