@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError
 from ..context import StoreContext
-from ..index import keys
+from ..index import bad_chunks, keys
 from ..prefix import records
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
@@ -162,6 +162,8 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
     index, parts, c = ctx.index, tally.parts, _Candidates()
     live: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
     chunk_sum, blob_findings = 0, []
+    with index.read() as txn:
+        marks = {m.hash: m for m in bad_chunks.scan(txn)}
     for p in range(parts):
         refs = tally.refs if p == 0 else Counter()
         if p:
@@ -186,6 +188,10 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
                 live[meta.pack][0] += 1
                 live[meta.pack][1] += meta.stored_bytes
             chunk_sum += meta.stored_bytes
+            mark = marks.get(key.hex())
+            if mark is not None and (mark.pack, mark.offset) == keys.location(key.hex(), meta)[:2]:
+                blob_findings.append(_bad_chunk_finding(mark))
+                continue
             found = _object_problem(ctx, key.hex(), meta, deep)
             if found is not None:
                 found = _recheck_object(ctx, key, deep)  # the chunk may have moved or gone meanwhile
@@ -234,6 +240,20 @@ def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
     return False
 
 
+def _bad_chunk_finding(mark: bad_chunks.BadMark) -> Finding:
+    return Finding("bad-chunk", f"blob {mark.hash}", f"its copy in {mark.pack} failed its hash "
+                   f"({_without(mark.reason, mark.hash)}); a save of the same content heals it, else `kvshelf repair` "
+                   f"drops the sessions using it")
+
+
+def _without(detail: str, h: str) -> str:
+    """An error's text without the ``blob H`` it starts with when the finding already says where (no repeats)."""
+    for prefix in (f"blob {h}: ", f"blob {h} "):
+        if detail.startswith(prefix):
+            return detail[len(prefix):]
+    return detail
+
+
 def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
     name, offset, _length = keys.location(h, meta)
     size = ctx.bytes.size(name)
@@ -249,7 +269,7 @@ def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
             with open_chunk(ctx.index, ctx.bytes, h, verify=True) as reader:
                 reader.read_into([None] * len(reader.tensors))
         except (KvShelfError, ObjectMissing, OSError) as exc:
-            return Finding("corrupt-blob", f"blob {h}", str(exc))
+            return Finding("corrupt-blob", f"blob {h}", _without(str(exc), h))
     return None
 
 
@@ -323,7 +343,7 @@ def _recount(ctx, c: _Candidates) -> list[Finding]:
 def _with_users(ctx, found: list[Finding]) -> list[Finding]:
     """Blob findings name every session using the chunk (one batched pass over the manifests, only for them)."""
     hashes = {f.where[len("blob "):] for f in found
-              if f.kind in ("missing-blob", "corrupt-blob") or f.detail.endswith("but has no record")}
+              if f.kind in ("missing-blob", "corrupt-blob", "bad-chunk") or f.detail.endswith("but has no record")}
     if not hashes:
         return found
     users: defaultdict[str, set[str]] = defaultdict(set)
