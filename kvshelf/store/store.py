@@ -31,6 +31,7 @@ from .index.schema import Manifest
 from .integrity.gc import Gc
 from .integrity.legacy_v1 import seal_v1_manifests
 from .integrity.quarantine import Quarantine
+from .integrity.repair import Repair
 from .integrity.rebuild import Rebuild
 from .integrity.verify import Verifier
 from .index.protocol import IndexStore
@@ -60,7 +61,8 @@ from .generations import GenerationCheckpoint, GenerationCheckpoints
 TOOL_CALLS = ("manifest", "iter_manifests", "chunk_info", "iter_chunks", "iter_packs", "chunk_location",
               "stored_objects", "orphans", "leased_hashes", "open_chunk", "summaries", "rebuild_report", "lease",
               "put_chunks", "rewrite_chunk", "repack", "replace_manifest", "replace_snapshot", "exclusive",
-              "replace_index", "empty_index", "copy_index", "stats", "verify", "gc", "rebuild_index")
+              "replace_index", "empty_index", "copy_index", "stats", "verify", "gc", "rebuild_index", "repair",
+              "quarantined", "bad_chunks")
 
 
 class Store:
@@ -109,9 +111,11 @@ class Store:
         self._reader = Reader(ctx, leases, snapshots, quarantine)
         self._saver = saver = Saver(ctx, gate, txns, reclaimer, Budget(ctx, txns, reclaimer, removal, pins))
         swap = IndexSwap(ctx, gate, txns, writer.flush)
+        verifier = Verifier(ctx, gate, reclaimer)
+        repair = Repair(ctx, txns, removal, quarantine, verifier, gc)
         self.admin = StoreAdmin(ctx, snapshots=snapshots, leases=leases, reclaimer=reclaimer, txns=txns, gate=gate,
-                                saver=saver, writer=writer, verifier=Verifier(ctx, gate, reclaimer), gc=gc,
-                                rebuild=Rebuild(ctx, swap), swap=swap, pins=pins)
+                                saver=saver, writer=writer, verifier=verifier, gc=gc,
+                                rebuild=Rebuild(ctx, swap), swap=swap, pins=pins, repair=repair)
         seal_v1_manifests(ctx.index, ctx.bytes)  # once per index: v1 manifest files get the checksum rebuilds need
 
     # the context's fields that change after open: read through, never copied

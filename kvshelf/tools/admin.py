@@ -284,6 +284,25 @@ def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
             "tombstones": report.tombstones}
 
 
+def repair(store: Store, dry_run: bool = False) -> dict[str, Any]:
+    """``kvshelf repair``: the store's ``RepairReport`` as a document (``integrity/repair.py`` says what it does)."""
+    r = store.repair(dry_run=dry_run)
+    return {"dry_run": r.dry_run, "lost": r.lost, "dropped_quarantined": r.dropped_quarantined,
+            "bad_chunks": r.bad_chunks, "reclaimed_bytes": r.reclaimed_bytes, "reclaimed_objects": r.reclaimed_objects,
+            "remaining": r.remaining}
+
+
+def quarantine_ls(store: Store) -> dict[str, Any]:
+    """``kvshelf quarantine ls``: every quarantined snapshot and every chunk copy marked bad."""
+    return {"quarantined": store.quarantined(), "bad_chunks": store.bad_chunks()}
+
+
+def quarantine_drop(store: Store, snapshot_id: str | None) -> dict[str, Any]:
+    """``kvshelf quarantine drop ID|--all``: forget quarantine records (``gc`` may then take their evidence)."""
+    ids = [q["snapshot_id"] for q in store.quarantined()] if snapshot_id is None else [snapshot_id]
+    return {"dropped": [sid for sid in ids if store.drop_quarantined(sid)], "asked": ids}
+
+
 def remote_admin(remote: str, prefix: str | None = None):
     """The shared tier, identity-blind (``kvshelf ls/stats/gc --remote``)."""
     from ..store.remote.client import DEFAULT_PREFIX
@@ -333,5 +352,5 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-__all__ = ["open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
+__all__ = ["repair", "quarantine_ls", "quarantine_drop", "open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
            "resolve", "format_of", "orphans", "blob_totals", "StoreMissing"]

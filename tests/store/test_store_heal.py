@@ -6,7 +6,7 @@ affects until ``repair`` drops them."""
 from __future__ import annotations
 
 from store_cases import flip_chunk_byte
-from tools_data import MODEL, make_caches
+from tools_data import MODEL, make_caches, run_cli, run_json
 
 from kvshelf import open_store
 from kvshelf.errors import CorruptData
@@ -59,3 +59,60 @@ def test_a_save_never_dedupes_onto_a_bad_copy_across_handles(tmp_path) -> None:
         assert info.blobs_written == 1
         assert _bits(again.restore("a").caches) == _bits(make_caches("mla", N, 1))
         assert [f.kind for f in again.verify(deep=True)] == ["quarantined"]
+
+
+def _files(root) -> dict[str, bytes]:
+    """Every file of the store but the handles' own (leases, locks, LMDB's lock file, the page walk's memo)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.parent.name not in ("leases", "locks") and p.name not in ("lock.mdb",
+                                                                                        "data.mdb.walked")}
+
+
+def test_repair_drops_what_no_good_copy_can_heal_and_reports_it(tmp_path) -> None:
+    root = tmp_path / "s"
+    store, bad = _three_sharing(root)
+    with store:
+        other = store.save("z", list(range(500, 500 + N)), make_caches("mla", N, 7))  # shares nothing: survives
+        try:
+            store.restore("a")
+        except CorruptData:
+            pass
+        before = _files(root)
+        dry = store.repair(dry_run=True)
+        assert _files(root) == before  # a dry run changes nothing
+        assert dry.dry_run and {r["session_id"] for r in dry.lost} == {"b", "c"} and dry.bad_chunks == [bad]
+        report = store.repair(dry_run=False)
+        assert {r["session_id"] for r in report.lost} == {"b", "c"}
+        assert [q["session_id"] for q in report.dropped_quarantined] == ["a"]
+        assert report.reclaimed_bytes > 0 and report.remaining == []
+        assert store.verify(deep=True) == [] and store.bad_chunks() == [] and store.quarantined() == []
+        assert [s.session_id for s in store.sessions()] == ["z"]
+        assert _bits(store.restore("z").caches) == _bits(make_caches("mla", N, 7)) and other
+        again = store.repair(dry_run=False)  # nothing left to do
+        assert (again.lost, again.dropped_quarantined, again.reclaimed_bytes) == ([], [], 0)
+
+
+def test_the_cli_lists_repairs_and_drops(tmp_path) -> None:
+    root = tmp_path / "s"
+    store, bad = _three_sharing(root)
+    with store:
+        try:
+            store.restore("a")
+        except CorruptData:
+            pass
+    doc = run_json("quarantine", "ls", "--store", str(root))
+    assert [q["session_id"] for q in doc["quarantined"]] == ["a"] and [b["hash"] for b in doc["bad_chunks"]] == [bad]
+    doc = run_json("verify", "--store", str(root), expect_rc=1)
+    assert {(p["kind"], p["session_id"]) for p in doc["problems"]} >= {("quarantined", "a"), ("bad-chunk", "b")}
+    before = _files(root)
+    dry = run_json("repair", "--dry-run", "--store", str(root))
+    assert _files(root) == before and {r["session_id"] for r in dry["lost"]} == {"b", "c"}
+    assert run_cli("quarantine", "drop", "--store", str(root)).returncode == 2  # neither an ID nor --all
+    sid = doc["problems"][0]["where"].split()[1] if doc["problems"][0]["kind"] == "quarantined" else None
+    dropped = run_json("quarantine", "drop", "--all", "--store", str(root))
+    assert len(dropped["dropped"]) == 1 and (sid is None or dropped["dropped"] == [sid])
+    done = run_json("repair", "--store", str(root))
+    assert {r["session_id"] for r in done["lost"]} == {"b", "c"} and done["remaining"] == []
+    proc = run_cli("repair", "--store", str(root))
+    assert proc.returncode == 0 and "0 session(s) lost" in proc.stdout
+    run_json("verify", "--deep", "--store", str(root))

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
+
 from ...errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError
 from ..context import StoreContext
 from ..index import keys, ledger
@@ -19,6 +21,7 @@ from ..index.protocol import meta_int
 from ..index.schema import ChunkRef, ChunkMeta, Manifest, PackMeta, Summary
 from ..integrity.gc import Gc
 from ..integrity.rebuild import Rebuild
+from ..integrity.repair import Repair, marks
 from ..integrity.verify import Verifier
 from ..liveness.leases import Leases
 from ..liveness.reclaim import Reclaimer
@@ -40,10 +43,11 @@ class StoreAdmin:
 
     def __init__(self, ctx: StoreContext, *, snapshots: Snapshots, leases: Leases, reclaimer: Reclaimer,
                  txns: Transactions, gate: SaveGate, saver: Saver, writer: BackgroundWriter, verifier: Verifier,
-                 gc: Gc, rebuild: Rebuild, swap: IndexSwap, pins: Pins):
+                 gc: Gc, rebuild: Rebuild, swap: IndexSwap, pins: Pins, repair: Repair):
         self.ctx, self.snapshots, self.leases, self.reclaimer, self.pins = ctx, snapshots, leases, reclaimer, pins
         self.txns, self.gate, self.saver, self.writer = txns, gate, saver, writer
         self.verifier, self.sweeper, self.rebuilder, self.swap = verifier, gc, rebuild, swap
+        self.repairer = repair
         self._placed: dict = {}  # chunks written by put_chunks that no commit has indexed yet: where they lie
 
     # ------------------------------------------------------------------ listings
@@ -157,6 +161,31 @@ class StoreAdmin:
         """Remove crash residue: unreferenced packs, blobs and manifest files, dead tmp and lease files."""
         self.ctx.check_open()
         return self.sweeper.gc(dry_run)
+
+    def repair(self, dry_run: bool = True):
+        """Drop what cannot be read (snapshots using a chunk with no good copy, quarantined snapshots) and reclaim
+        the space; a ``RepairReport`` of what was done and lost (``integrity/repair.py``). ``dry_run``: change
+        nothing, report what would be done."""
+        self.ctx.check_open()
+        return self.repairer.repair(dry_run)
+
+    def quarantined(self) -> list[dict]:
+        """Every quarantine record: snapshot id, session, namespace key and the reason (``kvshelf quarantine ls``)."""
+        self.ctx.check_open()
+        out = []
+        for key, raw in self.ctx.index.scan("quarantine"):
+            try:
+                rec = msgspec.msgpack.decode(raw)
+                sid, reason = str(rec[0]), str(rec[1])
+            except (msgspec.DecodeError, ValueError, TypeError, IndexError):
+                sid, reason = "?", "(the quarantine record itself is damaged)"
+            out.append({"snapshot_id": sid, "session_id": keys.session_of_key(key), "reason": reason})
+        return out
+
+    def bad_chunks(self) -> list[dict]:
+        """Every chunk copy marked bad and not yet healed or dropped: hash, pack, offset, reason."""
+        self.ctx.check_open()
+        return [{"hash": m.hash, "pack": m.pack, "offset": m.offset, "reason": m.reason} for m in marks(self.ctx)]
 
     def rebuild_index(self) -> int:
         """Rebuild the LMDB index from the packs' trailers (and v1 manifest files); returns snapshots indexed.
