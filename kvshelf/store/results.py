@@ -106,6 +106,7 @@ class RepairReport:
     lost: list[dict] = field(default_factory=list)
     dropped_quarantined: list[dict] = field(default_factory=list)
     bad_chunks: list[str] = field(default_factory=list)
+    rewritten_trailers: list[str] = field(default_factory=list)  # packs rewritten under fresh trailers
     reclaimed_bytes: int = 0
     reclaimed_objects: int = 0
     remaining: list[str] = field(default_factory=list)

@@ -61,8 +61,8 @@ from .generations import GenerationCheckpoint, GenerationCheckpoints
 TOOL_CALLS = ("manifest", "iter_manifests", "chunk_info", "iter_chunks", "iter_packs", "chunk_location",
               "stored_objects", "orphans", "leased_hashes", "open_chunk", "summaries", "rebuild_report", "lease",
               "put_chunks", "rewrite_chunk", "repack", "replace_manifest", "replace_snapshot", "exclusive",
-              "replace_index", "empty_index", "copy_index", "stats", "verify", "gc", "rebuild_index", "repair",
-              "quarantined", "bad_chunks")
+              "replace_index", "empty_index", "copy_index", "stats", "verify", "gc", "rebuild_index", "quarantined",
+              "bad_chunks")
 
 
 class Store:
@@ -112,10 +112,11 @@ class Store:
         self._saver = saver = Saver(ctx, gate, txns, reclaimer, Budget(ctx, txns, reclaimer, removal, pins))
         swap = IndexSwap(ctx, gate, txns, writer.flush)
         verifier = Verifier(ctx, gate, reclaimer)
-        repair = Repair(ctx, txns, removal, quarantine, verifier, gc)
         self.admin = StoreAdmin(ctx, snapshots=snapshots, leases=leases, reclaimer=reclaimer, txns=txns, gate=gate,
                                 saver=saver, writer=writer, verifier=verifier, gc=gc,
-                                rebuild=Rebuild(ctx, swap), swap=swap, pins=pins, repair=repair)
+                                rebuild=Rebuild(ctx, swap), swap=swap, pins=pins)
+        self._repair = Repair(ctx, txns, removal, quarantine, verifier, gc,
+                              rewrite_packs=lambda packs: self.admin.repack(packs=packs))
         seal_v1_manifests(ctx.index, ctx.bytes)  # once per index: v1 manifest files get the checksum rebuilds need
 
     # the context's fields that change after open: read through, never copied
@@ -268,6 +269,13 @@ class Store:
     def quarantine(self, snapshot_id: str, reason: str) -> None:
         """Hide a snapshot for good, keeping its objects as evidence (``integrity/quarantine.py``)."""
         self._quarantine.quarantine(snapshot_id, reason)
+
+    def repair(self, dry_run: bool = True):
+        """Rewrite what has a good copy (damaged pack trailers, from the index), drop what cannot be read (snapshots
+        using a chunk with no good copy, quarantined snapshots), reclaim the space: a ``RepairReport`` of what was
+        done and lost (``integrity/repair.py``). ``dry_run`` changes nothing. Identity-blind."""
+        self._ctx.check_open()
+        return self._repair.repair(dry_run)
 
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (identity-blind). True when a record was dropped."""

@@ -288,7 +288,7 @@ def repair(store: Store, dry_run: bool = False) -> dict[str, Any]:
     """``kvshelf repair``: the store's ``RepairReport`` as a document (``integrity/repair.py`` says what it does)."""
     r = store.repair(dry_run=dry_run)
     return {"dry_run": r.dry_run, "lost": r.lost, "dropped_quarantined": r.dropped_quarantined,
-            "bad_chunks": r.bad_chunks, "reclaimed_bytes": r.reclaimed_bytes, "reclaimed_objects": r.reclaimed_objects,
+            "bad_chunks": r.bad_chunks, "rewritten_trailers": r.rewritten_trailers, "reclaimed_bytes": r.reclaimed_bytes, "reclaimed_objects": r.reclaimed_objects,
             "remaining": r.remaining}
 
 

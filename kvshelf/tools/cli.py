@@ -197,6 +197,8 @@ def cmd_repair(args: argparse.Namespace, pr: Printer) -> int:
         would = "would " if args.dry_run else ""
         rows = [("lost", r["session_id"], r["snapshot_id"], f"uses damaged chunk(s) {', '.join(r['chunks'])}")
                 for r in doc["lost"]]
+        rows += [("trailer rewritten", "", p, "its live chunks and manifests copied under fresh trailers")
+                 for p in doc["rewritten_trailers"]]
         rows += [("quarantine dropped", q["session_id"], q["snapshot_id"], "its evidence may now be reclaimed")
                  for q in doc["dropped_quarantined"]]
         console.print(rows_table(f"repair{' (dry run)' if args.dry_run else ''}: {len(doc['lost'])} session(s) "

@@ -24,18 +24,21 @@ PACK_TARGET = 256 << 20  # bytes of chunks per new pack
 
 
 def repack(admin, ctx: StoreContext, gate: SaveGate, txns: Transactions, reclaimer: Reclaimer,
-           min_live_ratio: float = 0.5) -> dict[str, int]:
+           min_live_ratio: float = 0.5, packs=None) -> dict[str, int]:
     """``admin`` (a ``StoreAdmin``) lists packs, chunks and leases and opens chunks; ``txns`` repoints records."""
     if not 0.0 <= min_live_ratio <= 1.0:
         raise ValueError(f"min_live_ratio must be within [0, 1], got {min_live_ratio!r}")
-    sparse = {name for name, pm in admin.iter_packs() if pm.size and pm.live_bytes / pm.size < min_live_ratio}
+    if packs is not None:  # exactly these (a damaged trailer's pack): no v1 blob moves
+        sparse = set(packs)
+    else:
+        sparse = {name for name, pm in admin.iter_packs() if pm.size and pm.live_bytes / pm.size < min_live_ratio}
     moved = moved_bytes = 0
     left: list[str] = []
     with ctx.removers.removing():  # held to the unlink of what the moves emptied (removers.py)
         with gate.hold():
             leased = admin.leased_hashes()
             todo = [(h, m) for h, m in admin.iter_chunks()
-                    if (not m.pack or m.pack in sparse) and h not in leased]
+                    if ((not m.pack and packs is None) or m.pack in sparse) and h not in leased]
             batch, size = [], 0
             for h, m in todo + [(None, None)]:
                 if h is not None:
@@ -49,7 +52,7 @@ def repack(admin, ctx: StoreContext, gate: SaveGate, txns: Transactions, reclaim
                 summaries = [(bytes(k), mf.decode(v, Summary, "summary"))
                              for k, v in txn.range("summaries")]
             for sid, s in summaries:
-                if s.pack and s.pack not in sparse:
+                if (s.pack or packs is not None) and s.pack not in sparse:
                     continue
                 raw = admin.manifest(sid.hex())
                 pack = new_pack_name(sid.hex(), rewrite=True)

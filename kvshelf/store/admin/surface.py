@@ -21,7 +21,7 @@ from ..index.protocol import meta_int
 from ..index.schema import ChunkRef, ChunkMeta, Manifest, PackMeta, Summary
 from ..integrity.gc import Gc
 from ..integrity.rebuild import Rebuild
-from ..integrity.repair import Repair, marks
+from ..integrity.repair import marks
 from ..integrity.verify import Verifier
 from ..liveness.leases import Leases
 from ..liveness.reclaim import Reclaimer
@@ -43,11 +43,10 @@ class StoreAdmin:
 
     def __init__(self, ctx: StoreContext, *, snapshots: Snapshots, leases: Leases, reclaimer: Reclaimer,
                  txns: Transactions, gate: SaveGate, saver: Saver, writer: BackgroundWriter, verifier: Verifier,
-                 gc: Gc, rebuild: Rebuild, swap: IndexSwap, pins: Pins, repair: Repair):
+                 gc: Gc, rebuild: Rebuild, swap: IndexSwap, pins: Pins):
         self.ctx, self.snapshots, self.leases, self.reclaimer, self.pins = ctx, snapshots, leases, reclaimer, pins
         self.txns, self.gate, self.saver, self.writer = txns, gate, saver, writer
         self.verifier, self.sweeper, self.rebuilder, self.swap = verifier, gc, rebuild, swap
-        self.repairer = repair
         self._placed: dict = {}  # chunks written by put_chunks that no commit has indexed yet: where they lie
 
     # ------------------------------------------------------------------ listings
@@ -162,13 +161,6 @@ class StoreAdmin:
         self.ctx.check_open()
         return self.sweeper.gc(dry_run)
 
-    def repair(self, dry_run: bool = True):
-        """Drop what cannot be read (snapshots using a chunk with no good copy, quarantined snapshots) and reclaim
-        the space; a ``RepairReport`` of what was done and lost (``integrity/repair.py``). ``dry_run``: change
-        nothing, report what would be done."""
-        self.ctx.check_open()
-        return self.repairer.repair(dry_run)
-
     def quarantined(self) -> list[dict]:
         """Every quarantine record: snapshot id, session, namespace key and the reason (``kvshelf quarantine ls``)."""
         self.ctx.check_open()
@@ -269,11 +261,12 @@ class StoreAdmin:
             self.reclaimer.reclaim(left + [name])
             return stored
 
-    def repack(self, min_live_ratio: float = 0.5) -> dict[str, int]:
+    def repack(self, min_live_ratio: float = 0.5, packs=None) -> dict[str, int]:
         """Move every v1 chunk blob, and every chunk of a pack whose live bytes fell under ``min_live_ratio`` of
         its size, into new packs (same hashes, same encodings); the emptied objects go when unleased. Returns counts
-        (chunks moved, bytes moved, objects emptied). Snapshots' manifests in emptied packs move too."""
-        return repack(self, self.ctx, self.gate, self.txns, self.reclaimer, min_live_ratio)
+        (chunks moved, bytes moved, objects emptied). Snapshots' manifests in emptied packs move too. ``packs``:
+        exactly these packs instead (``repair`` rewrites a damaged trailer's pack so)."""
+        return repack(self, self.ctx, self.gate, self.txns, self.reclaimer, min_live_ratio, packs)
 
     def replace_manifest(self, snapshot_id: str, new: Manifest, *, expected: Manifest | None = None) -> bool:
         """Atomically swap a snapshot's manifest for ``new`` (same session; its chunks must already be stored).

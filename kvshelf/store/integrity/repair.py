@@ -10,6 +10,9 @@ can show:
   each is dropped (reported as lost, with its session); the chunk record and its mark go with the last of them;
 * a quarantined snapshot: its evidence was for the operator, and running repair is the operator's decision — its
   record is dropped so ``gc`` may take its bytes;
+* a pack whose trailer is damaged while its chunks are live (a rebuild from packs would lose them): its live chunks
+  and manifests are copied, verified, into fresh packs whose trailers come from the index (``admin``'s repack,
+  given to the constructor), and the damaged pack is reclaimed once nothing points at it;
 * then ``gc`` reclaims every object nothing references any more.
 
 A dry run reads the same findings and changes nothing. A snapshot is dropped in one write transaction through the
@@ -17,6 +20,8 @@ same ``Removal`` a delete uses (tombstone, followers such as pins), so the books
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from ...errors import CorruptData, IncompatibleFormat
 from ..context import StoreContext
@@ -35,9 +40,9 @@ _DAMAGED = ("bad-chunk", "corrupt-blob", "missing-blob")
 
 class Repair:
     def __init__(self, ctx: StoreContext, txns: Transactions, removal: Removal, quarantine: Quarantine,
-                 verifier: Verifier, gc: Gc):
+                 verifier: Verifier, gc: Gc, rewrite_packs: Callable[[set[str]], dict]):
         self.ctx, self.txns, self.removal, self.quarantine = ctx, txns, removal, quarantine
-        self.verifier, self.gc = verifier, gc
+        self.verifier, self.gc, self.rewrite_packs = verifier, gc, rewrite_packs
 
     def repair(self, dry_run: bool = True) -> RepairReport:
         """Drop the snapshots that use a chunk with no good copy and the quarantined snapshots, then reclaim."""
@@ -47,11 +52,14 @@ class Repair:
                    if f.kind in _DAMAGED and f.where.startswith("blob ")}
         lost = self._users(damaged)
         quarantined = [(f.where, f.sessions) for f in findings if f.kind == "quarantined"]
+        trailers = sorted(f.where[len("pack "):] for f in findings if f.kind == "damaged-trailer")
         if not dry_run:
             for sid, _session, _namespace, hashes in lost:
                 self._drop(sid, f"repair: uses chunk(s) {', '.join(sorted(hashes))} with no good copy")
             for where, _sessions in quarantined:
                 self.quarantine.drop_quarantined(where.split()[1])
+            if trailers:  # every live chunk and manifest of the pack copied (verified) under fresh trailers
+                self.rewrite_packs(set(trailers))
         sweep = self.gc.gc(dry_run)
         after = [] if dry_run else [f for f in self.verifier.verify(deep=True) if f.kind in _DAMAGED]
         return RepairReport(
@@ -60,7 +68,7 @@ class Repair:
                   for sid, s, ns, h in lost],
             dropped_quarantined=[{"snapshot_id": w.split()[1], "session_id": (ss or ("",))[0]}
                                  for w, ss in quarantined],
-            bad_chunks=sorted(damaged), reclaimed_bytes=sweep.bytes,
+            bad_chunks=sorted(damaged), rewritten_trailers=trailers, reclaimed_bytes=sweep.bytes,
             reclaimed_objects=len(sweep.orphan_blobs) + len(sweep.orphan_manifests),
             remaining=[f"{f.kind}: {f.where}: {f.detail}" for f in after])
 

@@ -36,6 +36,8 @@ from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
 from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
 from ..restore.chunks import open_chunk
+from ..objects.local import open_object
+from ..objects.pack import read_trailer
 from ..results import Finding
 from ..index.protocol import meta_int
 
@@ -164,6 +166,7 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
     chunk_sum, blob_findings = 0, []
     with index.read() as txn:
         marks = {m.hash: m for m in bad_chunks.scan(txn)}
+    damaged: dict[str, str] = {}  # packs whose chunks are live but whose trailer does not read: rebuild loses them
     for p in range(parts):
         refs = tally.refs if p == 0 else Counter()
         if p:
@@ -210,6 +213,8 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
             continue
         if _pack_finding(name, pm, want) is not None:
             c.packs[name] = (pm, want)
+        if deep and pm.live_chunks > 0 and (damage := _trailer_damage(ctx, name)) is not None:
+            damaged[name] = damage
     for name in set(live) | set(tally.manifests_in):
         c.packs[name] = (None, [*live.get(name, [0, 0]), tally.manifests_in.get(name, 0)])
     with index.read() as txn:
@@ -225,6 +230,46 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
     else:
         found = _recount(ctx, c)
     out.extend(_with_users(ctx, found + blob_findings))
+    out.extend(_trailer_users(ctx, damaged))
+
+
+def _trailer_damage(ctx, name: str) -> str | None:
+    """Why the trailer of pack ``name`` does not read (None: it does, or the pack is gone — another finding)."""
+    try:
+        with open_object(ctx.bytes, name) as r:
+            read_trailer(r, name)
+    except ObjectMissing:
+        return None
+    except CorruptData as exc:
+        text = str(exc)
+        return text[len(f"pack {name}: "):] if text.startswith(f"pack {name}: ") else text
+    return None
+
+
+def _trailer_users(ctx, damaged: dict[str, str]) -> list[Finding]:
+    """A ``damaged-trailer`` finding per pack, naming the sessions whose chunks lie in it (a rebuild from packs
+    indexes a pack's chunks from its trailer, so it would lose them)."""
+    if not damaged:
+        return []
+    in_pack: dict[str, str] = {}
+    for key, raw in ctx.index.scan("chunks", VERIFY_BATCH):
+        try:
+            meta = mf.decode(raw, ChunkMeta, "chunk record")
+        except CorruptData:
+            continue
+        if meta.pack in damaged:
+            in_pack[key.hex()] = meta.pack
+    users: defaultdict[str, set[str]] = defaultdict(set)
+    for sid, raw in ctx.index.scan("manifests", VERIFY_BATCH):
+        try:
+            m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+        except (CorruptData, IncompatibleFormat):
+            continue
+        for r in m.all_chunks:
+            if r.hash in in_pack:
+                users[in_pack[r.hash]].add(m.session_id)
+    return [Finding("damaged-trailer", f"pack {name}", detail, tuple(sorted(users[name])))
+            for name, detail in damaged.items()]
 
 
 def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
