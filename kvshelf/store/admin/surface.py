@@ -35,7 +35,7 @@ from ..save.background import BackgroundWriter
 from ..save.saver import Saver
 from ..space.pins import Pins
 from .index_swap import IndexSwap
-from .repack import repack
+from .repack import reclaimable, repack
 
 
 class StoreAdmin:
@@ -261,12 +261,23 @@ class StoreAdmin:
             self.reclaimer.reclaim(left + [name])
             return stored
 
-    def repack(self, min_live_ratio: float = 0.5, packs=None) -> dict[str, int]:
+    def reclaimable_packs(self) -> dict[str, int]:
+        """Packs whose rewrite would end smaller (dead chunks, a replaced snapshot's manifest), with the bytes it would
+        give back after its own overhead (``repack.reclaimable``): what ``kvshelf compact`` repacks."""
+        out = {}
+        for name, pm in self.iter_packs():
+            gain = reclaimable(self.ctx, name, pm)
+            if gain > 0:
+                out[name] = gain
+        return out
+
+    def repack(self, min_live_ratio: float = 0.5, packs=None, v1: bool | None = None) -> dict[str, int]:
         """Move every v1 chunk blob, and every chunk of a pack whose live bytes fell under ``min_live_ratio`` of
         its size, into new packs (same hashes, same encodings); the emptied objects go when unleased. Returns counts
         (chunks moved, bytes moved, objects emptied). Snapshots' manifests in emptied packs move too. ``packs``:
-        exactly these packs instead (``repair`` rewrites a damaged trailer's pack so)."""
-        return repack(self, self.ctx, self.gate, self.txns, self.reclaimer, min_live_ratio, packs)
+        exactly these packs instead (``repair`` rewrites a damaged trailer's pack so); ``v1``: move v1 files too
+        (default: only without ``packs``)."""
+        return repack(self, self.ctx, self.gate, self.txns, self.reclaimer, min_live_ratio, packs, v1)
 
     def replace_manifest(self, snapshot_id: str, new: Manifest, *, expected: Manifest | None = None) -> bool:
         """Atomically swap a snapshot's manifest for ``new`` (same session; its chunks must already be stored).
