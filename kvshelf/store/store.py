@@ -30,6 +30,7 @@ from .identity import Identity, namespace_key
 from .index.schema import Manifest
 from .integrity.gc import Gc
 from .integrity.legacy_v1 import seal_v1_manifests
+from .index import bad_chunks
 from .integrity.quarantine import Quarantine
 from .integrity.repair import Repair
 from .integrity.rebuild import Rebuild
@@ -201,6 +202,8 @@ class Store:
         self.counters.lookups += 1
         with self.index.read() as txn:
             found = PrefixSearch(IndexRecords(txn, self._touched()), nsk, prompt, self.block).run()
+            if found is not None and bad_chunks.uses_bad(txn, found.sid, found.length):
+                found = None  # it would fail its restore: a miss, so the caller's next save heals the copy
         hit = None if found is None else PrefixHit(found.summary.session_id, found.sid.hex(), found.length,
                                                    found.summary.namespace, found.summary.length)
         if self.tier is not None:  # local first; the shared tier only when it gives a longer prefix

@@ -44,10 +44,12 @@ def test_a_resave_heals_every_session_that_used_the_damaged_copy(tmp_path) -> No
             pass
         kinds = {(f.kind, f.where): f.sessions for f in store.verify()}
         assert kinds[("bad-chunk", f"blob {bad}")] == ("b", "c")  # reported with the sessions it affects
+        assert store.lookup(list(range(N)) + [7]) is None  # b and c would fail their restore: a miss, not a hit
         info = store.save("a", list(range(N)), make_caches("mla", N, 1))
         assert info.blobs_written == 1 and info.bytes_written > 0  # a fresh copy of the bad chunk, nothing more
         for s in "abc":
             assert _bits(store.restore(s).caches) == want
+        assert store.lookup(list(range(N)) + [7]).length == N  # healed: a hit again
         assert store.verify(deep=True) == []  # the re-save cleared a's quarantine; the damaged copy was reclaimed
 
 

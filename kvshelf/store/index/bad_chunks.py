@@ -73,8 +73,22 @@ def clear(txn, hash_: str) -> bool:
     return txn.delete(TABLE, bytes.fromhex(hash_))
 
 
+def uses_bad(txn, sid: bytes, length: int) -> bool:
+    """Whether the chunks covering tokens [0, ``length``) of snapshot ``sid`` include a copy marked bad: a lookup
+    then reports no hit, so a caller prefills and its write-behind writes fresh bytes (healing the copy) instead of
+    restoring into a known failure. Costs one count while no mark exists."""
+    if txn.count(TABLE) == 0:
+        return False
+    raw = txn.get("manifests", sid)
+    if raw is None:
+        return False
+    m = mf.decode(raw, mf.Manifest, f"manifest {sid.hex()}")
+    return any(txn.get(TABLE, bytes.fromhex(r.hash)) is not None
+               for r in [*m.own, *(c for c in m.chunks if c.start < length)])
+
+
 def scan(txn) -> list[BadMark]:
     return [_decode(key, raw) for key, raw in txn.range(TABLE)]
 
 
-__all__ = ["BadMark", "TABLE", "clear", "get", "is_bad", "mark", "scan"]
+__all__ = ["BadMark", "TABLE", "clear", "get", "is_bad", "mark", "scan", "uses_bad"]
