@@ -288,8 +288,8 @@ def repair(store: Store, dry_run: bool = False) -> dict[str, Any]:
     """``kvshelf repair``: the store's ``RepairReport`` as a document (``integrity/repair.py`` says what it does)."""
     r = store.repair(dry_run=dry_run)
     return {"dry_run": r.dry_run, "lost": r.lost, "dropped_quarantined": r.dropped_quarantined,
-            "bad_chunks": r.bad_chunks, "rewritten_trailers": r.rewritten_trailers, "reclaimed_bytes": r.reclaimed_bytes, "reclaimed_objects": r.reclaimed_objects,
-            "remaining": r.remaining}
+            "bad_chunks": r.bad_chunks, "rewritten_trailers": r.rewritten_trailers,
+            "reclaimed_bytes": r.reclaimed_bytes, "reclaimed_objects": r.reclaimed_objects, "remaining": r.remaining}
 
 
 def quarantine_ls(store: Store) -> dict[str, Any]:
@@ -352,5 +352,6 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-__all__ = ["repair", "quarantine_ls", "quarantine_drop", "open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
+__all__ = ["repair", "quarantine_ls", "quarantine_drop",
+           "open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
            "resolve", "format_of", "orphans", "blob_totals", "StoreMissing"]

@@ -230,7 +230,8 @@ def cmd_quarantine(args: argparse.Namespace, pr: Printer) -> int:
         if args.action == "drop":
             console.print(f"dropped {len(doc['dropped'])} quarantine record(s); run `kvshelf gc` to reclaim")
             return
-        console.print(rows_table(f"{len(doc['quarantined'])} quarantined snapshot(s)", ("snapshot", "session", "reason"),
+        console.print(rows_table(f"{len(doc['quarantined'])} quarantined snapshot(s)",
+                                 ("snapshot", "session", "reason"),
                                  [(q["snapshot_id"], q["session_id"], q["reason"]) for q in doc["quarantined"]]))
         console.print(rows_table(f"{len(doc['bad_chunks'])} bad chunk cop(ies)", ("chunk", "pack", "reason"),
                                  [(b["hash"], b["pack"], b["reason"]) for b in doc["bad_chunks"]]))

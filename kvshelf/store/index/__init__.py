@@ -3,8 +3,8 @@
 Belongs here: the index-transaction protocol (``protocol.py``) and its two implementations (LMDB: ``lmdb_env.py``,
 ``lmdb_txn.py``; memory: ``memory.py``), LMDB's own safety net (the page walk ``lmdb_pages.py`` and its memo
 ``lmdb_walk_memo.py``, the open-time checks ``lmdb_check.py``), every key layout (``keys.py``), the record types
-(``schema.py``), typed reads of tables (``tables.py``) and the ledger that keeps refcounts and totals in step with
-the records (``ledger.py``).
+(``schema.py``), typed reads of tables (``tables.py``), the marks on chunk copies that failed their hash
+(``bad_chunks.py``) and the ledger that keeps refcounts and totals in step with the records (``ledger.py``).
 
 May import: ``kvshelf.errors``, ``kvshelf.codecs`` (record types embed cache headers) and ``store.syncs``/``tally``.
 Never the façade or any other room of the store: every room reads and writes the index through this protocol.
