@@ -268,7 +268,10 @@ def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = l
     problems = _header_findings(store)
     progress(1)
     for f in store.verify(deep=deep):
-        for session, snapshot in ([(s, _snapshot_in(f.where)) for s in f.sessions] or _affected(store, f.where)):
+        pairs = [(s, _snapshot_in(f.where)) for s in f.sessions]
+        if f.sessions and not _snapshot_in(f.where) and "blob " in f.where:  # a chunk: name each user's snapshot too
+            pairs = [p for p in _affected(store, f.where) if p[0] in f.sessions] or pairs
+        for session, snapshot in (pairs or _affected(store, f.where)):
             problems.append({"kind": f.kind, "where": f.where, "detail": f.detail, "session_id": session or None,
                              "snapshot_id": snapshot or None, "message": f"{f.kind}: {f.where}: {f.detail}"})
     progress(1)

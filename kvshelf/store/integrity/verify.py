@@ -118,7 +118,8 @@ def _verify(v: Verifier, deep: bool, out: list[Finding]) -> None:
                                    f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
     verifying.check_counts(ctx, deep, tally, out)
     for name, kind in _confirmed_orphans(v, residue):
-        out.append(Finding(kind, f"{'manifest' if kind == 'orphan-manifest' else 'blob'} {name}",
+        what = "manifest" if kind == "orphan-manifest" else "pack" if keys.is_pack(name) else "blob"
+        out.append(Finding(kind, f"{what} {name}",
                            "unreferenced: no index record names it (left by a re-save, a quarantine drop or a "
                            "crash; `kvshelf gc` reclaims it)"))
     out[:] = _trailer_findings(out)
@@ -144,7 +145,7 @@ def _trailer_findings(out: list[Finding]) -> list[Finding]:
             rest.append(f)
     for where, (detail, sessions) in merged.items():
         who = ", ".join(repr(s) for s in sorted(sessions)) or "none"
-        rest.append(Finding("damaged-trailer", where, f"{where}'s trailer is damaged ({detail}): a rebuild from "
+        rest.append(Finding("damaged-trailer", where, f"its trailer is damaged ({detail}): a rebuild from "
                             f"packs would lose sessions {who}; run `kvshelf repair`", tuple(sorted(sessions))))
     return rest
 
