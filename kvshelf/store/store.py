@@ -30,7 +30,9 @@ from .identity import Identity, namespace_key
 from .index.schema import Manifest
 from .integrity.gc import Gc
 from .integrity.legacy_v1 import seal_v1_manifests
+from .index import bad_chunks
 from .integrity.quarantine import Quarantine
+from .integrity.repair import Repair
 from .integrity.rebuild import Rebuild
 from .integrity.verify import Verifier
 from .index.protocol import IndexStore
@@ -64,7 +66,8 @@ from .save.checkpoints import CheckpointInfo, Checkpoints
 TOOL_CALLS = ("manifest", "iter_manifests", "chunk_info", "iter_chunks", "iter_packs", "chunk_location",
               "stored_objects", "orphans", "leased_hashes", "open_chunk", "summaries", "rebuild_report", "lease",
               "put_chunks", "rewrite_chunk", "repack", "replace_manifest", "replace_snapshot", "exclusive",
-              "replace_index", "empty_index", "copy_index", "stats", "verify", "gc", "rebuild_index")
+              "replace_index", "empty_index", "copy_index", "stats", "verify", "gc", "rebuild_index", "quarantined",
+              "bad_chunks")
 
 
 class Store:
@@ -117,9 +120,12 @@ class Store:
         self._reader = Reader(ctx, leases, snapshots, quarantine)
         self._saver = saver = Saver(ctx, gate, txns, reclaimer, Budget(ctx, txns, reclaimer, removal, pins))
         swap = IndexSwap(ctx, gate, txns, writer.flush)
+        verifier = Verifier(ctx, gate, reclaimer)
         self.admin = StoreAdmin(ctx, snapshots=snapshots, leases=leases, reclaimer=reclaimer, txns=txns, gate=gate,
-                                saver=saver, writer=writer, verifier=Verifier(ctx, gate, reclaimer), gc=gc,
+                                saver=saver, writer=writer, verifier=verifier, gc=gc,
                                 rebuild=Rebuild(ctx, swap), swap=swap, pins=pins)
+        self._repair = Repair(ctx, txns, removal, quarantine, verifier, gc,
+                              rewrite_packs=lambda packs: self.admin.repack(packs=packs))
         seal_v1_manifests(ctx.index, ctx.bytes)  # once per index: v1 manifest files get the checksum rebuilds need
 
     # the context's fields that change after open: read through, never copied
@@ -239,6 +245,8 @@ class Store:
         self.counters.lookups += 1
         with self.index.read() as txn:
             found = PrefixSearch(IndexRecords(txn, self._touched()), nsk, prompt, self.block).run()
+            if found is not None and bad_chunks.uses_bad(txn, found.sid, found.length):
+                found = None  # it would fail its restore: a miss, so the caller's next save heals the copy
         hit = None if found is None else PrefixHit(found.summary.session_id, found.sid.hex(), found.length,
                                                    found.summary.namespace, found.summary.length)
         if self.tier is not None:  # local first; the shared tier only when it gives a longer prefix
@@ -322,6 +330,13 @@ class Store:
     def quarantine(self, snapshot_id: str, reason: str) -> None:
         """Hide a snapshot for good, keeping its objects as evidence (``integrity/quarantine.py``)."""
         self._quarantine.quarantine(snapshot_id, reason)
+
+    def repair(self, dry_run: bool = True):
+        """Rewrite what has a good copy (damaged pack trailers, from the index), drop what cannot be read (snapshots
+        using a chunk with no good copy, quarantined snapshots), reclaim the space: a ``RepairReport`` of what was
+        done and lost (``integrity/repair.py``). ``dry_run`` changes nothing. Identity-blind."""
+        self._ctx.check_open()
+        return self._repair.repair(dry_run)
 
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (identity-blind). True when a record was dropped."""

@@ -296,7 +296,10 @@ def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = l
     problems = _header_findings(store)
     progress(1)
     for f in store.verify(deep=deep):
-        for session, snapshot in ([(s, _snapshot_in(f.where)) for s in f.sessions] or _affected(store, f.where)):
+        pairs = [(s, _snapshot_in(f.where)) for s in f.sessions]
+        if f.sessions and not _snapshot_in(f.where) and "blob " in f.where:  # a chunk: name each user's snapshot too
+            pairs = [p for p in _affected(store, f.where) if p[0] in f.sessions] or pairs
+        for session, snapshot in (pairs or _affected(store, f.where)):
             problems.append({"kind": f.kind, "where": f.where, "detail": f.detail, "session_id": session or None,
                              "snapshot_id": snapshot or None, "message": f"{f.kind}: {f.where}: {f.detail}"})
     progress(1)
@@ -310,6 +313,25 @@ def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
             "orphan_blobs": report.orphan_blobs, "orphan_manifests": report.orphan_manifests,
             "tmp_files": report.tmp_files, "expired_leases": report.expired_leases, "skipped": report.skipped,
             "tombstones": report.tombstones}
+
+
+def repair(store: Store, dry_run: bool = False) -> dict[str, Any]:
+    """``kvshelf repair``: the store's ``RepairReport`` as a document (``integrity/repair.py`` says what it does)."""
+    r = store.repair(dry_run=dry_run)
+    return {"dry_run": r.dry_run, "lost": r.lost, "dropped_quarantined": r.dropped_quarantined,
+            "bad_chunks": r.bad_chunks, "rewritten_trailers": r.rewritten_trailers,
+            "reclaimed_bytes": r.reclaimed_bytes, "reclaimed_objects": r.reclaimed_objects, "remaining": r.remaining}
+
+
+def quarantine_ls(store: Store) -> dict[str, Any]:
+    """``kvshelf quarantine ls``: every quarantined snapshot and every chunk copy marked bad."""
+    return {"quarantined": store.quarantined(), "bad_chunks": store.bad_chunks()}
+
+
+def quarantine_drop(store: Store, snapshot_id: str | None) -> dict[str, Any]:
+    """``kvshelf quarantine drop ID|--all``: forget quarantine records (``gc`` may then take their evidence)."""
+    ids = [q["snapshot_id"] for q in store.quarantined()] if snapshot_id is None else [snapshot_id]
+    return {"dropped": [sid for sid in ids if store.drop_quarantined(sid)], "asked": ids}
 
 
 def remote_admin(remote: str, prefix: str | None = None):
@@ -361,5 +383,6 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-__all__ = ["open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
+__all__ = ["repair", "quarantine_ls", "quarantine_drop",
+           "open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
            "resolve", "format_of", "orphans", "blob_totals", "StoreMissing"]

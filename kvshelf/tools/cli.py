@@ -192,6 +192,59 @@ def cmd_gc(args: argparse.Namespace, pr: Printer) -> int:
     return OK
 
 
+def cmd_repair(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    with admin.open_admin(_store_dir(args)) as store:
+        doc = admin.repair(store, dry_run=args.dry_run)
+
+    def human(console) -> None:
+        would = "would " if args.dry_run else ""
+        rows = [("lost", r["session_id"], r["snapshot_id"], f"uses damaged chunk(s) {', '.join(r['chunks'])}")
+                for r in doc["lost"]]
+        rows += [("trailer rewritten", "", p, "its live chunks and manifests copied under fresh trailers")
+                 for p in doc["rewritten_trailers"]]
+        rows += [("quarantine dropped", q["session_id"], q["snapshot_id"], "its evidence may now be reclaimed")
+                 for q in doc["dropped_quarantined"]]
+        console.print(rows_table(f"repair{' (dry run)' if args.dry_run else ''}: {len(doc['lost'])} session(s) "
+                                 f"{would}lost, {len(doc['dropped_quarantined'])} quarantine record(s) {would}dropped",
+                                 ("action", "session", "snapshot", "why"), rows))
+        console.print(f"{would}reclaim {doc['reclaimed_objects']} object(s), {human_bytes(doc['reclaimed_bytes'])}"
+                      if args.dry_run else f"reclaimed {doc['reclaimed_objects']} object(s), "
+                                            f"{human_bytes(doc['reclaimed_bytes'])}")
+        for line in doc["remaining"]:
+            console.print(f"still damaged: {line}")
+
+    pr.emit(doc, human)
+    return PROBLEMS if doc["remaining"] else OK
+
+
+def cmd_quarantine(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    if args.action == "drop" and (args.snapshot is None) == (not args.all):
+        pr.err.print("quarantine drop needs exactly one of a snapshot ID or --all")
+        return USAGE
+    with admin.open_admin(_store_dir(args)) as store:
+        if args.action == "ls":
+            doc = admin.quarantine_ls(store)
+        else:
+            doc = admin.quarantine_drop(store, None if args.all else args.snapshot)
+
+    def human(console) -> None:
+        if args.action == "drop":
+            console.print(f"dropped {len(doc['dropped'])} quarantine record(s); run `kvshelf gc` to reclaim")
+            return
+        console.print(rows_table(f"{len(doc['quarantined'])} quarantined snapshot(s)",
+                                 ("snapshot", "session", "reason"),
+                                 [(q["snapshot_id"], q["session_id"], q["reason"]) for q in doc["quarantined"]]))
+        console.print(rows_table(f"{len(doc['bad_chunks'])} bad chunk cop(ies)", ("chunk", "pack", "reason"),
+                                 [(b["hash"], b["pack"], b["reason"]) for b in doc["bad_chunks"]]))
+
+    pr.emit(doc, human)
+    return PROBLEMS if args.action == "drop" and args.snapshot is not None and not doc["dropped"] else OK
+
+
 def cmd_compact(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
     from .compaction import compact
@@ -316,7 +369,8 @@ def cmd_warm(args: argparse.Namespace, pr: Printer) -> int:
 COMMANDS = {
     "demo": cmd_demo, "ls": cmd_ls, "show": cmd_show, "stats": cmd_stats, "verify": cmd_verify, "gc": cmd_gc,
     "compact": cmd_compact, "export": cmd_export, "import": cmd_import, "rebuild-index": cmd_rebuild_index,
-    "watch": cmd_watch, "pin": cmd_pin, "unpin": cmd_unpin, "warm": cmd_warm,
+    "watch": cmd_watch, "pin": cmd_pin, "unpin": cmd_unpin, "warm": cmd_warm, "repair": cmd_repair,
+    "quarantine": cmd_quarantine,
 }
 
 

@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gc", "Remove orphan blobs and unreferenced chunks.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     _remote_options(p)
+    p = add("repair", "Drop what cannot be read (sessions using a chunk with no good copy, quarantined snapshots), "
+                      "reclaim the space, print what was done and lost.")
+    p.add_argument("--dry-run", action="store_true", help="only report what would be done; change nothing")
+    p = add("quarantine", "List quarantined snapshots and bad chunk copies, or drop quarantine records.")
+    p.add_argument("action", choices=("ls", "drop"), help="ls: list; drop: forget a record (gc may then reclaim)")
+    p.add_argument("snapshot", nargs="?", default=None, metavar="ID", help="the snapshot id to drop")
+    p.add_argument("--all", action="store_true", help="with drop: every quarantine record")
     p = add("compact", "Recompress cold chunks, densify paged tables, merge small chunks, drop orphans, shrink LMDB.")
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     p.add_argument("--cold-after", type=lambda t: _duration(t, allow_zero=True), default=3600.0, metavar="DURATION",

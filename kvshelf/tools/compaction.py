@@ -8,9 +8,12 @@ Steps, in order (each reported with its count and bytes before/after; ``dry_run`
 4. ``recompress`` raw chunks not used for ``cold_after`` seconds are stored as zstd (at ``level``) over byte-shuffled
                   float planes (``Store.rewrite_chunk``: same content hash, the reader handles both); a chunk that does
                   not shrink goes back to raw. Hot chunks stay raw for zero-copy restores.
-   ``decompress`` zstd chunks used within the last ``cold_after`` seconds (hot again) go back to raw.
-5. ``repack``     v1 chunk files and packs less than half live are rewritten into fresh packs (``Store.repack``: same
-                  bytes, same hashes; the emptied objects go once no reader leases them).
+   ``decompress`` zstd chunks used within the last ``cold_after`` seconds (hot again) go back to raw — only within
+                  the space this run has already given back: compaction never ends with a bigger store.
+5. ``repack``     v1 chunk files and the packs whose rewrite ends smaller (dead chunks, a replaced snapshot's
+                  manifest: ``admin.reclaimable_packs``) are rewritten into fresh packs (same bytes, same hashes; the
+                  emptied objects go once no reader leases them). An all-live pack is never rewritten, so a second
+                  compact changes nothing.
 6. ``release``    blobs that steps 2-3 replaced are removed, at least ``grace`` seconds after the last swap.
 7. ``index``      the LMDB file is rewritten by a compacting copy and swapped in atomically — only while this handle
                   holds the store alone (``Store.exclusive``: the open lock says no other process has it open);
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CorruptData, SnapshotNotFound
 from ..store import Store, StoreBusy
+from ..store.admin.repack import REWRITE_OVERHEAD
 from ..store.index.schema import Manifest
 from . import lmdb_files
 from .densify import is_dense
@@ -178,6 +182,8 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     now_ns = time.time_ns()
     leased = store.admin.leased_hashes()
     leased_chunks = 0
+    # decompressing a hot chunk makes the store bigger: it may spend only what this run has given back so far
+    budget = 0 if dry_run else bytes_before - _disk_bytes(store)
     for h, meta in list(store.admin.iter_chunks()):
         cold = (now_ns - meta.last_used_ns) / 1e9 >= cold_after
         target = step if cold and meta.encoding == "raw" else hot if not cold and meta.encoding == "zstd" else None
@@ -187,18 +193,24 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
             target.skipped.append(h)
             leased_chunks += 1
             continue
+        if target is hot:
+            growth = meta.nbytes + raw_overhead(store, h) + REWRITE_OVERHEAD
+            if growth > budget:
+                hot.skipped.append(f"{h}: stays zstd (raw would make the store bigger)")
+                continue
+            budget -= growth
         try:
             if target is hot:
                 after = meta.nbytes + raw_overhead(store, h) if dry_run else store.admin.rewrite_chunk(h, "raw")
-            elif dry_run:
-                after = estimate_zstd(store, h, level)
-                if after >= meta.stored_bytes:
-                    continue
             else:
-                after = store.admin.rewrite_chunk(h, "zstd", level=level)
-                if after is not None and after >= meta.stored_bytes:  # incompressible: keep the zero-copy form
-                    store.admin.rewrite_chunk(h, "raw")
+                after = estimate_zstd(store, h, level)  # the plan: only a chunk that shrinks is rewritten
+                if after + REWRITE_OVERHEAD // 16 >= meta.stored_bytes:
                     continue
+                if not dry_run:
+                    after = store.admin.rewrite_chunk(h, "zstd", level=level)
+                    if after is not None and after >= meta.stored_bytes:  # incompressible after all: zero-copy form
+                        store.admin.rewrite_chunk(h, "raw")
+                        continue
             if after is None:
                 continue
         except (CorruptData, FileNotFoundError) as exc:
@@ -239,21 +251,26 @@ MIN_LIVE_RATIO = 0.5
 
 
 def _repack(store: Store, dry_run: bool) -> CompactionStep:
-    """``Store.repack``: every v1 chunk file and every chunk of a pack less than ``MIN_LIVE_RATIO`` live moves into
-    new packs (same bytes, same hash); the emptied objects go once no reader holds them."""
+    """``Store.repack`` of what ends smaller: every v1 chunk file (into packs: one file instead of one per chunk)
+    and every pack whose rewrite gives back more than it costs (``admin.reclaimable_packs``: dead chunks, a
+    replaced snapshot's manifest); the emptied objects go once no reader holds them. A pack that is all live is
+    never rewritten, so a second compact finds nothing to do."""
     step = CompactionStep("repack")
     packs = dict(store.admin.iter_packs())
-    sparse = {n for n, pm in packs.items() if pm.size and pm.live_bytes / pm.size < MIN_LIVE_RATIO}
-    todo = [(h, m) for h, m in store.admin.iter_chunks() if not m.pack or m.pack in sparse]
-    step.bytes_before = sum(m.stored_bytes for _h, m in todo if not m.pack) + sum(packs[n].size for n in sparse)
+    gains = store.admin.reclaimable_packs()
+    v1 = [(h, m) for h, m in store.admin.iter_chunks() if not m.pack]
+    if not gains and not v1:
+        return step
+    todo = v1 + [(h, m) for h, m in store.admin.iter_chunks() if m.pack in gains]
+    step.bytes_before = sum(m.stored_bytes for _h, m in v1) + sum(packs[n].size for n in gains)
     if dry_run:
         step.count = len(todo)
-        step.bytes_after = sum(m.stored_bytes for _h, m in todo)
+        step.bytes_after = step.bytes_before - sum(gains.values())
         return step
-    before = sum(size for _n, size in store.admin.stored_objects())
-    done = store.admin.repack(MIN_LIVE_RATIO)
+    before = _disk_bytes(store)
+    done = store.admin.repack(packs=set(gains), v1=bool(v1))
     step.count = done["chunks_moved"]
-    after = sum(size for _n, size in store.admin.stored_objects())
+    after = _disk_bytes(store)
     step.bytes_after = max(0, step.bytes_before - (before - after))
     step.note = f"{done['objects_emptied']} object(s) emptied"
     return step

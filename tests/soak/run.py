@@ -9,6 +9,9 @@ What it does (only the public API plus raw file operations on the store director
 * **damage** (``damage``): single-byte flips over every file of a small store (chunk bytes, blob headers,
   manifest files — also followed by ``rebuild_index`` — and LMDB's ``data.mdb``) and over portable snapshot files;
   truncations, swaps and deletions of files. Every session is then restored (and a prefix of it), the store verified.
+* **heal** (``heal``): a byte flipped in a chunk shared by several sessions; every session restored (detected or
+  exact, never wrong), one re-saved, ``repair`` run: every session then restores exactly or was reported lost by
+  repair, and ``verify --deep`` is clean.
 * **mixed**: 4 processes of mixed traffic on one store for ``--seconds``.
 * **ENOSPC**: saves into a store on a 3 MiB tmpfs until it is full (where ``mount -t tmpfs`` is allowed), and with
   the blob layer's injected ENOSPC (``KVSHELF_FAULT_ENOSPC_AFTER``) everywhere.
@@ -240,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=100, help="kill -9 trials that land before the writer finishes")
     p.add_argument("--flips", type=int, default=2000, help="single-byte flips (80%% store files, 20%% portable)")
+    p.add_argument("--heals", type=int, default=40, help="heal trials: damage, detect, save, repair (0: skip)")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds of 4-process mixed traffic (0: skip)")
     p.add_argument("--seed", type=int, default=12)
     p.add_argument("--parallel", type=int, default=2, help="kill lanes and damage checkers run side by side")
@@ -280,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
 
             damage(args.flips, workdir, tally, args.seed, args.parallel)
             t = timed("damage", t)
+        if args.heals:
+            from .heal import heal
+
+            heal(args.heals, workdir, tally, args.seed)
+            t = timed("heal", t)
         if args.seconds:
             mixed(args.seconds, workdir, tally, args.seed)
             t = timed("mixed", t)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KILLS, FLIPS, SECONDS = 50, 2000, 5
+KILLS, FLIPS, SECONDS, HEALS = 50, 2000, 5, 24
 INDEX_ROWS = ("LMDB data.mdb", "manifest files")  # what store v2's checksummed records and open-time check own
 
 
@@ -25,7 +25,7 @@ INDEX_ROWS = ("LMDB data.mdb", "manifest files")  # what store v2's checksummed 
 def soak(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("soak") / "soak.json"
     proc = subprocess.run([sys.executable, "-m", "tests.soak", "--kills", str(KILLS), "--flips", str(FLIPS),
-                           "--seconds", str(SECONDS), "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           "--seconds", str(SECONDS), "--heals", str(HEALS), "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200, check=False)
     print(proc.stdout[-6000:])
     assert out.exists(), proc.stderr[-4000:]
@@ -47,6 +47,8 @@ def test_short_soak_is_clean_outside_the_index_layer(soak) -> None:
     assert rows["mixed traffic, 4 processes"]["trials"] > 0 and rows["mixed traffic, 4 processes"]["exact"] > 0
     assert sum(c["exact"] for row, c in rows.items() if row.startswith("kill")) == kills  # kill -9 loses nothing
     assert rows["flip: chunk bytes"]["detected"] == rows["flip: chunk bytes"]["trials"]  # every chunk flip caught
+    heal = rows["heal: damage, detect, save, repair"]  # every damaged chunk detected, then healed or reported
+    assert heal["trials"] >= 20 and heal["detected"] == heal["trials"], heal
     outside = {row: n for row, n in failures(rows).items() if not any(k in row for k in INDEX_ROWS)}
     assert outside == {}, (outside, soak["notes"])
 

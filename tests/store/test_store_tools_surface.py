@@ -293,7 +293,10 @@ def test_zstd_level_is_used_and_reaches_the_cli(store_dir, tmp_path) -> None:
 GAP = 2.0  # seconds between the chunks' last use and the restore that makes some of them hot again
 
 
-def test_zstd_chunks_used_again_go_back_to_raw(store_dir) -> None:
+def test_zstd_chunks_used_again_stay_zstd_when_raw_would_make_the_store_bigger(store_dir) -> None:
+    """Hot zstd chunks would go back to raw for zero-copy restores, but only within space the same compaction gave
+    back: compaction never ends with a bigger store. Here nothing else is given back, so they stay zstd (each named
+    as skipped with the reason), and the plan says the same."""
     with open_admin(store_dir) as store:
         compact(store, cold_after=0.0, grace=0.0, merge=False, densify_pages=False, compact_index=False)
         assert {meta.encoding for _h, meta in store.iter_chunks()} == {"zstd"}
@@ -316,12 +319,10 @@ def test_zstd_chunks_used_again_go_back_to_raw(store_dir) -> None:
         plan = compact(store, cold_after=window(), dry_run=True, **only)
         report = compact(store, cold_after=window(), grace=0.0, **only)
         step = report.step("decompress")
-        assert set(step.items) == hot and step.count == len(hot) == plan.step("decompress").count
-        assert step.bytes_after == sum(store.chunk_info(h).stored_bytes for h in hot) > step.bytes_before
-        assert plan.step("decompress").bytes_after == step.bytes_after
-        assert report.step("recompress").count == 0
-        enc = {h: meta.encoding for h, meta in store.iter_chunks()}
-        assert {enc[h] for h in hot} == {"raw"} and {e for h, e in enc.items() if h not in hot} == {"zstd"}
+        assert step.count == 0 == plan.step("decompress").count
+        assert {s.split(":")[0] for s in step.skipped} == hot and all("bigger" in s for s in step.skipped)
+        assert report.step("recompress").count == 0 and report.bytes_after <= report.bytes_before
+        assert {meta.encoding for _h, meta in store.iter_chunks()} == {"zstd"}
         assert store.verify(deep=True) == []
     with open_store(store_dir, identity=OTHER) as other:
         assert _bits(other.restore("s-other").caches) == want

@@ -19,24 +19,31 @@ from ..index.schema import ChunkMeta, Summary
 from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate
 from ..liveness.transactions import Transactions
-from ..objects.pack import PackBuilder, new_pack_name
+from ..objects.pack import PACK_MAGIC, TRAILER, TRAILER_MAGIC, PackBuilder, new_pack_name
+from ..objects.protocol import ObjectMissing
 
 PACK_TARGET = 256 << 20  # bytes of chunks per new pack
 
 
 def repack(admin, ctx: StoreContext, gate: SaveGate, txns: Transactions, reclaimer: Reclaimer,
-           min_live_ratio: float = 0.5) -> dict[str, int]:
-    """``admin`` (a ``StoreAdmin``) lists packs, chunks and leases and opens chunks; ``txns`` repoints records."""
+           min_live_ratio: float = 0.5, packs=None, v1: bool | None = None) -> dict[str, int]:
+    """``admin`` (a ``StoreAdmin``) lists packs, chunks and leases and opens chunks; ``txns`` repoints records.
+    ``packs``: exactly these packs instead of the sparse ones; ``v1``: move v1 chunk and manifest files too
+    (default: only when ``packs`` is not given)."""
+    v1 = packs is None if v1 is None else v1
     if not 0.0 <= min_live_ratio <= 1.0:
         raise ValueError(f"min_live_ratio must be within [0, 1], got {min_live_ratio!r}")
-    sparse = {name for name, pm in admin.iter_packs() if pm.size and pm.live_bytes / pm.size < min_live_ratio}
+    if packs is not None:  # exactly these (a damaged trailer's pack, what compaction planned)
+        sparse = set(packs)
+    else:
+        sparse = {name for name, pm in admin.iter_packs() if pm.size and pm.live_bytes / pm.size < min_live_ratio}
     moved = moved_bytes = 0
     left: list[str] = []
     with ctx.removers.removing():  # held to the unlink of what the moves emptied (removers.py)
         with gate.hold():
             leased = admin.leased_hashes()
             todo = [(h, m) for h, m in admin.iter_chunks()
-                    if (not m.pack or m.pack in sparse) and h not in leased]
+                    if ((not m.pack and v1) or m.pack in sparse) and h not in leased]
             batch, size = [], 0
             for h, m in todo + [(None, None)]:
                 if h is not None:
@@ -50,7 +57,7 @@ def repack(admin, ctx: StoreContext, gate: SaveGate, txns: Transactions, reclaim
                 summaries = [(bytes(k), mf.decode(v, Summary, "summary"))
                              for k, v in txn.range("summaries")]
             for sid, s in summaries:
-                if s.pack and s.pack not in sparse:
+                if (s.pack and s.pack not in sparse) or (not s.pack and not v1):
                     continue
                 raw = admin.manifest(sid.hex())
                 pack = new_pack_name(sid.hex(), rewrite=True)
@@ -104,4 +111,25 @@ def _move_batch(admin, ctx: StoreContext, txns: Transactions, reclaimer: Reclaim
     return n, nb, gone
 
 
-__all__ = ["repack", "PACK_TARGET"]
+REWRITE_OVERHEAD = 4096  # a rewrite's new pack files (magic, trailers, a manifest-only pack): what it must beat
+
+
+def reclaimable(ctx: StoreContext, name: str, pm) -> int:
+    """Bytes a rewrite of pack ``name`` would give back: its size less its live chunks, its trailer (which carries
+    its manifests and chunk table) and ``REWRITE_OVERHEAD`` — positive only when the rewrite ends smaller."""
+    try:
+        with open_object(ctx.bytes, name) as r:
+            size = r.size()
+            if size < len(PACK_MAGIC) + TRAILER.size:
+                return 0
+            tail = bytearray(TRAILER.size)
+            r.read_into(size - TRAILER.size, [memoryview(tail)])
+    except (CorruptData, ObjectMissing):
+        return 0
+    n, _digest, magic = TRAILER.unpack(bytes(tail))
+    if magic != TRAILER_MAGIC:
+        return 0
+    return size - len(PACK_MAGIC) - TRAILER.size - n - pm.live_bytes - REWRITE_OVERHEAD
+
+
+__all__ = ["repack", "reclaimable", "PACK_TARGET", "REWRITE_OVERHEAD"]

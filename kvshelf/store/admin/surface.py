@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
+
 from ...errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError
 from ..context import StoreContext
 from ..index import keys, tables
@@ -20,6 +22,7 @@ from ..index.protocol import meta_int
 from ..index.schema import ChunkRef, ChunkMeta, Manifest, PackMeta, Summary
 from ..integrity.gc import Gc
 from ..integrity.rebuild import Rebuild
+from ..integrity.repair import marks
 from ..integrity.verify import Verifier
 from ..liveness.leases import Leases
 from ..liveness.reclaim import Reclaimer
@@ -33,7 +36,7 @@ from ..save.background import BackgroundWriter
 from ..save.saver import Saver
 from ..space.pins import Pins
 from .index_swap import IndexSwap
-from .repack import repack
+from .repack import reclaimable, repack
 
 
 class StoreAdmin:
@@ -162,6 +165,24 @@ class StoreAdmin:
         self.ctx.check_open()
         return self.sweeper.gc(dry_run)
 
+    def quarantined(self) -> list[dict]:
+        """Every quarantine record: snapshot id, session, namespace key and the reason (``kvshelf quarantine ls``)."""
+        self.ctx.check_open()
+        out = []
+        for key, raw in self.ctx.index.scan("quarantine"):
+            try:
+                rec = msgspec.msgpack.decode(raw)
+                sid, reason = str(rec[0]), str(rec[1])
+            except (msgspec.DecodeError, ValueError, TypeError, IndexError):
+                sid, reason = "?", "(the quarantine record itself is damaged)"
+            out.append({"snapshot_id": sid, "session_id": keys.session_of_key(key), "reason": reason})
+        return out
+
+    def bad_chunks(self) -> list[dict]:
+        """Every chunk copy marked bad and not yet healed or dropped: hash, pack, offset, reason."""
+        self.ctx.check_open()
+        return [{"hash": m.hash, "pack": m.pack, "offset": m.offset, "reason": m.reason} for m in marks(self.ctx)]
+
     def rebuild_index(self) -> int:
         """Rebuild the LMDB index from the packs' trailers (and v1 manifest files); returns snapshots indexed.
         What it left out and why (a damaged pack trailer, an undecodable manifest, a snapshot whose chunks are
@@ -244,11 +265,23 @@ class StoreAdmin:
             self.reclaimer.reclaim(left + [name])
             return stored
 
-    def repack(self, min_live_ratio: float = 0.5) -> dict[str, int]:
+    def reclaimable_packs(self) -> dict[str, int]:
+        """Packs whose rewrite would end smaller (dead chunks, a replaced snapshot's manifest), with the bytes it would
+        give back after its own overhead (``repack.reclaimable``): what ``kvshelf compact`` repacks."""
+        out = {}
+        for name, pm in self.iter_packs():
+            gain = reclaimable(self.ctx, name, pm)
+            if gain > 0:
+                out[name] = gain
+        return out
+
+    def repack(self, min_live_ratio: float = 0.5, packs=None, v1: bool | None = None) -> dict[str, int]:
         """Move every v1 chunk blob, and every chunk of a pack whose live bytes fell under ``min_live_ratio`` of
         its size, into new packs (same hashes, same encodings); the emptied objects go when unleased. Returns counts
-        (chunks moved, bytes moved, objects emptied). Snapshots' manifests in emptied packs move too."""
-        return repack(self, self.ctx, self.gate, self.txns, self.reclaimer, min_live_ratio)
+        (chunks moved, bytes moved, objects emptied). Snapshots' manifests in emptied packs move too. ``packs``:
+        exactly these packs instead (``repair`` rewrites a damaged trailer's pack so); ``v1``: move v1 files too
+        (default: only without ``packs``)."""
+        return repack(self, self.ctx, self.gate, self.txns, self.reclaimer, min_live_ratio, packs, v1)
 
     def replace_manifest(self, snapshot_id: str, new: Manifest, *, expected: Manifest | None = None) -> bool:
         """Atomically swap a snapshot's manifest for ``new`` (same session; its chunks must already be stored).

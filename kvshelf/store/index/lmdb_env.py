@@ -17,6 +17,7 @@ chunks         16-byte blob hash                           ``ChunkMeta`` (refcou
 lru            idk + be64 last-used ns + sid               empty (eviction order per identity)
 packs          pack object name (utf-8)                    ``PackMeta`` (live chunks / bytes, size, manifests)
 quarantine     idk + nsk + session id                      sid hex + reason (msgpack)
+bad_chunks     16-byte chunk hash                          [pack, offset, reason, ns] of the copy that failed
 =============  ==========================================  ==============================================
 """
 

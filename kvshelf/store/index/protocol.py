@@ -43,7 +43,8 @@ _T = TypeVar("_T")
 SCAN_BATCH = 512  # records per read transaction of a streaming listing (Batching.scan)
 PLAIN_TABLES = ("meta", "manifests", "summaries", "tokens", "sessions", "chunks", "packs", "lru", "quarantine",
                 "heads",
-                "pins")  # space/pins.py: sessions the budget never evicts
+                "pins",  # space/pins.py: sessions the budget never evicts
+                "bad_chunks")  # integrity/bad_chunks.py: chunk copies that failed their hash, never deduped onto
 DUP_TABLES = ("prefix",)
 
 

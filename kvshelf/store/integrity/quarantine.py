@@ -11,7 +11,7 @@ import msgspec
 from ...errors import KvShelfError
 from .. import inputs
 from ..context import StoreContext
-from ..index import keys
+from ..index import bad_chunks, keys
 from ..index import schema as mf
 from ..index.schema import Manifest
 from ..liveness.removal import Removal
@@ -24,16 +24,21 @@ class Quarantine:
     def __init__(self, ctx: StoreContext, txns: Transactions, full_disk: FullDisk, removal: Removal):
         self.ctx, self.txns, self.full_disk, self.removal = ctx, txns, full_disk, removal
 
-    def quarantine(self, snapshot_id: str, reason: str) -> None:
+    def quarantine(self, snapshot_id: str, reason: str, bad: tuple = ()) -> None:
         """Hide a snapshot for good: removed from the index, the session recorded in ``quarantine`` (so restoring
         it says why), a ``tomb/<id>.quarantined`` file keeps the reason (a v1 manifest file is renamed).
 
         Nothing is unlinked: the objects the snapshot used (its pack, the packs or v1 blobs of its chunks) are named
         in the quarantine record and kept as evidence — ``verify`` reports the snapshot and ``gc`` skips them —
-        until an operator drops the record (``drop_quarantined``, or ``delete`` of the session)."""
+        until an operator drops the record (``drop_quarantined``, or ``delete`` of the session).
+
+        ``bad``: ``(chunk hash, (object, offset, length))`` of the copies that failed their hash; each is marked bad
+        (``index/bad_chunks.py``) in the same write transaction, so no save dedupes onto it again."""
         sid = bytes.fromhex(snapshot_id)
 
         def drop(txn):
+            for hash_, where in bad:  # marked even when a concurrent call already hid the snapshot
+                bad_chunks.mark(txn, hash_, where, reason)
             raw = txn.get("summaries", sid)
             if raw is None:
                 return None

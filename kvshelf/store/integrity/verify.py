@@ -31,11 +31,18 @@ from .gc import object_of, orphans
 
 
 
+class DamagedTrailer(Exception):
+    """The snapshot's pack is there but its trailer does not read (``verify`` reports the pack, not a missing file)."""
+
+
 def _manifest_on_disk(byte_store, sid_hex: str, summary: Summary) -> bytes | None:
     try:
         if summary.pack:
             with open_object(byte_store, summary.pack) as r:
-                return read_trailer(r, summary.pack).manifest
+                try:
+                    return read_trailer(r, summary.pack).manifest
+                except CorruptData as exc:
+                    raise DamagedTrailer(_plain(str(exc), summary.pack)) from None
         size = byte_store.size(keys.legacy_manifest(sid_hex))
         if size is None:
             return None
@@ -113,8 +120,36 @@ def _verify(v: Verifier, deep: bool, out: list[Finding]) -> None:
                                    f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
     verifying.check_counts(ctx, deep, tally, out)
     for name, kind in _confirmed_orphans(v, residue):
-        out.append(Finding(kind, f"{'manifest' if kind == 'orphan-manifest' else 'blob'} {name}",
-                           "not indexed (crash residue: run gc)"))
+        what = "manifest" if kind == "orphan-manifest" else "pack" if keys.is_pack(name) else "blob"
+        out.append(Finding(kind, f"{what} {name}",
+                           "unreferenced: no index record names it (left by a re-save, a quarantine drop or a "
+                           "crash; `kvshelf gc` reclaims it)"))
+    out[:] = _trailer_findings(out)
+
+
+def _plain(detail: str, pack: str) -> str:
+    for prefix in (f"pack {pack}: ", f"pack {pack} "):
+        if detail.startswith(prefix):
+            return detail[len(prefix):]
+    return detail
+
+
+def _trailer_findings(out: list[Finding]) -> list[Finding]:
+    """One finding per pack with a damaged trailer (a snapshot's check and the pack check may both see it), naming
+    every session a rebuild from packs would lose."""
+    merged: dict[str, tuple[str, set[str]]] = {}
+    rest = []
+    for f in out:
+        if f.kind == "damaged-trailer":
+            detail, sessions = merged.get(f.where, (f.detail, set()))
+            merged[f.where] = (detail, sessions | set(f.sessions))
+        else:
+            rest.append(f)
+    for where, (detail, sessions) in merged.items():
+        who = ", ".join(repr(s) for s in sorted(sessions)) or "none"
+        rest.append(Finding("damaged-trailer", where, f"its trailer is damaged ({detail}): a rebuild from "
+                            f"packs would lose sessions {who}; run `kvshelf repair`", tuple(sorted(sessions))))
+    return rest
 
 
 def _recheck_manifest(ctx: StoreContext, sid: bytes, deep: bool, found: list[Finding]) -> list[Finding]:
@@ -172,8 +207,14 @@ def _check_manifest(ctx: StoreContext, txn, sid: bytes, raw: bytes, deep: bool, 
         out.extend(Finding("prefix-drift", where, p) for p in problems)
     if tally is not None:
         tally.count(m, s, n_records, head=head)
-    on_disk = _manifest_on_disk(ctx.bytes, sid.hex(), s)
-    if on_disk is None:
+    try:
+        on_disk = _manifest_on_disk(ctx.bytes, sid.hex(), s)
+    except DamagedTrailer as exc:
+        out.append(Finding("damaged-trailer", f"pack {s.pack}", str(exc)))
+        on_disk = b""
+    if on_disk == b"":
+        pass
+    elif on_disk is None:
         out.append(Finding("missing-manifest-file", where, "its manifest is on disk in no pack or file"))
     else:
         if not s.pack and not mf.is_sealed(on_disk):

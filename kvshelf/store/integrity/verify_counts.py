@@ -30,12 +30,14 @@ import numpy as np
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError
 from ..context import StoreContext
-from ..index import keys
+from ..index import bad_chunks, keys
 from ..prefix import records
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
 from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
 from ..restore.chunks import open_chunk
+from ..objects.local import open_object
+from ..objects.pack import read_trailer
 from ..results import Finding
 from ..index.protocol import meta_int
 
@@ -147,6 +149,9 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
     index, parts, c = ctx.index, tally.parts, _Candidates()
     live: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
     chunk_sum, blob_findings = 0, []
+    with index.read() as txn:
+        marks = {m.hash: m for m in bad_chunks.scan(txn)}
+    damaged: dict[str, str] = {}  # packs whose chunks are live but whose trailer does not read: rebuild loses them
     for p in range(parts):
         refs = tally.refs if p == 0 else Counter()
         if p:
@@ -171,6 +176,10 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
                 live[meta.pack][0] += 1
                 live[meta.pack][1] += meta.stored_bytes
             chunk_sum += meta.stored_bytes
+            mark = marks.get(key.hex())
+            if mark is not None and (mark.pack, mark.offset) == keys.location(key.hex(), meta)[:2]:
+                blob_findings.append(_bad_chunk_finding(mark))
+                continue
             found = _object_problem(ctx, key.hex(), meta, deep)
             if found is not None:
                 found = _recheck_object(ctx, key, deep)  # the chunk may have moved or gone meanwhile
@@ -189,6 +198,8 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
             continue
         if _pack_finding(name, pm, want) is not None:
             c.packs[name] = (pm, want)
+        if deep and pm.live_chunks > 0 and (damage := _trailer_damage(ctx, name)) is not None:
+            damaged[name] = damage
     for name in set(live) | set(tally.manifests_in):
         c.packs[name] = (None, [*live.get(name, [0, 0]), tally.manifests_in.get(name, 0)])
     with index.read() as txn:
@@ -204,6 +215,46 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
     else:
         found = _recount(ctx, c)
     out.extend(_with_users(ctx, found + blob_findings))
+    out.extend(_trailer_users(ctx, damaged))
+
+
+def _trailer_damage(ctx, name: str) -> str | None:
+    """Why the trailer of pack ``name`` does not read (None: it does, or the pack is gone — another finding)."""
+    try:
+        with open_object(ctx.bytes, name) as r:
+            read_trailer(r, name)
+    except ObjectMissing:
+        return None
+    except CorruptData as exc:
+        text = str(exc)
+        return text[len(f"pack {name}: "):] if text.startswith(f"pack {name}: ") else text
+    return None
+
+
+def _trailer_users(ctx, damaged: dict[str, str]) -> list[Finding]:
+    """A ``damaged-trailer`` finding per pack, naming the sessions whose chunks lie in it (a rebuild from packs
+    indexes a pack's chunks from its trailer, so it would lose them)."""
+    if not damaged:
+        return []
+    in_pack: dict[str, str] = {}
+    for key, raw in ctx.index.scan("chunks", VERIFY_BATCH):
+        try:
+            meta = mf.decode(raw, ChunkMeta, "chunk record")
+        except CorruptData:
+            continue
+        if meta.pack in damaged:
+            in_pack[key.hex()] = meta.pack
+    users: defaultdict[str, set[str]] = defaultdict(set)
+    for sid, raw in ctx.index.scan("manifests", VERIFY_BATCH):
+        try:
+            m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+        except (CorruptData, IncompatibleFormat):
+            continue
+        for r in m.all_chunks:
+            if r.hash in in_pack:
+                users[in_pack[r.hash]].add(m.session_id)
+    return [Finding("damaged-trailer", f"pack {name}", detail, tuple(sorted(users[name])))
+            for name, detail in damaged.items()]
 
 
 def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
@@ -217,6 +268,20 @@ def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
     except CorruptData:
         return True
     return False
+
+
+def _bad_chunk_finding(mark: bad_chunks.BadMark) -> Finding:
+    return Finding("bad-chunk", f"blob {mark.hash}", f"its copy in {mark.pack} failed its hash "
+                   f"({_without(mark.reason, mark.hash)}); a save of the same content heals it, else `kvshelf repair` "
+                   f"drops the sessions using it")
+
+
+def _without(detail: str, h: str) -> str:
+    """An error's text without the ``blob H`` it starts with when the finding already says where (no repeats)."""
+    for prefix in (f"blob {h}: ", f"blob {h} "):
+        if detail.startswith(prefix):
+            return detail[len(prefix):]
+    return detail
 
 
 def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
@@ -234,7 +299,7 @@ def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
             with open_chunk(ctx.index, ctx.bytes, h, verify=True) as reader:
                 reader.read_into([None] * len(reader.tensors))
         except (KvShelfError, ObjectMissing, OSError) as exc:
-            return Finding("corrupt-blob", f"blob {h}", str(exc))
+            return Finding("corrupt-blob", f"blob {h}", _without(str(exc), h))
     return None
 
 
@@ -308,7 +373,7 @@ def _recount(ctx, c: _Candidates) -> list[Finding]:
 def _with_users(ctx, found: list[Finding]) -> list[Finding]:
     """Blob findings name every session using the chunk (one batched pass over the manifests, only for them)."""
     hashes = {f.where[len("blob "):] for f in found
-              if f.kind in ("missing-blob", "corrupt-blob") or f.detail.endswith("but has no record")}
+              if f.kind in ("missing-blob", "corrupt-blob", "bad-chunk") or f.detail.endswith("but has no record")}
     if not hashes:
         return found
     users: defaultdict[str, set[str]] = defaultdict(set)

@@ -20,7 +20,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from ...errors import CorruptData
-from ..index import keys, tables
+from ..index import bad_chunks, keys, tables
 from ..prefix import records
 from ..index import schema as mf
 from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
@@ -53,14 +53,16 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     now = time.time_ns() if now is None else now
     unique = {r.hash: r for r in manifest.all_chunks}
     chunk_records = {h: txn.get("chunks", bytes.fromhex(h)) for h in unique}
-    missing = [h for h, raw in chunk_records.items() if raw is None and h not in placed]
-    if missing:
+    bad = {h for h, raw in chunk_records.items() if raw is not None and bad_chunks.is_bad(txn, h)}
+    missing = [h for h, raw in chunk_records.items() if (raw is None or h in bad) and h not in placed]
+    if missing:  # absent, or marked bad since the save looked: the save writes a fresh copy and retries
         raise MissingChunks(missing)
     idk, nsk, skey = keys.manifest_keys(manifest)
     sid = bytes.fromhex(manifest.snapshot_id)
     total = meta_int(txn, b"total_bytes")
     if pack and tables.pack_meta(txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
+    healed: list[str] = []  # objects the healed chunks left (the damaged copies: kept while quarantine holds them)
     for h, ref in unique.items():
         raw = chunk_records[h]
         if raw is None:
@@ -73,6 +75,19 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
                 if tables.pack_meta(txn, where) is None:
                     _bump_pack(index, txn, where, size=size)
                 _bump_pack(index, txn, where, chunks=1, nbytes=length)
+        elif h in bad:  # the fresh copy this save wrote takes the name back: every snapshot using it is healed
+            m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+            where, offset, length, encoding, size = placed[h]
+            left = keys.location(h, m)[0]
+            if keys.is_pack(left):
+                _bump_pack(index, txn, left, chunks=-1, nbytes=-m.stored_bytes)
+            if tables.pack_meta(txn, where) is None:
+                _bump_pack(index, txn, where, size=size)
+            _bump_pack(index, txn, where, chunks=1, nbytes=length)
+            total += length - m.stored_bytes
+            meta = ChunkMeta(m.refs + 1, m.nbytes, length, encoding, now, where, offset)
+            bad_chunks.clear(txn, h)
+            healed.append(left)
         else:
             m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
             meta = replace(m, refs=m.refs + 1, last_used_ns=now)
@@ -83,9 +98,9 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     old = replaces if replaces is not None else txn.get("sessions", skey)
     tokens = np.asarray(manifest.tokens, dtype="<i8")
     records.move_head(txn, skey, sid, tokens)
-    freed: list[str] = []
+    freed: list[str] = list(healed)
     if old is not None:
-        freed = drop(index, txn, bytes(old), prefix_records=False)
+        freed += drop(index, txn, bytes(old), prefix_records=False)
     summary = Summary(idk, nsk, manifest.session_id, manifest.namespace, manifest.length,
                       manifest.minimum_reusable_offset, manifest.trimmable, manifest.nbytes, manifest.created_at, now,
                       pack)
@@ -126,6 +141,7 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
             continue
         if m.refs <= 1:
             txn.delete("chunks", key)
+            bad_chunks.clear(txn, h)  # the mark names a copy no record points at any more
             total -= m.stored_bytes
             where = keys.location(h, m)[0]
             if keys.is_pack(where):

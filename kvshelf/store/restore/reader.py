@@ -238,13 +238,11 @@ class Reader:
         manifest = read.manifest
         for other in (read, *also):
             self._close_read(other)
-        self.quarantine.quarantine(manifest.snapshot_id, str(exc))
-        where = "" if ref is None else f"chunk {ref.hash} covering tokens [{ref.start}, {ref.stop}) "
         if ref is None:
-            for r in read.needed:
-                if r.hash in str(exc):
-                    where = f"chunk {r.hash} covering tokens [{r.start}, {r.stop}) "
-                    break
+            ref = next((r for r in read.needed if r.hash in str(exc)), None)
+        where = "" if ref is None else f"chunk {ref.hash} covering tokens [{ref.start}, {ref.stop}) "
+        bad = () if ref is None or ref.hash not in read.where else ((ref.hash, read.where[ref.hash]),)
+        self.quarantine.quarantine(manifest.snapshot_id, str(exc), bad)
         raise CorruptData(f"session {manifest.session_id!r} (snapshot {manifest.snapshot_id}): {where}failed "
                           f"verification: {exc}; the snapshot is quarantined") from None
 

@@ -4,7 +4,8 @@ Why this shape (layout v2): a durable save costs one data pass (``pwritev`` stra
 head runs — a ``[1, H, t, D]`` window of a ``[1, H, T, D]`` plane is H runs, never joined), one fsync and one
 directory fsync (the byte store's ``put``), and one LMDB commit. The pack's trailer carries the manifest, so there is
 no manifest file to sync. Chunks are content-addressed (xxh3-128 over the logical content, hashed from the same
-buffers that are written) and deduplicated against every indexed chunk, v1 blobs included.
+buffers that are written) and deduplicated against every indexed chunk, v1 blobs included — except a chunk marked
+bad (``index/bad_chunks.py``): its fresh copy is written and takes the name back in the commit.
 
 A grown session's save skips the *write* of the chunks already stored and, for kvshelf's own caches, their
 *hashing* too: the handle remembers each session's last save, and a token window the cache's edit epoch proves
@@ -24,6 +25,7 @@ import numpy as np
 
 from ...errors import InvalidCacheState, KvShelfError, StoreFull
 from ..context import StoreContext
+from ..index import bad_chunks
 from ..liveness import ledger
 from ..index import schema as mf
 from . import hash_reuse as unchanged
@@ -73,6 +75,12 @@ def capture(provider, session_id: str, tokens, caches, namespace: str) -> Captur
     return Capture(session_id, namespace, toks, entries, arrays, nbytes, marks)
 
 
+def reusable(txn, hash_: str) -> bool:
+    """Whether a save may dedupe onto the indexed copy of a chunk: it is indexed and not marked bad (a copy that
+    failed its hash is never reused; the save writes fresh bytes and its commit takes the name back)."""
+    return txn.get("chunks", bytes.fromhex(hash_)) is not None and not bad_chunks.is_bad(txn, hash_)
+
+
 def chunk_metadata(ref: ChunkRef) -> dict[str, str]:
     """The safetensors metadata every chunk frame carries (format tag, content hash, token range)."""
     return {"format": "kvshelf-chunk-v1", "kvshelf.hash": ref.hash, "kvshelf.tokens": f"{ref.start}:{ref.stop}"}
@@ -108,7 +116,7 @@ def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[ChunkPlan], sid: s
             for plan in plans:
                 h = hasher(plan)
                 hashes.append(h)
-                if h in seen or txn.get("chunks", bytes.fromhex(h)) is not None:
+                if h in seen or reusable(txn, h):
                     seen.add(h)
                     continue
                 seen.add(h)
@@ -165,7 +173,7 @@ class Saver:
                 else:
                     with ctx.index.read() as txn:
                         todo = [r for r in {r.hash: r for r in manifest.all_chunks}.values()
-                                if txn.get("chunks", bytes.fromhex(r.hash)) is None]
+                                if not reusable(txn, r.hash)]
                 by_hash = dict(zip(hashes, plans))
                 unique = {r.hash: r for r in manifest.all_chunks}
                 written = sum(unique[h].nbytes for h in placed)

@@ -1,0 +1,102 @@
+"""Repair: what an operator runs after ``verify`` reports damage — rewrite what has a good copy, drop what has none,
+reclaim the space, and say exactly what was done and what was lost.
+
+Why apart from ``verify`` and ``gc``: verify never changes anything and gc only takes what nothing references;
+repair is the one call that *decides*. It works from the findings of a deep verify, so it repairs only what verify
+can show:
+
+* a chunk whose copy failed its hash (a ``bad_chunks`` mark, ``index/bad_chunks.py``, or a deep verify's
+  ``corrupt-blob`` / ``missing-blob``) and that no save has healed: every snapshot using it cannot be restored, so
+  each is dropped (reported as lost, with its session); the chunk record and its mark go with the last of them;
+* a quarantined snapshot: its evidence was for the operator, and running repair is the operator's decision — its
+  record is dropped so ``gc`` may take its bytes;
+* a pack whose trailer is damaged while its chunks are live (a rebuild from packs would lose them): its live chunks
+  and manifests are copied, verified, into fresh packs whose trailers come from the index (``admin``'s repack,
+  given to the constructor), and the damaged pack is reclaimed once nothing points at it;
+* then ``gc`` reclaims every object nothing references any more.
+
+A dry run reads the same findings and changes nothing. A snapshot is dropped in one write transaction through the
+same ``Removal`` a delete uses (tombstone, followers such as pins), so the books stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...errors import CorruptData, IncompatibleFormat
+from ..context import StoreContext
+from ..index import bad_chunks
+from ..index import schema as mf
+from ..index.schema import Manifest
+from ..liveness.removal import Removal
+from ..liveness.transactions import Transactions
+from ..results import RepairReport
+from .gc import Gc
+from .quarantine import Quarantine
+from .verify import Verifier
+
+_DAMAGED = ("bad-chunk", "corrupt-blob", "missing-blob")
+
+
+class Repair:
+    def __init__(self, ctx: StoreContext, txns: Transactions, removal: Removal, quarantine: Quarantine,
+                 verifier: Verifier, gc: Gc, rewrite_packs: Callable[[set[str]], dict]):
+        self.ctx, self.txns, self.removal, self.quarantine = ctx, txns, removal, quarantine
+        self.verifier, self.gc, self.rewrite_packs = verifier, gc, rewrite_packs
+
+    def repair(self, dry_run: bool = True) -> RepairReport:
+        """Drop the snapshots that use a chunk with no good copy and the quarantined snapshots, then reclaim."""
+        self.ctx.check_open()
+        findings = self.verifier.verify(deep=True)
+        damaged = {f.where[len("blob "):]: f.detail for f in findings
+                   if f.kind in _DAMAGED and f.where.startswith("blob ")}
+        lost = self._users(damaged)
+        quarantined = [(f.where, f.sessions) for f in findings if f.kind == "quarantined"]
+        trailers = sorted(f.where[len("pack "):] for f in findings if f.kind == "damaged-trailer")
+        if not dry_run:
+            for sid, _session, _namespace, hashes in lost:
+                self._drop(sid, f"repair: uses chunk(s) {', '.join(sorted(hashes))} with no good copy")
+            for where, _sessions in quarantined:
+                self.quarantine.drop_quarantined(where.split()[1])
+            if trailers:  # every live chunk and manifest of the pack copied (verified) under fresh trailers
+                self.rewrite_packs(set(trailers))
+        sweep = self.gc.gc(dry_run)
+        after = [] if dry_run else [f for f in self.verifier.verify(deep=True) if f.kind in _DAMAGED]
+        return RepairReport(
+            dry_run=dry_run,
+            lost=[{"session_id": s, "namespace": ns, "snapshot_id": sid, "chunks": sorted(h)}
+                  for sid, s, ns, h in lost],
+            dropped_quarantined=[{"snapshot_id": w.split()[1], "session_id": (ss or ("",))[0]}
+                                 for w, ss in quarantined],
+            bad_chunks=sorted(damaged), rewritten_trailers=trailers, reclaimed_bytes=sweep.bytes,
+            reclaimed_objects=len(sweep.orphan_blobs) + len(sweep.orphan_manifests),
+            remaining=[f"{f.kind}: {f.where}: {f.detail}" for f in after])
+
+    def _users(self, damaged: dict[str, str]) -> list[tuple[str, str, str, set[str]]]:
+        """(snapshot id, session, namespace, damaged chunks it uses) of every indexed snapshot using one."""
+        if not damaged:
+            return []
+        out = []
+        for sid, raw in self.ctx.index.scan("manifests"):
+            try:
+                m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+            except (CorruptData, IncompatibleFormat):
+                continue
+            hit = {r.hash for r in m.all_chunks} & set(damaged)
+            if hit:
+                out.append((m.snapshot_id, m.session_id, m.namespace, hit))
+        return out
+
+    def _drop(self, snapshot_id: str, reason: str) -> None:
+        result = self.txns.write(lambda txn: self.removal.drop(txn, bytes.fromhex(snapshot_id), reason))
+        if result is not None:
+            self.removal.after(*result)
+
+
+def marks(ctx: StoreContext) -> list[bad_chunks.BadMark]:
+    """The bad-chunk marks of the store (for ``quarantine ls`` and reports)."""
+    with ctx.index.read() as txn:
+        return bad_chunks.scan(txn)
+
+
+__all__ = ["Repair", "marks"]

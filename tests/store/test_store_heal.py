@@ -1,0 +1,202 @@
+"""A damaged chunk is never reused: the restore that finds it marks the copy bad in the transaction that quarantines
+the snapshot, the next save of the same content writes fresh bytes and takes the chunk's name back (healing every
+other session that used the copy), and a copy nobody re-saves is reported by ``verify`` with the sessions it
+affects until ``repair`` drops them."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hypothesis import given, settings, strategies as st
+
+from store_cases import flip_chunk_byte
+from tools_data import MODEL, make_caches, run_cli, run_json
+
+from kvshelf import open_store
+from kvshelf.errors import CorruptData, SnapshotNotFound
+from bit_exact import snapshot_state
+
+N = 48
+
+
+def _bits(caches) -> list:
+    return [[a.tobytes() for a in snapshot_state(c)] for c in caches]
+
+
+def _three_sharing(root):
+    """Sessions a, b, c holding the same content (every chunk shared), one chunk of it flipped."""
+    store = open_store(root, identity=MODEL, chunk_tokens=16)
+    infos = [store.save(s, list(range(N)), make_caches("mla", N, 1)) for s in "abc"]
+    bad = store.manifest(infos[0].snapshot_id).chunks[1].hash
+    flip_chunk_byte(store, bad)
+    return store, bad
+
+
+def test_a_resave_heals_every_session_that_used_the_damaged_copy(tmp_path) -> None:
+    store, bad = _three_sharing(tmp_path / "s")
+    want = _bits(make_caches("mla", N, 1))
+    with store:
+        try:
+            store.restore("a")
+            raise AssertionError("a damaged chunk restored")
+        except CorruptData:
+            pass
+        kinds = {(f.kind, f.where): f.sessions for f in store.verify()}
+        assert kinds[("bad-chunk", f"blob {bad}")] == ("b", "c")  # reported with the sessions it affects
+        assert store.lookup(list(range(N)) + [7]) is None  # b and c would fail their restore: a miss, not a hit
+        info = store.save("a", list(range(N)), make_caches("mla", N, 1))
+        assert info.blobs_written == 1 and info.bytes_written > 0  # a fresh copy of the bad chunk, nothing more
+        for s in "abc":
+            assert _bits(store.restore(s).caches) == want
+        assert store.lookup(list(range(N)) + [7]).length == N  # healed: a hit again
+        assert store.verify(deep=True) == []  # the re-save cleared a's quarantine; the damaged copy was reclaimed
+
+
+def test_a_save_never_dedupes_onto_a_bad_copy_across_handles(tmp_path) -> None:
+    root = tmp_path / "s"
+    store, bad = _three_sharing(root)
+    with store:
+        try:
+            store.restore("b")
+        except CorruptData:
+            pass
+    with open_store(root, identity=MODEL, chunk_tokens=16) as again:  # a restart: the mark is in the index
+        info = again.save("d", list(range(N)), make_caches("mla", N, 1))
+        assert info.blobs_written == 1
+        assert _bits(again.restore("a").caches) == _bits(make_caches("mla", N, 1))
+        assert [f.kind for f in again.verify(deep=True)] == ["quarantined"]
+
+
+def _files(root) -> dict[str, bytes]:
+    """Every file of the store but the handles' own (leases, locks, LMDB's lock file, the page walk's memo)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.parent.name not in ("leases", "locks") and p.name not in ("lock.mdb",
+                                                                                        "data.mdb.walked")}
+
+
+def test_repair_drops_what_no_good_copy_can_heal_and_reports_it(tmp_path) -> None:
+    root = tmp_path / "s"
+    store, bad = _three_sharing(root)
+    with store:
+        other = store.save("z", list(range(500, 500 + N)), make_caches("mla", N, 7))  # shares nothing: survives
+        try:
+            store.restore("a")
+        except CorruptData:
+            pass
+        before = _files(root)
+        dry = store.repair(dry_run=True)
+        assert _files(root) == before  # a dry run changes nothing
+        assert dry.dry_run and {r["session_id"] for r in dry.lost} == {"b", "c"} and dry.bad_chunks == [bad]
+        report = store.repair(dry_run=False)
+        assert {r["session_id"] for r in report.lost} == {"b", "c"}
+        assert [q["session_id"] for q in report.dropped_quarantined] == ["a"]
+        assert report.reclaimed_bytes > 0 and report.remaining == []
+        assert store.verify(deep=True) == [] and store.bad_chunks() == [] and store.quarantined() == []
+        assert [s.session_id for s in store.sessions()] == ["z"]
+        assert _bits(store.restore("z").caches) == _bits(make_caches("mla", N, 7)) and other
+        again = store.repair(dry_run=False)  # nothing left to do
+        assert (again.lost, again.dropped_quarantined, again.reclaimed_bytes) == ([], [], 0)
+
+
+def test_the_cli_lists_repairs_and_drops(tmp_path) -> None:
+    root = tmp_path / "s"
+    store, bad = _three_sharing(root)
+    with store:
+        try:
+            store.restore("a")
+        except CorruptData:
+            pass
+    doc = run_json("quarantine", "ls", "--store", str(root))
+    assert [q["session_id"] for q in doc["quarantined"]] == ["a"] and [b["hash"] for b in doc["bad_chunks"]] == [bad]
+    doc = run_json("verify", "--store", str(root), expect_rc=1)
+    assert {(p["kind"], p["session_id"]) for p in doc["problems"]} >= {("quarantined", "a"), ("bad-chunk", "b")}
+    before = _files(root)
+    dry = run_json("repair", "--dry-run", "--store", str(root))
+    assert _files(root) == before and {r["session_id"] for r in dry["lost"]} == {"b", "c"}
+    assert run_cli("quarantine", "drop", "--store", str(root)).returncode == 2  # neither an ID nor --all
+    sid = doc["problems"][0]["where"].split()[1] if doc["problems"][0]["kind"] == "quarantined" else None
+    dropped = run_json("quarantine", "drop", "--all", "--store", str(root))
+    assert len(dropped["dropped"]) == 1 and (sid is None or dropped["dropped"] == [sid])
+    done = run_json("repair", "--store", str(root))
+    assert {r["session_id"] for r in done["lost"]} == {"b", "c"} and done["remaining"] == []
+    proc = run_cli("repair", "--store", str(root))
+    assert proc.returncode == 0 and "0 session(s) lost" in proc.stdout
+    run_json("verify", "--deep", "--store", str(root))
+
+
+def test_a_damaged_trailer_on_a_pack_with_live_chunks_is_reported_and_rewritten(tmp_path) -> None:
+    root = tmp_path / "s"
+    with open_store(root, identity=MODEL, chunk_tokens=16) as store:
+        first = store.save("a", list(range(N)), make_caches("mla", N, 1))
+        pack = store.chunk_location(store.manifest(first.snapshot_id).chunks[0].hash)[0]
+        store.save("b", list(range(N)), make_caches("mla", N, 1))  # b's chunks all lie in a's pack
+        store.save("a", list(range(2000, 2000 + N)), make_caches("mla", N, 3))  # a moves on: the pack's manifest is old
+        want = {s: _bits(store.restore(s).caches) for s in "ab"}
+    data = bytearray((root / pack).read_bytes())
+    data[-40] ^= 0x10  # inside the trailer's body: its checksum no longer matches
+    (root / pack).write_bytes(bytes(data))
+    with open_store(root, identity=MODEL, chunk_tokens=16) as store:
+        found = [f for f in store.verify(deep=True)]
+        assert [(f.kind, f.where, f.sessions) for f in found] == [("damaged-trailer", f"pack {pack}", ("b",))]
+        assert "would lose sessions 'b'" in found[0].detail and "run `kvshelf repair`" in found[0].detail
+        report = store.repair(dry_run=False)
+        assert report.rewritten_trailers == [pack] and report.lost == [] and report.remaining == []
+        assert store.verify(deep=True) == [] and not (root / pack).exists()
+    with open_store(root, admin=True) as store:
+        store.rebuild_index()
+        assert store.rebuild_report() == []
+    with open_store(root, identity=MODEL, chunk_tokens=16) as store:
+        assert {s: _bits(store.restore(s).caches) for s in "ab"} == want  # the rebuild lost nothing
+
+
+_SESSIONS = ("s0", "s1", "s2", "s3")
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("save"), st.sampled_from(_SESSIONS), st.integers(1, 3)),
+    st.tuples(st.just("damage"), st.sampled_from(_SESSIONS), st.integers(0, 5)),
+    st.tuples(st.just("restore"), st.sampled_from(_SESSIONS), st.just(0)),
+    st.tuples(st.just("repair"), st.just(""), st.booleans()),
+), min_size=1, max_size=12)
+
+
+@settings(max_examples=12)
+@given(ops=_OPS)
+def test_random_damage_save_repair_never_restores_wrong_bytes_and_loses_nothing_unreported(ops) -> None:
+    """Content seeds 1-3 over four sessions, so chunks are shared across sessions and re-saves; after any
+    sequence, a final repair leaves verify clean and every session restores bit-exact or was reported lost."""
+    with tempfile.TemporaryDirectory() as tmp, open_store(Path(tmp) / "s", identity=MODEL, chunk_tokens=16) as store:
+        want: dict[str, int] = {}  # session -> content seed of its last save
+        reported: set[str] = set()
+
+        def repair(dry_run: bool) -> None:
+            report = store.repair(dry_run=dry_run)
+            if not dry_run:
+                reported.update(r["session_id"] for r in report.lost)
+                reported.update(q["session_id"] for q in report.dropped_quarantined)
+                assert report.remaining == []
+
+        for op, s, arg in ops:
+            if op == "save":
+                store.save(s, list(range(N)), make_caches("mla", N, arg))
+                want[s] = arg
+                reported.discard(s)
+            elif op == "damage" and s in want and s not in reported:
+                current = {i.session_id: i.snapshot_id for i in store.sessions()}
+                if s not in current:  # quarantined meanwhile: nothing of it to damage
+                    continue
+                chunks = store.manifest(current[s]).all_chunks
+                flip_chunk_byte(store, chunks[arg % len(chunks)].hash, from_end=5 + arg)
+            elif op == "restore" and s in want and s not in reported:
+                try:
+                    got = _bits(store.restore(s).caches)
+                except (CorruptData, SnapshotNotFound):
+                    continue
+                assert got == _bits(make_caches("mla", N, want[s]))  # never wrong bytes
+            elif op == "repair":
+                repair(arg)
+        repair(False)
+        assert store.verify(deep=True) == []
+        for s, seed in want.items():
+            if s in reported:
+                continue
+            assert _bits(store.restore(s).caches) == _bits(make_caches("mla", N, seed)), s
