@@ -13,6 +13,8 @@ snapshot whose pack outlives it: ``rebuild_index`` must not bring it back).
 
 from __future__ import annotations
 
+import os
+
 import hashlib
 import struct
 
@@ -127,6 +129,13 @@ def parent_of(session_id: str) -> tuple[str, int] | None:
         return None
     return head, int(k)
 
+
+def open_lock_path(root: str) -> str:
+    """``locks/open.lock``: held shared by every open handle, exclusively by an offline job (``liveness/open_lock.py``)
+    and by moving a damaged index aside (``lmdb_check.set_aside``)."""
+    return os.path.join(root, "locks", "open.lock")
+
 __all__ = ["CHECKPOINT_MARK", "after_prefix", "be64", "checkpoint_id", "identity_key_of", "is_checkpoint", "is_pack",
            "legacy_blob", "legacy_manifest", "lineage_id", "location", "lru_key", "lru_sid", "manifest_keys",
-           "parent_of", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key", "tomb"]
+           "open_lock_path", "parent_of", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key",
+           "tomb"]

@@ -30,6 +30,7 @@ import time
 import lmdb
 
 from ...errors import CorruptData, StoreBusy
+from . import keys
 from . import lmdb_pages as lmdbpages, lmdb_walk_memo as walkmemo
 
 MAGIC = 0xBEEFC0DE
@@ -138,12 +139,10 @@ def set_aside(root: str) -> str | None:
     the packs — only while no process has the store open (its ``locks/open.lock`` taken exclusively, without
     waiting: ``StoreBusy`` otherwise). Returns the new name, or None when there was no index. Nothing is deleted:
     the damaged file stays as evidence next to the rebuilt index."""
-    from ..liveness.open_lock import lock_path  # the one lock file the store's rooms share (liveness owns it)
-
     index = os.path.join(root, "index")
     if not os.path.isdir(index):
         return None
-    fd = os.open(lock_path(root), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(keys.open_lock_path(root), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ...errors import StoreBusy
+from ..index import keys
 
 OPEN_TIMEOUT = 30.0
 
@@ -32,10 +33,6 @@ _HELD: dict[str, _Held] = {}
 _LOCK = threading.Lock()
 
 
-def lock_path(root: str) -> str:
-    return os.path.join(root, "locks", "open.lock")
-
-
 def acquire(root: str, timeout: float | None = None) -> None:
     """Count one more open handle of this process on ``root`` (taking the shared lock for the first, waiting up to
     ``timeout`` seconds, default ``OPEN_TIMEOUT``, while an offline job holds it exclusively)."""
@@ -45,7 +42,7 @@ def acquire(root: str, timeout: float | None = None) -> None:
         if held is not None and held.pid == os.getpid():
             held.users += 1
             return
-        fd = os.open(lock_path(root), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(keys.open_lock_path(root), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -109,4 +106,4 @@ def is_exclusive(root: str) -> bool:
         return held is not None and held.pid == os.getpid() and held.exclusive
 
 
-__all__ = ["StoreBusy", "acquire", "release", "users", "exclusive", "is_exclusive", "lock_path", "OPEN_TIMEOUT"]
+__all__ = ["StoreBusy", "acquire", "release", "users", "exclusive", "is_exclusive", "OPEN_TIMEOUT"]

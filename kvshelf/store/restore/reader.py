@@ -6,19 +6,23 @@ verification. No write transaction and no fsync on any of these paths. (``restor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CorruptData, IncompatibleFormat, InvalidCacheState, SnapshotNotFound
 from ..context import StoreContext
 from ..index.schema import Manifest
-from ..integrity.quarantine import Quarantine
 from ..liveness.leases import Gone, Leases, Stale
 from ..results import PrefixHit, Restored, RestoredBatch
 from . import direct as restoring
 from .destinations import BatchDestinations, fill_from_chunk, slot_index
 from .snapshots import Snapshots
 
+
+if TYPE_CHECKING:  # the quarantine is handed in; the restore room does not import integrity
+    from ..integrity.quarantine import Quarantine
 
 class Reader:
     """One handle's restores (arguments checked by the façade, through ``inputs``). ``ctx.tier``: the shared tier,
