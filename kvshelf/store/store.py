@@ -112,12 +112,19 @@ class Store:
         self.admin = StoreAdmin(ctx, snapshots=snapshots, leases=leases, reclaimer=reclaimer, txns=txns, gate=gate,
                                 saver=saver, writer=writer, verifier=Verifier(ctx, gate, reclaimer), gc=gc,
                                 rebuild=Rebuild(ctx, swap), swap=swap, pins=pins)
-        seal_v1_manifests(ctx.index, ctx.bytes)  # once per index: v1 manifest files get the checksum rebuilds need
+        if not ctx.read_only:  # once per index: v1 manifest files get the checksum rebuilds need
+            seal_v1_manifests(ctx.index, ctx.bytes)
 
     # the context's fields that change after open: read through, never copied
     index = property(lambda self: self._ctx.index, lambda self, v: setattr(self._ctx, "index", v))
     tier = property(lambda self: self._ctx.tier, lambda self, v: setattr(self._ctx, "tier", v))  # remote/, or None
     leases = property(lambda self: self._ctx.leases, lambda self, v: setattr(self._ctx, "leases", v))
+
+    @property
+    def read_only(self) -> bool:
+        """True when this process may not write the store (store/access.py): reads work, writes raise
+        ``StoreReadOnly``. Decided at open; the store's permissions are never changed by an open."""
+        return self._ctx.read_only
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Store":
@@ -155,6 +162,7 @@ class Store:
     # ------------------------------------------------------------------ saving
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> SnapshotInfo:
         """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written)."""
+        self._ctx.check_writable("save")
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
@@ -163,6 +171,7 @@ class Store:
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
                    namespace: str = "") -> Future:
         """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures."""
+        self._ctx.check_writable("save_async")
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_async")
@@ -238,6 +247,7 @@ class Store:
     # ------------------------------------------------------------------ management
     def delete(self, session_id: str, namespace: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
+        self._ctx.check_writable("delete")
         inputs.check_session(session_id, namespace)
         self._check_scoped("delete")
         self._full_disk.delete(self._session_key(session_id, namespace), session_id, namespace)
@@ -245,12 +255,14 @@ class Store:
     # ------------------------------------------------------------------ pins (space/pins.py)
     def pin(self, session_id: str, namespace: str = "", ttl: float | None = None):
         """Never evict the session (budget, LRU) until ``unpin`` or ``ttl`` seconds after its last use."""
+        self._ctx.check_writable("pin")
         inputs.check_session(session_id, namespace)
         self._ctx.check_open()
         return self.pins.pin(session_id, namespace, ttl)
 
     def unpin(self, session_id: str, namespace: str = "") -> bool:
         """Drop the session's pin (False when it had none); the budget may evict it again."""
+        self._ctx.check_writable("unpin")
         inputs.check_session(session_id, namespace)
         self._ctx.check_open()
         return self.pins.unpin(session_id, namespace)
@@ -267,6 +279,7 @@ class Store:
 
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (identity-blind). True when a record was dropped."""
+        self._ctx.check_writable("drop_quarantined")
         self._ctx.check_open()
         return self._quarantine.drop_quarantined(snapshot_id)
 

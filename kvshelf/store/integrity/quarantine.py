@@ -31,6 +31,8 @@ class Quarantine:
         Nothing is unlinked: the objects the snapshot used (its pack, the packs or v1 blobs of its chunks) are named
         in the quarantine record and kept as evidence — ``verify`` reports the snapshot and ``gc`` skips them —
         until an operator drops the record (``drop_quarantined``, or ``delete`` of the session)."""
+        if self.ctx.read_only:
+            return  # a read-only handle cannot hide it: the caller's CorruptData still reports it (access.py)
         sid = bytes.fromhex(snapshot_id)
 
         def drop(txn):
