@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codecs import CodecProvider
-from ..errors import FileMissing, KvShelfError
+from ..errors import FileAccessError, FileMissing, KvShelfError, file_error
 from .access import Access, probe
 from .identity import Identity
 from .index.lmdb_env import Index
@@ -140,8 +140,20 @@ class StoreContext:
         """Make the directory, its locks and (by default) its byte store, take the per-process open lock, reap
         interrupted writes and open the index: the order a handle's open must follow. Returns the context and the
         store's save gate. A new directory is made 0700; an existing one is opened as it is (never chmod-ed), and
-        read-only when this process cannot write it (``_open_read_only``)."""
+        read-only when this process cannot write it (``_open_read_only``). An ``OSError`` on the way (a store this
+        process may not even read, a parent it may not create in) leaves as a ``FileAccessError`` naming the path
+        and the open."""
         root = os.path.abspath(os.fspath(path))
+        try:
+            return cls._open(root, identity, provider, byte_store, index_store, map_size, **options)
+        except KvShelfError:
+            raise
+        except OSError as exc:
+            raise file_error(exc, f"opening the store at {root}") from exc
+
+    @classmethod
+    def _open(cls, root: str, identity: Identity | None, provider: CodecProvider, byte_store: ByteStore | None,
+              index_store: IndexStore | None, map_size: int, **options: Any) -> tuple[StoreContext, SaveGate]:
         if os.path.isdir(root):
             access = probe(root)  # an existing store is opened as it is: never chmod-ed (access.py)
         else:
@@ -176,6 +188,9 @@ class StoreContext:
         The open lock is taken shared where its file exists (an offline job of the owner still excludes this
         reader); the index opens read-only; the gate and the removers' lock refuse (access.py says what is given
         up and why it is safe)."""
+        if not os.access(root, os.R_OK | os.X_OK):
+            raise FileAccessError(errno.EACCES, f"cannot open the store at {root}: no read permission for uid "
+                                  f"{os.geteuid()}", root)
         if not os.path.isdir(os.path.join(root, "index")) and index_store is None:
             raise FileMissing(errno.ENOENT, f"no kvshelf store at {root} (no index/), and it cannot be created: "
                               f"{access.reason}", os.path.join(root, "index"))

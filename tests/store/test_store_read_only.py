@@ -136,3 +136,27 @@ def test_a_new_store_is_private_and_an_existing_one_keeps_its_modes(tmp_path) ->
     with open_store(shared, identity=MODEL) as store:
         assert not store.read_only
     assert os.stat(shared).st_mode & 0o777 == 0o750
+
+
+def test_a_store_this_process_may_not_read_is_a_file_access_error_naming_it(template, tmp_path) -> None:
+    """Root without its capabilities (``setpriv --bounding-set=-all``) on a store owned by nobody, 0700: neither a
+    raw ``PermissionError`` nor "no store here", at the library and the CLI."""
+    store = private_copy(template, tmp_path)
+    for base, dirs, files in os.walk(store):
+        os.chown(base, 65534, 65534)
+        for f in files:
+            os.chown(os.path.join(base, f), 65534, 65534)
+    before = _tree(store)
+    no_caps = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from tools_data import MODEL; from kvshelf import open_store\n"
+            "try:\n    open_store(sys.argv[1], identity=MODEL)\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)")
+    proc = _run(no_caps, ["-c", code, str(store), str(PROBE.parent)])
+    assert proc.stdout.startswith("FileAccessError") and str(store) in proc.stdout, (proc.stdout, proc.stderr)
+    assert "no read permission" in proc.stdout
+    for verb in (["ls"], ["show", "s-mla"], ["verify"]):
+        proc = _run(no_caps, ["-m", "kvshelf.tools.cli", *verb, "--store", str(store)])
+        text = " ".join(proc.stderr.split())
+        assert proc.returncode == 1 and "FileAccessError" in text and str(store) in text, (verb, text)
+        assert "PermissionError" not in text and "no kvshelf store" not in text
+    assert _tree(store) == before
