@@ -188,9 +188,11 @@ class StoreContext:
         The open lock is taken shared where its file exists (an offline job of the owner still excludes this
         reader); the index opens read-only; the gate and the removers' lock refuse (access.py says what is given
         up and why it is safe)."""
-        if not os.access(root, os.R_OK | os.X_OK):
+        try:
+            os.listdir(root)  # what the open reads next: a store this process may not even read says so
+        except PermissionError as exc:
             raise FileAccessError(errno.EACCES, f"cannot open the store at {root}: no read permission for uid "
-                                  f"{os.geteuid()}", root)
+                                  f"{os.geteuid()}", root) from exc
         if not os.path.isdir(os.path.join(root, "index")) and index_store is None:
             raise FileMissing(errno.ENOENT, f"no kvshelf store at {root} (no index/), and it cannot be created: "
                               f"{access.reason}", os.path.join(root, "index"))
