@@ -67,6 +67,4 @@ def probe(root: str) -> Access:
     return Access(root)
 
 
-WRITABLE = Access("")
-
-__all__ = ["Access", "WRITABLE", "probe"]
+__all__ = ["Access", "probe"]
