@@ -62,6 +62,12 @@ class FileMissing(FileAccessError, FileNotFoundError):
     """The file (or its directory) does not exist; also a ``FileNotFoundError``."""
 
 
+class StoreReadOnly(FileAccessError, PermissionError):
+    """The store was opened read-only (this process may not write it, or it lives on a read-only file system) and
+    the call would change it (a save, a delete, a pin, maintenance). ``errno`` is ``EACCES`` or ``EROFS``; the
+    message names the path that cannot be written and the call; also a ``PermissionError``."""
+
+
 class StoreBusy(KvShelfError):
     """The store is in use by someone else (another process, another handle, a save) and the call needs it alone."""
 
@@ -78,6 +84,7 @@ __all__ = [
     "StoreFull",
     "FileAccessError",
     "FileMissing",
+    "StoreReadOnly",
     "StoreBusy",
 ]
 

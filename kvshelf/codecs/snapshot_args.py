@@ -66,6 +66,24 @@ def snapshot_path(path: Any, what: str = "snapshot path") -> Path:
     return Path(text)
 
 
+SUFFIX = ".safetensors"
+
+
+def export_path(path: Any, *, mlx_lm: bool = False) -> Path:
+    """Where an export writes: ``path``, with ``.safetensors`` added when its name has no suffix (``out`` ->
+    ``out.safetensors``). Why: mlx-lm's ``save_prompt_cache`` adds that suffix and ``load_prompt_cache`` (through
+    ``mx.load``) needs it, so a bare name was a file nothing could load. ``mlx_lm``: a name with any other suffix is
+    refused (``InvalidCacheState``) — mlx-lm could not load it; kvshelf's own files keep whatever suffix is given
+    (kvshelf reads them by content)."""
+    target = snapshot_path(path, "output file")
+    if not target.suffix:
+        return target.with_name(target.name + SUFFIX)
+    if mlx_lm and target.suffix != SUFFIX:
+        raise InvalidCacheState(f"{target}: mlx-lm's load_prompt_cache reads only files named *{SUFFIX}; name the "
+                                f"export {target.with_suffix(SUFFIX).name} (a name without a suffix gets {SUFFIX})")
+    return target
+
+
 def open_regular(path: Path) -> BinaryIO:
     """Open a snapshot for reading; only a regular file (a FIFO or device could block or never end)."""
     try:
@@ -119,4 +137,4 @@ def check_identity(header: SnapshotHeader, expect: Any) -> None:
             raise IdentityMismatch(field, stored, expected)
 
 
-__all__ = ["normalize_tokens", "snapshot_path", "open_regular", "identity_fields", "check_identity"]
+__all__ = ["normalize_tokens", "snapshot_path", "export_path", "open_regular", "identity_fields", "check_identity"]

@@ -24,7 +24,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
-from ..errors import CorruptData, InvalidCacheState, StoreFull, file_error
+from ..errors import CorruptData, InvalidCacheState, KvShelfError, StoreFull, file_error
 from . import dtypes
 from .checksum import checksum_bytes
 from .codec import CodecProvider
@@ -95,11 +95,14 @@ def save_snapshot(
     identity: Any = None,
     *,
     provider: CodecProvider = default_provider,
+    read_back: bool = False,
 ) -> SnapshotHeader:
     """Write ``caches`` (serial rows, layer order) and the ``tokens`` they encode to one safetensors file.
 
     ``identity``: None, a mapping or an object with ``model_id``, ``config_fingerprint``, ``tokenizer_hash``,
     ``namespace``. Atomic (old file or new file, never a mix); mode 0600. Returns the header written.
+    ``read_back``: the written file is loaded and verified (``load_snapshot``) before it takes ``path``'s name, so
+    an export is reported done only once it reads back; a failure leaves nothing under ``path``.
     """
     target = snapshot_path(path)
     header, tensors = _build(tokens, caches, identity, provider)
@@ -118,6 +121,11 @@ def save_snapshot(
         os.chmod(tmp, 0o600)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
+        if read_back:
+            try:
+                load_snapshot(tmp, verify=True, provider=provider)
+            except KvShelfError as exc:
+                raise CorruptData(f"{target}: the file written does not read back, so it was not kept: {exc}") from exc
         os.replace(tmp, target)
         fsync_dir(directory)
     except BaseException as exc:

@@ -31,8 +31,9 @@ from mlx_lm.models import cache as lm_cache
 
 from ..codecs import default_provider, dtypes
 from ..codecs.checksum import checksum
+from ..codecs.snapshot_args import export_path
 from ..codecs.snapshot_file import fsync_dir, normalize_tokens
-from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError
+from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError, file_error
 
 CLASSES = ("KVCache", "ConcatenateKVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
            "CacheList")
@@ -198,7 +199,7 @@ def read_prompt_cache(path: str | os.PathLike[str], *, tokens: Any = None, verif
     if not isinstance(identity, dict) or not isinstance(sums, dict):
         raise CorruptData(f"{path}: kvshelf metadata is malformed")
     try:
-        arrays = mx.load(str(path))
+        arrays = mx.load(str(path), format="safetensors")  # by content: a name without the suffix reads too
     except Exception as exc:
         raise CorruptData(f"{path}: tensors cannot be read: {exc}") from None
     if set(arrays) != set(table):
@@ -250,8 +251,17 @@ _AS_MLX_LM = {"kv": "mlx-lm.kv", "qkv": "mlx-lm.qkv", "rotating": "mlx-lm.rotati
 def as_mlx_lm(cache: Any, length: int) -> Any:
     """``cache`` as an mlx-lm cache object: mlx-lm's own classes as they are, kvshelf's serial ``KVCache``,
     ``QuantizedKVCache``, ``RotatingKVCache`` and ``ArraysCache`` legos through their shared slot layout (the same
-    tensors, relabelled); anything else mlx-lm cannot load is an ``InvalidCacheState``."""
+    tensors, relabelled); a ``CacheList`` child by child (glm_moe_dsa's holds kvshelf's latent legos, which have no
+    mlx-lm class: refused); anything else mlx-lm cannot load is an ``InvalidCacheState``."""
     name = type(cache).__name__
+    if type(cache) is lm_cache.CacheList:
+        children = []
+        for k, child in enumerate(cache.caches):
+            try:
+                children.append(as_mlx_lm(child, length))
+            except InvalidCacheState as exc:
+                raise InvalidCacheState(f"a CacheList's child {k}: {exc}") from None
+        return lm_cache.CacheList(*children)
     if name in CLASSES and type(cache) is getattr(lm_cache, name):
         return cache
     entry, arrays = default_provider.snapshot(cache, checksums=False, length=length)
@@ -272,8 +282,12 @@ def write_prompt_cache(path: str | os.PathLike[str], tokens: Any, caches: list[A
     mlx-lm's ``load_prompt_cache`` loads, atomically (0600).
 
     The file also carries the tokens, the identity (an ``Identity``, a mapping or None) and a checksum per tensor
-    (module docstring), so reading it back here is checked end to end. Returns the path written.
+    (module docstring), so reading it back here is checked end to end. ``path`` without a suffix gets
+    ``.safetensors`` (mlx-lm loads nothing else; another suffix is refused: ``export_path``). Before the file takes
+    its name it is loaded by mlx-lm's own ``load_prompt_cache`` and every tensor compared with what was written
+    (``_read_back``): a file mlx-lm cannot load is never left behind. Returns the path written.
     """
+    target = export_path(path, mlx_lm=True)
     tokens = normalize_tokens(tokens)
     caches = [as_mlx_lm(cache, len(tokens)) for cache in caches]
     for i, cache in enumerate(caches):
@@ -290,23 +304,43 @@ def write_prompt_cache(path: str | os.PathLike[str], tokens: Any, caches: list[A
         user.setdefault("model", ident["model_id"])
     user[TOKENS_KEY] = json.dumps(tokens)
     user[IDENTITY_KEY] = json.dumps(ident)
-    target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp.safetensors", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp.safetensors", dir=directory)
+    except OSError as exc:
+        raise file_error(exc, f"cannot write {target}") from None
     os.close(fd)
     try:
         state = tree_flatten([c.state for c in caches])
-        user[CHECKSUMS_KEY] = json.dumps({name: checksum(a) for name, a in state if isinstance(a, mx.array)})
+        sums = {name: checksum(a) for name, a in state if isinstance(a, mx.array)}
+        user[CHECKSUMS_KEY] = json.dumps(sums)
         lm_cache.save_prompt_cache(tmp, caches, user)
         os.chmod(tmp, 0o600)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
+        _read_back(Path(tmp), target, [type(c).__name__ for c in caches], sums)
         os.replace(tmp, target)
         fsync_dir(directory)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _read_back(tmp: Path, target: Path, classes: list[str], sums: dict[str, str]) -> None:
+    """mlx-lm's ``load_prompt_cache`` on the written file: the same classes, every tensor's checksum as written.
+    ``CorruptData`` naming ``target`` otherwise (the caller removes the file)."""
+    try:
+        loaded = lm_cache.load_prompt_cache(str(tmp))
+        got = [type(c).__name__ for c in loaded]
+        if got != classes:
+            raise ValueError(f"classes {got} instead of {classes}")
+        for name, a in tree_flatten([c.state for c in loaded]):
+            if isinstance(a, mx.array) and name in sums and checksum(a) != sums[name]:
+                raise ValueError(f"tensor {name!r} differs from what was written")
+    except Exception as exc:
+        raise CorruptData(f"{target}: mlx-lm's load_prompt_cache cannot load the file written "
+                          f"({type(exc).__name__}: {exc}), so it was not kept") from None
 
 
 def _identity_map(identity: Any) -> dict[str, str]:

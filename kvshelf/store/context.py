@@ -4,7 +4,8 @@ Why: a collaborator (``liveness``, ``space``, ``save``, ``restore``, ``integrity
 plus the other collaborators it calls in its constructor, so what each part needs is stated in code. The context
 holds only what is the handle's and not any one part's: where the store is, under which identity it was opened, the
 two seams (``index``, ``bytes``), the lease files and the removers' lock, the options, the counters, the handle's
-lock and the shared tier. ``index`` changes after open (``admin``'s ``replace_index`` swaps the LMDB environment),
+lock, the shared tier and ``access`` (whether this process may write the store: ``access.py``; an open never
+changes the store's permissions, and a store it cannot write opens read-only). ``index`` changes after open (``admin``'s ``replace_index`` swaps the LMDB environment),
 ``tier`` when one is bound: collaborators read ``ctx.index`` / ``ctx.tier`` at each use and never keep their own
 reference.
 """
@@ -12,6 +13,7 @@ reference.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import threading
 from collections.abc import Iterator
@@ -19,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codecs import CodecProvider
-from ..errors import KvShelfError
+from ..errors import FileAccessError, FileMissing, KvShelfError, file_error
+from .access import Access, probe
 from .identity import Identity
 from .index.lmdb_env import Index
 from .prefix import records
@@ -113,6 +116,16 @@ class StoreContext:
     # index transaction (transaction bodies take it)
     closed: bool = False
     tier: Any = None  # the shared tier (remote/tier.py), bound by open_store(remote=...): restores fall back on it
+    access: Access | None = None  # whether this process may write the store (access.py); None: writable
+
+    @property
+    def read_only(self) -> bool:
+        return self.access is not None and self.access.read_only
+
+    def check_writable(self, what: str) -> None:
+        """``StoreReadOnly`` (naming ``what``, the path and the missing permission) on a read-only handle."""
+        if self.access is not None:
+            self.access.check(what)
 
     @property
     def id_key(self) -> bytes | None:
@@ -127,10 +140,28 @@ class StoreContext:
              index_store: IndexStore | None, map_size: int, **options: Any) -> tuple[StoreContext, SaveGate]:
         """Make the directory, its locks and (by default) its byte store, take the per-process open lock, reap
         interrupted writes and open the index: the order a handle's open must follow. Returns the context and the
-        store's save gate."""
+        store's save gate. A new directory is made 0700; an existing one is opened as it is (never chmod-ed), and
+        read-only when this process cannot write it (``_open_read_only``). An ``OSError`` on the way (a store this
+        process may not even read, a parent it may not create in) leaves as a ``FileAccessError`` naming the path
+        and the open."""
         root = os.path.abspath(os.fspath(path))
-        ensure_dir(root)
-        os.chmod(root, 0o700)
+        try:
+            return cls._open(root, identity, provider, byte_store, index_store, map_size, **options)
+        except KvShelfError:
+            raise
+        except OSError as exc:
+            raise file_error(exc, f"opening the store at {root}") from exc
+
+    @classmethod
+    def _open(cls, root: str, identity: Identity | None, provider: CodecProvider, byte_store: ByteStore | None,
+              index_store: IndexStore | None, map_size: int, **options: Any) -> tuple[StoreContext, SaveGate]:
+        if os.path.isdir(root):
+            access = probe(root)  # an existing store is opened as it is: never chmod-ed (access.py)
+        else:
+            ensure_dir(root)  # a new store: 0700 directories, 0600 files
+            access = Access(root)
+        if access.read_only:
+            return cls._open_read_only(root, access, identity, provider, byte_store, index_store, map_size, **options)
         objects = byte_store if byte_store is not None else LocalByteStore(root, os.path.join(root, "tmp"))
         if capability(objects, "local_paths"):
             ensure_dir(objects.path("packs"))  # made once here, not inside a save (its own fsync)
@@ -149,7 +180,39 @@ class StoreContext:
         except BaseException:
             openlock.release(lock_key)
             raise
-        return cls(root, identity, provider, index, objects, LeaseBook(root), removers, lock_key, **options), gate
+        return cls(root, identity, provider, index, objects, LeaseBook(root), removers, lock_key, **options,
+                   access=access), gate
+
+    @classmethod
+    def _open_read_only(cls, root: str, access: Access, identity, provider, byte_store, index_store, map_size,
+                        **options: Any) -> tuple[StoreContext, SaveGate]:
+        """The open of a store this process cannot write: nothing is created, locked for writing, reaped or changed.
+        The open lock is taken shared where its file exists (an offline job of the owner still excludes this
+        reader); the index opens read-only; the gate and the removers' lock refuse (access.py says what is given
+        up and why it is safe)."""
+        try:
+            os.listdir(root)  # what the open reads next: a store this process may not even read says so
+        except PermissionError as exc:
+            raise FileAccessError(errno.EACCES, f"cannot open the store at {root}: no read permission for uid "
+                                  f"{os.geteuid()}", root) from exc
+        if not os.path.isdir(os.path.join(root, "index")) and index_store is None:
+            raise FileMissing(errno.ENOENT, f"no kvshelf store at {root} (no index/), and it cannot be created: "
+                              f"{access.reason}", os.path.join(root, "index"))
+        objects = byte_store if byte_store is not None else LocalByteStore(root, os.path.join(root, "tmp"))
+        lock_dir = os.path.join(root, "locks")
+        gate = SaveGate(os.path.join(lock_dir, "save.lock"), root, access=access)
+        removers = RemoversLock(os.path.join(lock_dir, "removers.lock"), access=access)
+        lock_key = os.path.realpath(root)
+        openlock.acquire(lock_key, read_only=True)
+        try:
+            index = index_store if index_store is not None else Index(os.path.join(root, "index"),
+                                                                       map_size=map_size, access=access,
+                                                                       retag_prefix_records=records.rebuild_table)
+        except BaseException:
+            openlock.release(lock_key)
+            raise
+        return cls(root, identity, provider, index, objects, LeaseBook(root, access=access), removers, lock_key,
+                   **options, access=access), gate
 
     def check_open(self) -> None:
         if self.closed:

@@ -126,12 +126,19 @@ class Store:
                                 rebuild=Rebuild(ctx, swap), swap=swap, pins=pins)
         self._repair = Repair(ctx, txns, removal, quarantine, verifier, gc,
                               rewrite_packs=lambda packs: self.admin.repack(packs=packs))
-        seal_v1_manifests(ctx.index, ctx.bytes)  # once per index: v1 manifest files get the checksum rebuilds need
+        if not ctx.read_only:  # once per index: v1 manifest files get the checksum rebuilds need
+            seal_v1_manifests(ctx.index, ctx.bytes)
 
     # the context's fields that change after open: read through, never copied
     index = property(lambda self: self._ctx.index, lambda self, v: setattr(self._ctx, "index", v))
     tier = property(lambda self: self._ctx.tier, lambda self, v: setattr(self._ctx, "tier", v))  # remote/, or None
     leases = property(lambda self: self._ctx.leases, lambda self, v: setattr(self._ctx, "leases", v))
+
+    @property
+    def read_only(self) -> bool:
+        """True when this process may not write the store (store/access.py): reads work, writes raise
+        ``StoreReadOnly``. Decided at open; the store's permissions are never changed by an open."""
+        return self._ctx.read_only
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Store":
@@ -171,6 +178,7 @@ class Store:
              checkpoints: dict[int, Sequence[Any]] | None = None) -> SnapshotInfo:
         """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written).
         ``checkpoints={k: caches_at_k}`` also saves the state after ``tokens[:k]`` (docs/CHECKPOINTS.md)."""
+        self._ctx.check_writable("save")
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save")
@@ -185,6 +193,7 @@ class Store:
                    namespace: str = "", checkpoints: dict[int, Sequence[Any]] | None = None) -> Future:
         """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures.
         ``checkpoints`` as in ``save``: captured now too, written right after the session."""
+        self._ctx.check_writable("save_async")
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_async")
@@ -207,6 +216,7 @@ class Store:
         inputs.check_session(session_id, namespace)
         tokens = inputs.check_tokens(tokens)
         self._check_scoped("save_checkpoint")
+        self._ctx.check_writable("save_checkpoint")
         return self.checkpoints.save(session_id, tokens, caches, namespace)
 
     def list_checkpoints(self, session_id: str, namespace: str = "") -> list[CheckpointInfo]:
@@ -302,6 +312,7 @@ class Store:
     # ------------------------------------------------------------------ management
     def delete(self, session_id: str, namespace: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
+        self._ctx.check_writable("delete")
         inputs.check_session(session_id, namespace)
         self._check_scoped("delete")
         skey = self._session_key(session_id, namespace)
@@ -311,12 +322,14 @@ class Store:
     # ------------------------------------------------------------------ pins (space/pins.py)
     def pin(self, session_id: str, namespace: str = "", ttl: float | None = None):
         """Never evict the session (budget, LRU) until ``unpin`` or ``ttl`` seconds after its last use."""
+        self._ctx.check_writable("pin")
         inputs.check_session(session_id, namespace)
         self._ctx.check_open()
         return self.pins.pin(session_id, namespace, ttl)
 
     def unpin(self, session_id: str, namespace: str = "") -> bool:
         """Drop the session's pin (False when it had none); the budget may evict it again."""
+        self._ctx.check_writable("unpin")
         inputs.check_session(session_id, namespace)
         self._ctx.check_open()
         return self.pins.unpin(session_id, namespace)
@@ -340,6 +353,7 @@ class Store:
 
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (identity-blind). True when a record was dropped."""
+        self._ctx.check_writable("drop_quarantined")
         self._ctx.check_open()
         return self._quarantine.drop_quarantined(snapshot_id)
 

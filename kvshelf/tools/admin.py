@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound
+from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, file_error
 from ..store import Store, StoreBusy, open_store
 from ..store.identity import identity_key
 from ..store.index.schema import Manifest
@@ -36,7 +36,11 @@ class StoreMissing(KvShelfError, FileNotFoundError):
 
 
 def is_store(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / "index" / "data.mdb").is_file()
+    """Whether ``path`` holds a store's index; ``FileAccessError`` when this process may not even look."""
+    try:
+        return (Path(path) / "index" / "data.mdb").is_file()
+    except OSError as exc:
+        raise file_error(exc, f"cannot open the store at {path}") from None
 
 
 @contextmanager

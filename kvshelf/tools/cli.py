@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..errors import KvShelfError
+from ..errors import KvShelfError, file_error
 from .cli_args import _expect, _store_dir, build_parser
 from .render import Printer, human_bytes, human_time, kv_table, rows_table, to_data
 
@@ -395,8 +395,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     pr = Printer(as_json=args.json)
     try:
         return COMMANDS[args.command](args, pr)
-    except (KvShelfError, OSError) as exc:
+    except KvShelfError as exc:
         return _report(pr, args, exc, "")
+    except OSError as exc:  # one the library did not name: still a KvShelfError naming the command and the path
+        return _report(pr, args, file_error(exc, f"kvshelf {args.command}"), "")
     except Exception as exc:  # noqa: BLE001 - a bug, still one readable line: the operator's terminal is no place for a traceback
         return _report(pr, args, exc, "internal error (please report it): ")
 

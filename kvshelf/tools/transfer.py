@@ -22,8 +22,9 @@ from typing import Any
 
 from ..codecs import default_provider
 from ..codecs.checksum import checksum
+from ..codecs.snapshot_args import export_path
 from ..codecs.snapshot_file import load_snapshot, save_snapshot
-from ..errors import InvalidCacheState, KvShelfError, SnapshotNotFound
+from ..errors import IncompatibleFormat, InvalidCacheState, KvShelfError, SnapshotNotFound, file_error
 from .paths import require_path, require_text
 from .watcher import FILE_FAULTS, InboxWatcher, WatchStats, env_phase
 
@@ -82,6 +83,23 @@ def _mlx_lm_identity(path: Path, got: Any, expect: dict[str, str]) -> tuple[Any,
     return ident, merged.get("namespace", "")
 
 
+def _check_safetensors(path: Path) -> None:
+    """``IncompatibleFormat`` when ``path`` is not a safetensors file at all (a text file, a zip, an empty file):
+    its first 8 bytes are no header length that fits the file, or the header does not open a JSON object. Why: such
+    a file is the wrong file, not a damaged one; ``CorruptData`` is kept for safetensors files whose bytes are bad
+    (a truncated tail, a flipped checksum), which the readers below report."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(9)
+            size = os.fstat(handle.fileno()).st_size
+    except OSError as exc:
+        raise file_error(exc, f"cannot read {path}") from None
+    length = int.from_bytes(head[:8], "little") if len(head) >= 8 else None
+    if length is None or (length > size - 8 and head[8:9] != b"{"):
+        raise IncompatibleFormat(f"{path} is not a safetensors file ({size} bytes, no safetensors header): kvshelf "
+                                 "imports kvshelf snapshot files and mlx-lm save_prompt_cache files")
+
+
 def _import_checked(store_dir, path: Path, session: str, ident: Any, namespace: str, tokens: list[int],
                     caches: list[Any], chunk_tokens: int) -> dict[str, Any]:
     """Save already-verified caches unless the session's latest snapshot holds exactly them."""
@@ -113,6 +131,8 @@ def import_file(
     if session_id is not None:
         require_text(session_id, "session_id")
     session = session_id or session_id_for(path)
+    if path.is_file():  # a directory, a FIFO, a missing file: the readers below say so
+        _check_safetensors(path)
     files = _mlx_lm_files()
     if files is not None and files.is_prompt_cache_file(path):
         got = files.read_prompt_cache(path, tokens=tokens)
@@ -149,7 +169,11 @@ def export_session(
 ) -> dict[str, Any]:
     """Write the session's latest snapshot as one portable file (atomic, 0600). Returns what was written.
 
-    ``format="mlx-lm"`` writes a file mlx-lm's ``load_prompt_cache`` loads (the session must hold mlx-lm caches)."""
+    ``file`` without a suffix becomes ``file.safetensors`` (the ``file`` returned says so). The file is read back
+    by the reader it is meant for before this returns (``load_snapshot`` / mlx-lm's ``load_prompt_cache``); a file
+    that does not read back is not kept (``CorruptData``). ``format="mlx-lm"`` writes a file mlx-lm's
+    ``load_prompt_cache`` loads (mlx-lm caches, or kvshelf legos with an mlx-lm twin; others are refused with
+    ``InvalidCacheState``, and so is a suffix other than ``.safetensors``)."""
     if format not in ("kvshelf", "mlx-lm"):
         raise InvalidCacheState(f"unknown export format {format!r} (kvshelf or mlx-lm)")
     files = _mlx_lm_files() if format == "mlx-lm" else None
@@ -159,6 +183,7 @@ def export_session(
 
     require_text(session_id, "session_id")
     require_path(file, "output file")
+    file = export_path(file, mlx_lm=format == "mlx-lm")  # NAME -> NAME.safetensors (snapshot_args.export_path)
 
     with admin.open_admin(store_dir) as store:
         found = admin.find_session(store, session_id, namespace=namespace, **identity)
@@ -171,9 +196,9 @@ def export_session(
         fields = {"model_id": ident.model_id, "config_fingerprint": ident.config_fingerprint,
                   "tokenizer_hash": ident.tokenizer_hash, "namespace": found["namespace"]}
         if files is not None:
-            files.write_prompt_cache(file, restored.tokens, restored.caches, identity=fields)
+            files.write_prompt_cache(file, restored.tokens, restored.caches, identity=fields)  # read back by mlx-lm
         else:
-            save_snapshot(file, restored.tokens, restored.caches, identity=fields)
+            save_snapshot(file, restored.tokens, restored.caches, identity=fields, read_back=True)
     return {"file": str(file), "session_id": session_id, "namespace": found["namespace"], "format": format,
             "model_id": ident.model_id, "tokens": len(restored.tokens), "bytes": Path(file).stat().st_size}
 

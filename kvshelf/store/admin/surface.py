@@ -162,6 +162,8 @@ class StoreAdmin:
 
     def gc(self, dry_run: bool = True):
         """Remove crash residue: unreferenced packs, blobs and manifest files, dead tmp and lease files."""
+        if not dry_run:
+            self.ctx.check_writable("gc")
         self.ctx.check_open()
         return self.sweeper.gc(dry_run)
 
@@ -187,6 +189,7 @@ class StoreAdmin:
         """Rebuild the LMDB index from the packs' trailers (and v1 manifest files); returns snapshots indexed.
         What it left out and why (a damaged pack trailer, an undecodable manifest, a snapshot whose chunks are
         gone) is ``rebuild_report()``."""
+        self.ctx.check_writable("rebuild_index")
         self.ctx.check_open()
         return self.rebuilder.rebuild()
 
@@ -214,6 +217,7 @@ class StoreAdmin:
         """Write the chunks not already indexed (raw, durable, in one pack; ``ref.hash`` must be the content hash of
         the pieces); returns the hashes written. Hold ``save_gate()`` (shared) from this call until they are
         referenced by a commit (``replace_manifest``), or a concurrent gc may take the pack for crash residue."""
+        self.ctx.check_writable("put_chunks")
         new, seen = [], set()
         for ref, pieces in items:
             if ref.hash in seen or self.chunk_info(ref.hash) is not None:
@@ -234,6 +238,7 @@ class StoreAdmin:
         Leased or unreferenced chunks are skipped, and so is one already in ``encoding``. Readers never see it
         happen: the record is repointed in one write transaction that re-checks the lease files, and the old copy is
         unlinked only by reclaim (dead in the ledger, unleased)."""
+        self.ctx.check_writable("rewrite_chunk")
         if encoding not in ("raw", "zstd"):
             raise ValueError(f"encoding must be 'raw' or 'zstd', got {encoding!r}")
         if not isinstance(level, int) or not 1 <= level <= 22:
@@ -281,6 +286,7 @@ class StoreAdmin:
         (chunks moved, bytes moved, objects emptied). Snapshots' manifests in emptied packs move too. ``packs``:
         exactly these packs instead (``repair`` rewrites a damaged trailer's pack so); ``v1``: move v1 files too
         (default: only without ``packs``)."""
+        self.ctx.check_writable("repack")
         return repack(self, self.ctx, self.gate, self.txns, self.reclaimer, min_live_ratio, packs, v1)
 
     def replace_manifest(self, snapshot_id: str, new: Manifest, *, expected: Manifest | None = None) -> bool:
@@ -291,6 +297,7 @@ class StoreAdmin:
         False is returned. The new manifest is written first in a pack's trailer (what ``rebuild_index`` reads).
         Objects the swap freed are unlinked unless leased (``lease`` keeps them for readers); ``gc`` takes them later.
         """
+        self.ctx.check_writable("replace_manifest")
         ctx = self.ctx
         ctx.check_open()
         sid = sid_bytes(snapshot_id)
@@ -332,6 +339,7 @@ class StoreAdmin:
         the save gate, swap the manifest atomically (``replace_manifest(expected=old)``), with ``old``'s chunks leased
         across the swap so a reader that fetched the old manifest still finds every chunk it names. Returns False
         (the new chunks nothing references are left for reclaim) when the snapshot changed meanwhile."""
+        self.ctx.check_writable("replace_snapshot")
         if isinstance(blobs, Mapping):
             refs = {r.hash: r for r in new.all_chunks}
             items = [(refs[h], pieces) for h, pieces in blobs.items()]
@@ -350,14 +358,17 @@ class StoreAdmin:
     # ------------------------------------------------------------------ offline: this handle alone
     def exclusive(self, timeout: float = 10.0):
         """Hold the store alone for an offline job (``index_swap.IndexSwap.exclusive``)."""
+        self.ctx.check_writable("exclusive")
         return self.swap.exclusive(timeout)
 
     def replace_index(self, install: Callable[[str], None]) -> None:
         """Inside ``exclusive()``: close the LMDB environment, run ``install(index_dir)``, then open it again."""
+        self.ctx.check_writable("replace_index")
         self.swap.replace_index(install)
 
     def empty_index(self) -> None:
         """Inside ``exclusive()``: an empty index (``index_swap.IndexSwap.empty_index``)."""
+        self.ctx.check_writable("empty_index")
         self.swap.empty_index()
 
     def copy_index(self, target: str) -> None:

@@ -55,19 +55,19 @@ def _disk_nearly_full(path: str, reserve: int = 8 << 20) -> bool:
 class _Shared:
     """One LMDB environment per directory and process (LMDB forbids opening it twice), shared by Store handles."""
 
-    def __init__(self, path: str, map_size: int):
+    def __init__(self, path: str, map_size: int, read_only: bool = False):
         lmdbcheck.check_data_file(path)  # a truncated data.mdb would SIGBUS once mapped
+        # read-only (store/access.py): the map opens read-only; LMDB's reader slot needs a writable lock.mdb, and
+        # without one the reader runs unregistered (lock=False; access.py says what that gives up)
+        lock = not read_only or os.access(os.path.join(path, "lock.mdb"), os.W_OK)
         try:
-            self.env = lmdb.open(path, map_size=map_size, max_dbs=16, subdir=True, lock=True, sync=True,
-                                 metasync=True, readahead=False, mode=0o600, max_readers=256, max_spare_txns=4)
+            self.env = lmdb.open(path, map_size=map_size, max_dbs=16, subdir=True, lock=lock, sync=True,
+                                 metasync=True, readahead=False, mode=0o600, max_readers=256, max_spare_txns=4,
+                                 readonly=read_only, create=not read_only)
         except lmdb.Error as exc:
             if lmdbcheck.is_damage(exc):
                 raise lmdbcheck.translate(exc, path) from exc
             raise KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}") from exc
-        for name in ("data.mdb", "lock.mdb"):
-            p = os.path.join(path, name)
-            if os.path.exists(p):
-                os.chmod(p, 0o600)
         try:
             self.db = {name: self.env.open_db(name.encode()) for name in PLAIN_TABLES}
             self.db.update({name: self.env.open_db(name.encode(), dupsort=True) for name in DUP_TABLES})
@@ -90,17 +90,25 @@ class Index(Batching):
     supports_page_stats = True  # pages on this disk: a delete's commit may need fresh ones (space/reserve.py)
     lmdb_directory = True  # copy_to / reopen / map_size / users (the offline tools' index swap)
 
-    def __init__(self, path: str, map_size: int = 64 << 30, retag_prefix_records=None):
+    def __init__(self, path: str, map_size: int = 64 << 30, retag_prefix_records=None, access=None):
         """``retag_prefix_records(txn)``: what re-tags the prefix records of an index older than format 3 (the
-        prefix room owns those records, and the index imports no room above it: the store passes it in)."""
+        prefix room owns those records, and the index imports no room above it: the store passes it in).
+        ``access``: a read-only handle's (store/access.py): nothing is created, ``write`` refuses."""
         self._retag = retag_prefix_records
-        ensure_dir(path)
+        self.access = access
+        read_only = access is not None and access.read_only
+        if not read_only:
+            ensure_dir(path)
         self.path = os.path.realpath(path)
         self.pid = os.getpid()
         with _OPEN_LOCK:
             shared = _OPEN.get(self.path)
+            if shared is not None and shared.pid == self.pid and shared.read_only and not read_only:
+                raise StoreBusy(f"the index at {self.path} is open read-only in this process; close those handles "
+                                f"before opening it for writing")
             if shared is None or shared.pid != self.pid:
-                shared = _Shared(self.path, map_size)
+                shared = _Shared(self.path, map_size, read_only)
+                shared.read_only = read_only
                 shared.pid = self.pid
                 _OPEN[self.path] = shared
             shared.users += 1
@@ -175,7 +183,10 @@ class Index(Batching):
         return KvShelfError(f"the index at {self.path} failed: {type(exc).__name__}: {exc}")
 
     def write(self, fn: Callable[[lmdb.Transaction], _T]) -> _T:
-        """Run ``fn`` in one write transaction; a full map is grown (doubled) and ``fn`` re-run from scratch."""
+        """Run ``fn`` in one write transaction; a full map is grown (doubled) and ``fn`` re-run from scratch.
+        ``StoreReadOnly`` on a read-only handle (before anything starts)."""
+        if self.access is not None:
+            self.access.check("a write transaction of the index")
         self._check_pid()
         with self._lock:
             while True:
@@ -214,7 +225,7 @@ class Index(Batching):
 
     def reopen(self, map_size: int) -> "Index":
         """A fresh handle on this directory (after the tools replaced it while this one was closed)."""
-        return Index(self.path, map_size=map_size, retag_prefix_records=self._retag)
+        return Index(self.path, map_size=map_size, retag_prefix_records=self._retag, access=self.access)
 
     def copy_to(self, target: str) -> None:
         """A compacting copy of the environment into directory ``target`` (``rebuild`` / ``compact`` swap it in);

@@ -34,6 +34,9 @@ class Quarantine:
 
         ``bad``: ``(chunk hash, (object, offset, length))`` of the copies that failed their hash; each is marked bad
         (``index/bad_chunks.py``) in the same write transaction, so no save dedupes onto it again."""
+
+        if self.ctx.read_only:
+            return  # a read-only handle cannot hide it: the caller's CorruptData still reports it (access.py)
         sid = bytes.fromhex(snapshot_id)
 
         def drop(txn):

@@ -52,9 +52,13 @@ class Unknown(Exception):
 class LeaseBook:
     """This handle's leases (published in its lease file) and a view of every live handle's leases."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, access=None):
         self.dir = os.path.join(root, "leases")
-        ensure_dir(self.dir)
+        # a read-only handle (store/access.py) publishes nothing: ``add`` answers False, so its reads are protected
+        # by reader locks on the objects (object_locks.py, read-only descriptors), and ``reap`` only counts
+        self.read_only = access is not None and access.read_only
+        if not self.read_only:
+            ensure_dir(self.dir)
         self._held: dict[bytes, Lease] = {}
         self._lock = threading.Lock()
         self._fd = -1
@@ -100,6 +104,8 @@ class LeaseBook:
         (``liveness/object_locks.py``) or drop it with ``remove``."""
         with self._lock:
             self._held[key] = lease
+            if self.read_only:
+                return False
             try:
                 self._publish()
                 return True
@@ -187,7 +193,7 @@ class LeaseBook:
                 os.close(fd)
                 continue
             dead += 1
-            if not dry_run:
+            if not dry_run and not self.read_only:
                 try:
                     os.unlink(path)
                 except FileNotFoundError:

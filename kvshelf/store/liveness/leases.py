@@ -87,12 +87,16 @@ class Leases:
         """Protect a lease the disk had no room to publish with read locks on its objects (``object_locks.py``)."""
         self._unlock_objects(key)  # a retry of take: the objects may have moved
         ctx = self.ctx
+        if ctx.read_only and not capability(ctx.bytes, "local_paths"):
+            return  # nothing to lock, and this handle may not publish: its reads are hash-checked (access.py)
         if not capability(ctx.bytes, "local_paths"):
             raise StoreFull(f"no room to publish a reader's lease in {ctx.leases.dir}, and this byte store has no "
                             f"files to lock instead")
         try:
             locks = lock_objects(ctx.root, [ctx.bytes.path(name) for name in objects])
         except OSError as exc:
+            if ctx.read_only:  # no sentinel in a store made by an older kvshelf: as above
+                return
             raise StoreFull(f"no room to publish a reader's lease in {ctx.leases.dir}, and its objects could not "
                             f"be locked instead ({exc})") from exc
         with ctx.lock:
@@ -112,7 +116,11 @@ class Leases:
 
     def release(self, key: bytes, touch: bytes | None, refs: Sequence[ChunkRef | str]) -> None:
         """Drop a lease (no commit). A use (``touch``) is remembered for the next write transaction. Objects of the
-        lease that lost their last reference while it was held are unlinked now."""
+        lease that lost their last reference while it was held are unlinked now (by a handle that may write: a
+        read-only one only drops the lease)."""
+        if self.ctx.read_only:
+            self._drop(key)
+            return
         with self.ctx.removers.removing():  # from the lease's end to the unlink of what it kept alive (removers.py)
             lease = self._drop(key)  # locks go before the reclaim below, which must not see our own
             hashes = [r if isinstance(r, str) else r.hash for r in refs]

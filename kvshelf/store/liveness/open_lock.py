@@ -33,16 +33,26 @@ _HELD: dict[str, _Held] = {}
 _LOCK = threading.Lock()
 
 
-def acquire(root: str, timeout: float | None = None) -> None:
+def acquire(root: str, timeout: float | None = None, read_only: bool = False) -> None:
     """Count one more open handle of this process on ``root`` (taking the shared lock for the first, waiting up to
-    ``timeout`` seconds, default ``OPEN_TIMEOUT``, while an offline job holds it exclusively)."""
+    ``timeout`` seconds, default ``OPEN_TIMEOUT``, while an offline job holds it exclusively). ``read_only``: a
+    store this process cannot write — the lock file is opened read-only (``flock`` needs no write access) and not
+    created; where it does not exist there is no offline job to wait for (only a writer makes it)."""
     timeout = OPEN_TIMEOUT if timeout is None else timeout
     with _LOCK:
         held = _HELD.get(root)
         if held is not None and held.pid == os.getpid():
             held.users += 1
             return
-        fd = os.open(keys.open_lock_path(root), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(keys.open_lock_path(root), (os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT) | os.O_CLOEXEC,
+                         0o600)
+        except FileNotFoundError:
+            if not read_only:
+                raise
+            held = _HELD[root] = _Held(-1)
+            held.users = 1
+            return
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -67,7 +77,8 @@ def release(root: str) -> None:
         held.users -= 1
         if held.users == 0:
             del _HELD[root]
-            os.close(held.fd)
+            if held.fd >= 0:
+                os.close(held.fd)
 
 
 def users(root: str) -> int:

@@ -26,9 +26,10 @@ from contextlib import contextmanager
 
 
 class RemoversLock:
-    def __init__(self, path: str):
-        self.path = path
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    def __init__(self, path: str, access=None):
+        self.path, self.access = path, access  # access: a read-only handle (store/access.py) creates nothing
+        if access is None or not access.read_only:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._mutex = threading.Lock()
         self._users = 0
         self._fd = -1
@@ -36,6 +37,8 @@ class RemoversLock:
     @contextmanager
     def removing(self) -> Iterator[None]:
         """Held (shared) around a commit that frees objects and the unlink of what it freed."""
+        if self.access is not None:
+            self.access.check("removing objects")
         with self._mutex:
             if self._users == 0:
                 fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
@@ -58,8 +61,15 @@ class RemoversLock:
     @contextmanager
     def quiescent(self, timeout: float = 10.0) -> Iterator[bool]:
         """Exclusive: no remover is between its commit and its unlink while the block runs (True), or the lock
-        could not be had within ``timeout`` seconds (False: removers kept it busy)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        could not be had within ``timeout`` seconds (False: removers kept it busy). A read-only handle locks the file
+        through a read-only descriptor (``flock`` needs no write access), or yields False where it does not exist."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if self.access is None or not self.access.read_only:
+                raise
+            yield False
+            return
         try:
             deadline = time.monotonic() + timeout
             while True:

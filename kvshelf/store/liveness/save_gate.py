@@ -19,16 +19,20 @@ from ...errors import StoreBusy
 
 
 class SaveGate:
-    """The gate of one store directory (``path``: its lock file, created here)."""
+    """The gate of one store directory (``path``: its lock file, created here). On a read-only handle
+    (``access``, store/access.py) nothing is created and ``hold`` refuses: whatever holds the gate writes."""
 
-    def __init__(self, path: str, root: str):
-        self.path, self.root = path, root
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    def __init__(self, path: str, root: str, access=None):
+        self.path, self.root, self.access = path, root, access
+        if access is None or not access.read_only:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
 
     @contextmanager
     def hold(self, exclusive: bool = False, timeout: float = 30.0) -> Iterator[None]:
         """Hold the gate (shared, or ``exclusive``) for the block; ``StoreBusy`` when it cannot be had within
-        ``timeout`` seconds."""
+        ``timeout`` seconds; ``StoreReadOnly`` on a read-only handle."""
+        if self.access is not None:
+            self.access.check("a save or maintenance (the save gate)")
         fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         try:
             deadline = time.monotonic() + timeout

@@ -33,6 +33,8 @@ class UseBook:
         self._closing = False
 
     def remember(self, sid: bytes, hashes: list[str]) -> None:
+        if self.ctx.read_only:
+            return  # uses are LRU order only: a handle that may not write leaves the order to the owner
         with self.ctx.lock:
             self._touches[sid] = (time.time_ns(), hashes)
             if self._timer is None and not self._closing:

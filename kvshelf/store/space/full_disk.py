@@ -45,8 +45,11 @@ class FullDisk:
         self.keep_reserve()
 
     def keep_reserve(self, tokens: int = 0) -> bool:
-        """Grow the reserve to what deleting the longest snapshot can need (best effort: False when no room)."""
+        """Grow the reserve to what deleting the longest snapshot can need (best effort: False when no room; a
+        read-only handle keeps none: it deletes nothing)."""
         self._longest = max(self._longest, tokens)
+        if self.ctx.read_only:
+            return False
         try:
             need = reserve.needed_bytes(self.ctx.index, self._longest)
         except Exception:  # noqa: BLE001 - an index that cannot say (damaged, closing): keep the last size

@@ -1,0 +1,162 @@
+"""A store this process cannot write opens read-only: every read works, every write raises ``StoreReadOnly`` naming
+the path and the missing permission, and nothing in the store changes (every file hashed before and after).
+
+Two real setups: a store owned by root opened by ``nobody`` (``setpriv``; ``nobody`` keeps CAP_DAC_READ_SEARCH so it
+can reach the interpreter and the test's directories, which are root's 0700 ones: it reads everything and writes
+nothing), and the same store through a read-only bind mount (EROFS). The tests run as root, as CI does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tools_data import MODEL, private_copy, reads, template_store, tokens_for
+
+from kvshelf import open_store
+
+PROBE = Path(__file__).resolve().parents[1] / "helpers" / "read_only_probe.py"
+ROOT_PROJECT = Path(__file__).resolve().parents[2]
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=+dac_read_search",
+             "--ambient-caps=+dac_read_search"]
+READ_VERBS = [["ls"], ["show", "s-mla"], ["stats"], ["verify", "--deep"], ["export", "s-mla", "{out}/cli.kvs"]]
+WRITE_VERBS = [["gc", "--json"], ["compact", "--json"], ["rebuild-index", "--json"],
+               ["import", "{out}/s-mla.kvs", "--session", "again", "--json"]]
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own the store and to drop to nobody / mount")
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    return template_store(tmp_path_factory, "readonly", kinds=("mla",), other_identity=False)
+
+
+def _tree(root: Path) -> dict[str, tuple[str, int]]:
+    """Every entry under ``root``: its mode and, for files, the sha256 of its bytes."""
+    out = {}
+    for base, dirs, files in os.walk(root):
+        out[os.path.relpath(base, root)] = ("dir", os.stat(base).st_mode)
+        for f in files:
+            p = os.path.join(base, f)
+            out[os.path.relpath(p, root)] = (hashlib.sha256(Path(p).read_bytes()).hexdigest(), os.stat(p).st_mode)
+    return out
+
+
+def _owner_view(template: Path, tmp_path: Path) -> dict:
+    """What the store's owner reads (on a copy of its own)."""
+    with open_store(private_copy(template, tmp_path / "owner"), identity=MODEL) as store:
+        hit = store.lookup(tokens_for(70, 1) + [7, 8, 9])  # first: the owner's restore below is a use that
+        # reorders the lookup's ties; a read-only reader remembers no use (store/access.py)
+        return {"lookup": [hit.session_id, hit.length], "sessions": sorted(s.session_id for s in store.sessions(None)),
+                "restore": [hashlib.sha256(a.tobytes()).hexdigest() for a in reads(store.restore("s-mla").caches)]}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT_PROJECT), "KVSHELF_NO_PROGRESS": "1", "COLUMNS": "500",
+            "HOME": "/tmp"}
+
+
+def _run(prefix: list[str], args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, *args], capture_output=True, text=True, env=_env(), timeout=300)
+
+
+def _check(store: Path, out: Path, prefix: list[str], permission: str, owner: dict) -> None:
+    proc = _run(prefix, [str(PROBE), str(store), str(out)])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["read_only"] is True
+    assert doc["sessions"] == owner["sessions"] and doc["restore"] == owner["restore"]
+    assert doc["restore_prefix"] == owner["restore"] and doc["lookup"] == owner["lookup"]
+    assert doc["restore_batch"] == [70, 70] and doc["verify_deep"] == [] and doc["export"]
+    for call, got in doc["writes"].items():
+        assert got["raised"] == "StoreReadOnly" and got["kvshelf"], (call, got)
+        assert str(store) in got["message"] and permission in got["message"], (call, got)
+        assert got["message"].count(call) >= 1, (call, got)
+    for verb in READ_VERBS:
+        proc = _run(prefix, ["-m", "kvshelf.tools.cli", *[a.format(out=out) for a in verb], "--store", str(store)])
+        assert proc.returncode == 0, (verb, proc.stderr)
+    for verb in WRITE_VERBS:
+        proc = _run(prefix, ["-m", "kvshelf.tools.cli", *[a.format(out=out) for a in verb], "--store", str(store)])
+        text = " ".join((proc.stdout + proc.stderr).split())  # import reports each file on stdout
+        assert proc.returncode == 1 and "StoreReadOnly" in text, (verb, proc.stdout, proc.stderr)
+        assert str(store) in text and permission in text and "Traceback" not in text, (verb, text)
+
+
+def test_a_store_owned_by_root_opens_read_only_for_another_user(template, tmp_path) -> None:
+    store = private_copy(template, tmp_path)
+    for base, dirs, files in os.walk(store):  # shared read-only: everyone may read, only root may write
+        os.chmod(base, 0o755)
+        for f in files:
+            os.chmod(os.path.join(base, f), 0o644)
+    out = tmp_path / "out"
+    out.mkdir(mode=0o777)
+    os.chmod(out, 0o777)
+    owner = _owner_view(template, tmp_path)
+    before = _tree(store)
+    _check(store, out, AS_NOBODY, "no write permission", owner)
+    assert _tree(store) == before
+    # and its owner still opens it for writing, as it is: nothing was chmod-ed back to 0700
+    with open_store(store, identity=MODEL) as handle:
+        assert not handle.read_only
+    assert os.stat(store).st_mode & 0o777 == 0o755
+
+
+def test_a_store_on_a_read_only_mount_opens_read_only(template, tmp_path) -> None:
+    source = private_copy(template, tmp_path)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    owner = _owner_view(template, tmp_path)
+    mounted = subprocess.run(["mount", "--bind", str(source), str(mnt)], capture_output=True, text=True)
+    assert mounted.returncode == 0, f"mount --bind failed (the test needs root with CAP_SYS_ADMIN): {mounted.stderr}"
+    try:
+        remount = subprocess.run(["mount", "-o", "remount,bind,ro", str(mnt)], capture_output=True, text=True)
+        assert remount.returncode == 0, remount.stderr
+        before = _tree(source)
+        _check(mnt, out, [], "read-only file system", owner)
+        assert _tree(source) == before
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_new_store_is_private_and_an_existing_one_keeps_its_modes(tmp_path) -> None:
+    with open_store(tmp_path / "new", identity=MODEL):
+        pass
+    assert os.stat(tmp_path / "new").st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shutil.copytree(tmp_path / "new", shared)
+    os.chmod(shared, 0o750)
+    with open_store(shared, identity=MODEL) as store:
+        assert not store.read_only
+    assert os.stat(shared).st_mode & 0o777 == 0o750
+
+
+def test_a_store_this_process_may_not_read_is_a_file_access_error_naming_it(template, tmp_path) -> None:
+    """Root without its capabilities (``setpriv --bounding-set=-all``) on a store owned by nobody, 0700: neither a
+    raw ``PermissionError`` nor "no store here", at the library and the CLI."""
+    store = private_copy(template, tmp_path)
+    for base, dirs, files in os.walk(store):
+        os.chown(base, 65534, 65534)
+        for f in files:
+            os.chown(os.path.join(base, f), 65534, 65534)
+    before = _tree(store)
+    no_caps = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from tools_data import MODEL; from kvshelf import open_store\n"
+            "try:\n    open_store(sys.argv[1], identity=MODEL)\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)")
+    proc = _run(no_caps, ["-c", code, str(store), str(PROBE.parent)])
+    assert proc.stdout.startswith("FileAccessError") and str(store) in proc.stdout, (proc.stdout, proc.stderr)
+    assert "no read permission" in proc.stdout
+    for verb in (["ls"], ["show", "s-mla"], ["verify"]):
+        proc = _run(no_caps, ["-m", "kvshelf.tools.cli", *verb, "--store", str(store)])
+        text = " ".join(proc.stderr.split())
+        assert proc.returncode == 1 and "FileAccessError" in text and str(store) in text, (verb, text)
+        assert "PermissionError" not in text and "no kvshelf store" not in text
+    assert _tree(store) == before
