@@ -27,6 +27,7 @@ mlx-lm's batch, whose rows cannot be checkpointed. ``counters`` is a plain dict 
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 from typing import Any
 
@@ -36,6 +37,7 @@ from mlx_lm.server import GenerationContext, Response, _image_parts, _make_logit
 
 from ...store.generations import continuation_key
 from ..checkpoint_writer import COUNTERS, CheckpointWriter
+from ..checkpoints import prefill
 from ..resumable import checkpointed_steps
 
 log = logging.getLogger("kvshelf.serve")
@@ -144,9 +146,27 @@ class ServeGenerations:
             rqueue.put(exc)
         return True
 
+    @staticmethod
+    def _segment_ends(provider, prompt_cache, prompt: list[int], segments, segment_types, cache, cached: int) -> int:
+        """As mlx-lm's batch path does: the cache at the end of every segment (the system prompt, the user turn,
+        ``--checkpoint-every`` boundaries; the last one ends a token early, as that token is the first decode step's
+        input) goes into the prompt cache, so later requests reuse those boundaries; returns the positions now
+        prefilled. A copy goes in: prefill goes on in ``cache``."""
+        end = 0
+        for i, (segment, kind) in enumerate(zip(segments, segment_types)):
+            end += len(segment)
+            if i == len(segments) - 1:
+                end = len(prompt) - 1
+            if end <= cached:
+                continue
+            prefill(provider.model, prompt[cached:end], cache, every=0, step=provider.cli_args.prefill_step_size)
+            cached = end
+            prompt_cache.insert_cache(provider.model_key, prompt[:end], copy.deepcopy(cache), cache_type=kind)
+        return cached
+
     def _serve(self, rqueue, req, args, stream, store, provider, tokenize, state_machine, prompt_cache) -> None:
         model, tokenizer, cli = provider.model, provider.tokenizer, provider.cli_args
-        prompt, _, _, initial_state, _ = tokenize(tokenizer, req, args)
+        prompt, segments, segment_types, initial_state, _ = tokenize(tokenizer, req, args)
         stop_sequences, text_sm = state_machine(provider.model_key, tokenizer, args.stop_words)
         ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
                                 tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
@@ -166,6 +186,7 @@ class ServeGenerations:
             cached = len(prompt) - len(rest)
             if cache is None:
                 cache = make_prompt_cache(model)
+            cached = self._segment_ends(provider, prompt_cache, prompt, segments, segment_types, cache, cached)
         ctx.prompt_cache_count = cached
 
         def on_checkpoint(tokens, caches, pending, state):
