@@ -176,6 +176,7 @@ class ServeGenerations:
         found = self._find(store, key, prompt)
         if found is not None:
             cache, cached = found.caches, len(prompt)
+            ctx.prompt_cache_count = cached
             self.counters["resumes"] += 1
             self.counters["resumed_tokens"] += len(found.generated)
             self.log.info("kvshelf resume from=%d of max_tokens=%d", len(found.generated), args.max_tokens)
@@ -186,8 +187,8 @@ class ServeGenerations:
             cached = len(prompt) - len(rest)
             if cache is None:
                 cache = make_prompt_cache(model)
+            ctx.prompt_cache_count = cached  # what the caches held; the segment prefill below is computed work
             cached = self._segment_ends(provider, prompt_cache, prompt, segments, segment_types, cache, cached)
-        ctx.prompt_cache_count = cached
 
         def on_checkpoint(tokens, caches, pending, state):
             self.writer.submit(store, key, tokens, caches, prompt_length=len(prompt), pending_token=pending,
