@@ -6,6 +6,7 @@ conversation is a disk hit again; and ``verify --deep`` is clean once ``repair``
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -38,20 +39,22 @@ def test_after_a_flipped_chunk_the_next_write_behind_heals_and_a_restart_hits_di
         r1 = first.chat(msgs1)
         first.wait_log(rf"kvshelf write-behind saved tokens={final_tokens(r1)}\b")
     with open_store(store, identity=model_identity(model)) as lib:  # another session holding the same content
-        (info,) = lib.sessions()
+        # the conversation's own snapshot (mlx-lm's segment inserts, system prompt and user turn, are there too)
+        info = max(lib.sessions(), key=lambda s: s.length)
         held = lib.restore(info.session_id, namespace=info.namespace)
         lib.save("kept-copy", held.tokens, held.caches, namespace=info.namespace)
     with open_store(store, admin=True) as admin:
         bad = admin.manifest(info.snapshot_id).chunks[0].hash  # shared by both sessions
-        assert admin.chunk_info(bad).refs == 2
+        assert admin.chunk_info(bad).refs >= 2
         damaged_pack = admin.chunk_location(bad)[0]
         flip_chunk_byte(admin, bad)
     with Server(model, store, tmp_path / "second.log") as second:  # the same conversation again
         again = second.chat(msgs1)
         assert again["text"] == r1["text"]  # answered correctly from a prefill
         second.wait_log(r"kvshelf disk prefix failed, serving from RAM: CorruptData")
-        saved, = second.wait_log(rf"kvshelf write-behind saved tokens={final_tokens(again)} new_bytes=(\d+)")
-        assert int(saved.group(1)) > 0  # the same content, yet the damaged chunk is written afresh, not reused
+        second.wait_log(rf"kvshelf write-behind saved tokens={final_tokens(again)} new_bytes=(\d+)")
+        written = [int(n) for n in re.findall(r"kvshelf write-behind saved tokens=\d+ new_bytes=(\d+)", second.log())]
+        assert sum(written) > 0  # the same content, yet the damaged chunk is written afresh, not reused
     with open_store(store, admin=True) as admin:
         now = admin.chunk_location(bad)
         assert now is not None and now[0] != damaged_pack  # fresh bytes took the chunk's name back
