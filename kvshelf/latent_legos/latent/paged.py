@@ -106,22 +106,17 @@ class PagedLatentCache(ReuseFloor):
     def append_latent(
         self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None
     ) -> LatentAttentionState:
-        families = append_inputs(self.geometry, latent, rope, index_keys, self.batch_size)
-        batch, length = latent.shape[0], latent.shape[1]
-        offsets = self.row_offsets or [0] * batch
-        check_token_room(self.geometry, offsets, length)
-        rows = self._rows or [LatentPages(self.block_size) for _ in range(batch)]
-        leading = self._leading or [0] * batch
-        families = zero_prefill_leads(families, prefill_leads(offsets))
-        planes = self._codec.encode(families)
-        for b, row in enumerate(rows):  # checked above; the writes cannot fail
-            row.append(planes if batch == 1 else [p[b : b + 1] for p in planes])
-        self._rows, self._leading = rows, leading
-        return LatentAttentionState.of(self._read(rows, len(families)))
+        families = self._append(latent, rope, index_keys)
+        return LatentAttentionState.of(self._read(self._rows, families))
 
     def store_latent(self, latent: mx.array, rope: mx.array, index_keys: mx.array | None = None) -> LatentReads:
         """Append like ``append_latent`` but decode nothing: an encoded format attends on each row's gathered pages of
         codes (``plane_attention``); float32 pages read as ``append_latent`` does."""
+        self._append(latent, rope, index_keys)
+        return self.latent_reads()
+
+    def _append(self, latent: mx.array, rope: mx.array, index_keys: mx.array | None) -> int:
+        """Encode and append one step to every row's pages (both appends); returns the family count."""
         families = append_inputs(self.geometry, latent, rope, index_keys, self.batch_size)
         batch, length = latent.shape[0], latent.shape[1]
         offsets = self.row_offsets or [0] * batch
@@ -133,7 +128,7 @@ class PagedLatentCache(ReuseFloor):
         for b, row in enumerate(rows):  # checked above; the writes cannot fail
             row.append(planes if batch == 1 else [p[b : b + 1] for p in planes])
         self._rows, self._leading = rows, leading
-        return self.latent_reads()
+        return len(families)
 
     def latent_reads(self) -> LatentReads:
         """``LatentReads`` of every stored position: on the gathered pages of codes when the format allows."""
