@@ -101,12 +101,13 @@ __all__ = ["SnapshotInfo", "Restored", "PrefixHit", "RestoredBatch", "SessionInf
 class RepairReport:
     """What ``repair`` did (or, with ``dry_run``, would do): the snapshots lost (each used a chunk with no good copy;
     its session, namespace and those chunks), the quarantined snapshots whose records it dropped, the damaged
-    chunks, what ``gc`` reclaimed and any damage still found afterwards (empty when the store is clean)."""
+    chunks, those healed from a good copy (another pack or the shared tier; with where it came from), what ``gc`` reclaimed and any damage still found afterwards (empty when the store is clean)."""
 
     dry_run: bool
     lost: list[dict] = field(default_factory=list)
     dropped_quarantined: list[dict] = field(default_factory=list)
     bad_chunks: list[str] = field(default_factory=list)
+    healed: list[dict] = field(default_factory=list)  # damaged chunks rewritten from a good copy: chunk, source, sessions
     rewritten_trailers: list[str] = field(default_factory=list)  # packs rewritten under fresh trailers
     reclaimed_bytes: int = 0
     reclaimed_objects: int = 0

@@ -32,6 +32,7 @@ from .integrity.gc import Gc
 from .integrity.legacy_v1 import seal_v1_manifests
 from .index import bad_chunks
 from .integrity.quarantine import Quarantine
+from .integrity.good_copies import GoodCopies
 from .integrity.repair import Repair
 from .integrity.rebuild import Rebuild
 from .integrity.verify import Verifier
@@ -46,6 +47,7 @@ from .prefix.hashing import BLOCK_TOKENS
 from .prefix.explain import explain_miss
 from .prefix.index_records import IndexRecords
 from .prefix.search import LazyTokens, PrefixSearch
+from .remote.maintenance import RemoteAdmin
 from .remote.tier import RemoteTier
 from .restore.reader import Reader
 from .restore.snapshots import Snapshots
@@ -125,7 +127,7 @@ class Store:
                                 saver=saver, writer=writer, verifier=verifier, gc=gc,
                                 rebuild=Rebuild(ctx, swap), swap=swap, pins=pins)
         self._repair = Repair(ctx, txns, removal, quarantine, verifier, gc,
-                              rewrite_packs=lambda packs: self.admin.repack(packs=packs))
+                              GoodCopies(ctx, txns, gate, reclaimer, saver.write_pack), rewrite_packs=lambda packs: self.admin.repack(packs=packs))
         if not ctx.read_only:  # once per index: v1 manifest files get the checksum rebuilds need
             seal_v1_manifests(ctx.index, ctx.bytes)
 
@@ -344,12 +346,17 @@ class Store:
         """Hide a snapshot for good, keeping its objects as evidence (``integrity/quarantine.py``)."""
         self._quarantine.quarantine(snapshot_id, reason)
 
-    def repair(self, dry_run: bool = True):
-        """Rewrite what has a good copy (damaged pack trailers, from the index), drop what cannot be read (snapshots
-        using a chunk with no good copy, quarantined snapshots), reclaim the space: a ``RepairReport`` of what was
-        done and lost (``integrity/repair.py``). ``dry_run`` changes nothing. Identity-blind."""
+    def repair(self, dry_run: bool = True, remote: Any = None, remote_prefix: str = "kvshelf:"):
+        """Rewrite what has a good copy (a damaged chunk from another pack or the shared tier, damaged pack trailers
+        from the index), drop what cannot be read (snapshots using a chunk with no good copy, quarantined
+        snapshots), reclaim the space: a ``RepairReport`` of what was done and lost (``integrity/repair.py``).
+        ``dry_run`` changes nothing. ``remote``: a shared tier (URL or seed list, as ``open_store``) to take good
+        copies from; default: the tier this handle was opened with, if any. Identity-blind."""
         self._ctx.check_open()
-        return self._repair.repair(dry_run)
+        if remote is None:
+            return self._repair.repair(dry_run, self._ctx.tier)
+        with RemoteAdmin(remote, prefix=remote_prefix) as tier:
+            return self._repair.repair(dry_run, tier)
 
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (identity-blind). True when a record was dropped."""

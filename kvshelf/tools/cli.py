@@ -196,19 +196,22 @@ def cmd_repair(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
     with admin.open_admin(_store_dir(args)) as store:
-        doc = admin.repair(store, dry_run=args.dry_run)
+        doc = admin.repair(store, dry_run=args.dry_run, remote=args.remote, remote_prefix=args.remote_prefix)
 
     def human(console) -> None:
         would = "would " if args.dry_run else ""
-        rows = [("lost", r["session_id"], r["snapshot_id"], f"uses damaged chunk(s) {', '.join(r['chunks'])}")
-                for r in doc["lost"]]
+        rows = [("healed", ", ".join(c["sessions"]), c["chunk"], f"rewritten from its good copy in {c['source']}")
+                for c in doc["healed"]]
+        rows += [("lost", r["session_id"], r["snapshot_id"], f"uses damaged chunk(s) {', '.join(r['chunks'])}")
+                 for r in doc["lost"]]
         rows += [("trailer rewritten", "", p, "its live chunks and manifests copied under fresh trailers")
                  for p in doc["rewritten_trailers"]]
         rows += [("quarantine dropped", q["session_id"], q["snapshot_id"], "its evidence may now be reclaimed")
                  for q in doc["dropped_quarantined"]]
-        console.print(rows_table(f"repair{' (dry run)' if args.dry_run else ''}: {len(doc['lost'])} session(s) "
-                                 f"{would}lost, {len(doc['dropped_quarantined'])} quarantine record(s) {would}dropped",
-                                 ("action", "session", "snapshot", "why"), rows))
+        console.print(rows_table(f"repair{' (dry run)' if args.dry_run else ''}: {len(doc['healed'])} chunk(s) "
+                                 f"{would}healed, {len(doc['lost'])} session(s) {would}lost, "
+                                 f"{len(doc['dropped_quarantined'])} quarantine record(s) {would}dropped",
+                                 ("action", "session(s)", "snapshot / chunk", "why"), rows))
         console.print(f"{would}reclaim {doc['reclaimed_objects']} object(s), {human_bytes(doc['reclaimed_bytes'])}"
                       if args.dry_run else f"reclaimed {doc['reclaimed_objects']} object(s), "
                                             f"{human_bytes(doc['reclaimed_bytes'])}")

@@ -104,9 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gc", "Remove orphan blobs and unreferenced chunks.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     _remote_options(p)
-    p = add("repair", "Drop what cannot be read (sessions using a chunk with no good copy, quarantined snapshots), "
-                      "reclaim the space, print what was done and lost.")
+    p = add("repair", "Heal damaged chunks from a good copy (another pack, the shared tier), drop what cannot be read "
+                      "(sessions using a chunk with no good copy, quarantined snapshots), reclaim the space, print "
+                      "what was done and lost.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be done; change nothing")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="also take good copies of damaged chunks from this shared tier (redis://host:port/db, ...)")
+    p.add_argument("--remote-prefix", default=None, metavar="PREFIX", help="its key prefix (default kvshelf:)")
     p = add("quarantine", "List quarantined snapshots and bad chunk copies, or drop quarantine records.")
     p.add_argument("action", choices=("ls", "drop"), help="ls: list; drop: forget a record (gc may then reclaim)")
     p.add_argument("snapshot", nargs="?", default=None, metavar="ID", help="the snapshot id to drop")

@@ -150,6 +150,75 @@ def test_a_damaged_trailer_on_a_pack_with_live_chunks_is_reported_and_rewritten(
         assert {s: _bits(store.restore(s).caches) for s in "ab"} == want  # the rebuild lost nothing
 
 
+def test_repair_heals_a_damaged_chunk_from_its_copy_in_another_pack(tmp_path) -> None:
+    """A re-encoding moved the chunk to a pack of its own; the old pack (still live for its other chunks) keeps the
+    old copy. When the indexed copy is damaged, repair verifies the old one and repoints the chunk at a fresh copy
+    of it: every session restores bit-exact and nothing is lost."""
+    root = tmp_path / "s"
+    store = open_store(root, identity=MODEL, chunk_tokens=16)
+    with store:
+        infos = [store.save(s, list(range(N)), make_caches("mla", N, 1)) for s in "abc"]
+        h = store.manifest(infos[0].snapshot_id).chunks[1].hash
+        old_pack = store.chunk_location(h)[0]
+        assert store.rewrite_chunk(h, "zstd") is not None
+        assert store.chunk_location(h)[0] != old_pack and (root / old_pack).exists()
+        flip_chunk_byte(store, h)
+        try:
+            store.restore("a")
+            raise AssertionError("a damaged chunk restored")
+        except CorruptData:
+            pass
+        before = _files(root)
+        dry = store.repair(dry_run=True)
+        assert _files(root) == before  # found and verified, nothing written
+        assert [(c["chunk"], c["source"]) for c in dry.healed] == [(h, f"pack {old_pack}")] and dry.lost == []
+        report = store.repair(dry_run=False)
+        assert [c["chunk"] for c in report.healed] == [h] and report.healed[0]["sessions"] == ["b", "c"]
+        assert report.lost == [] and report.remaining == []
+        assert [q["session_id"] for q in report.dropped_quarantined] == ["a"]  # a's restore had quarantined it
+        assert store.bad_chunks() == [] and store.verify(deep=True) == []
+        for s in "bc":
+            assert _bits(store.restore(s).caches) == _bits(make_caches("mla", N, 1))
+        assert store.save("a", list(range(N)), make_caches("mla", N, 1)).blobs_written == 0  # the healed copy dedupes
+
+
+def test_repair_without_a_good_copy_anywhere_reports_the_loss_not_a_heal(tmp_path) -> None:
+    """The old copy in the other pack is damaged too: it fails its hash, so it is not used."""
+    root = tmp_path / "s"
+    with open_store(root, identity=MODEL, chunk_tokens=16) as store:
+        info = store.save("a", list(range(N)), make_caches("mla", N, 1))
+        h = store.manifest(info.snapshot_id).chunks[1].hash
+        old = store.chunk_location(h)
+        store.rewrite_chunk(h, "zstd")
+        flip_chunk_byte(store, h)
+        with open(root / old[0], "r+b") as f:  # the same flip in the old copy
+            f.seek(old[1] + old[2] - 5)
+            b = f.read(1)
+            f.seek(old[1] + old[2] - 5)
+            f.write(bytes([b[0] ^ 0x40]))
+        report = store.repair(dry_run=False)
+        assert report.healed == [] and [r["session_id"] for r in report.lost] == ["a"]
+        assert store.verify(deep=True) == []
+
+
+def test_deep_verify_marks_what_fails_its_hash_so_the_next_save_heals_it(tmp_path) -> None:
+    """No restore has read the damaged chunk yet: verify finds it, marks the copy bad, and the next save of the same
+    content writes fresh bytes instead of deduping onto it (which heals the other sessions)."""
+    root = tmp_path / "s"
+    store, bad = _three_sharing(root)
+    with store:
+        found = {(f.kind, f.where): f for f in store.verify(deep=True)}
+        f = found[("corrupt-blob", f"blob {bad}")]
+        assert f.sessions == ("a", "b", "c") and "marked bad" in f.detail
+        assert [m["hash"] for m in store.bad_chunks()] == [bad]
+        assert store.lookup(list(range(N)) + [7]) is None  # no snapshot needing it is offered
+        info = store.save("d", list(range(N)), make_caches("mla", N, 1))
+        assert info.blobs_written == 1  # the fresh copy, and only it
+        for s in "abcd":
+            assert _bits(store.restore(s).caches) == _bits(make_caches("mla", N, 1))
+        assert store.verify(deep=True) == []
+
+
 _SESSIONS = ("s0", "s1", "s2", "s3")
 _OPS = st.lists(st.one_of(
     st.tuples(st.just("save"), st.sampled_from(_SESSIONS), st.integers(1, 3)),

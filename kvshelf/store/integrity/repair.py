@@ -6,8 +6,11 @@ repair is the one call that *decides*. It works from the findings of a deep veri
 can show:
 
 * a chunk whose copy failed its hash (a ``bad_chunks`` mark, ``index/bad_chunks.py``, or a deep verify's
-  ``corrupt-blob`` / ``missing-blob``) and that no save has healed: every snapshot using it cannot be restored, so
-  each is dropped (reported as lost, with its session); the chunk record and its mark go with the last of them;
+  ``corrupt-blob`` / ``missing-blob``) and that no save has healed: if a good copy exists — another pack, or the
+  shared tier (``good_copies.py``) — it is verified and the chunk record repointed at it, healing every snapshot
+  using it (reported as healed, with where the copy came from); otherwise every snapshot using it cannot be
+  restored, so each is dropped (reported as lost, with its session); the chunk record and its mark go with the
+  last of them;
 * a quarantined snapshot: its evidence was for the operator, and running repair is the operator's decision — its
   record is dropped so ``gc`` may take its bytes;
 * a pack whose trailer is damaged while its chunks are live (a rebuild from packs would lose them): its live chunks
@@ -27,11 +30,12 @@ from ...errors import CorruptData, IncompatibleFormat
 from ..context import StoreContext
 from ..index import bad_chunks
 from ..index import schema as mf
-from ..index.schema import Manifest
+from ..index.schema import ChunkRef, Manifest
 from ..liveness.removal import Removal
 from ..liveness.transactions import Transactions
 from ..results import RepairReport
 from .gc import Gc
+from .good_copies import GoodCopies
 from .quarantine import Quarantine
 from .verify import Verifier
 
@@ -40,17 +44,26 @@ _DAMAGED = ("bad-chunk", "corrupt-blob", "missing-blob")
 
 class Repair:
     def __init__(self, ctx: StoreContext, txns: Transactions, removal: Removal, quarantine: Quarantine,
-                 verifier: Verifier, gc: Gc, rewrite_packs: Callable[[set[str]], dict]):
+                 verifier: Verifier, gc: Gc, copies: GoodCopies, rewrite_packs: Callable[[set[str]], dict]):
         self.ctx, self.txns, self.removal, self.quarantine = ctx, txns, removal, quarantine
-        self.verifier, self.gc, self.rewrite_packs = verifier, gc, rewrite_packs
+        self.verifier, self.gc, self.copies, self.rewrite_packs = verifier, gc, copies, rewrite_packs
 
-    def repair(self, dry_run: bool = True) -> RepairReport:
-        """Drop the snapshots that use a chunk with no good copy and the quarantined snapshots, then reclaim."""
+    def repair(self, dry_run: bool = True, remote=None) -> RepairReport:
+        """Heal the damaged chunks that have a good copy (``remote``: a shared tier to look in too, an object with
+        ``good_copy(hash)``), drop the snapshots that use one with none and the quarantined snapshots, reclaim."""
         self.ctx.check_open()
+        if not dry_run:
+            self.ctx.check_writable("repair")
         findings = self.verifier.verify(deep=True)
-        damaged = {f.where[len("blob "):]: f.detail for f in findings
+        damaged = {f.where[len("blob "):]: f.sessions for f in findings
                    if f.kind in _DAMAGED and f.where.startswith("blob ")}
-        lost = self._users(damaged)
+        users, refs = self._users(damaged)
+        healed = []
+        for h, copy in self.copies.find(damaged, remote).items():
+            if dry_run or self.copies.restore(h, copy, refs.get(h) or ChunkRef(h, 0, 0, 0)):
+                healed.append({"chunk": h, "source": copy.source, "sessions": sorted(damaged[h])})
+        done = {c["chunk"] for c in healed}
+        lost = [(sid, s, ns, hit - done) for sid, s, ns, hit in users if hit - done]
         quarantined = [(f.where, f.sessions) for f in findings if f.kind == "quarantined"]
         trailers = sorted(f.where[len("pack "):] for f in findings if f.kind == "damaged-trailer")
         if not dry_run:
@@ -68,15 +81,17 @@ class Repair:
                   for sid, s, ns, h in lost],
             dropped_quarantined=[{"snapshot_id": w.split()[1], "session_id": (ss or ("",))[0]}
                                  for w, ss in quarantined],
-            bad_chunks=sorted(damaged), rewritten_trailers=trailers, reclaimed_bytes=sweep.bytes,
+            bad_chunks=sorted(damaged), healed=healed, rewritten_trailers=trailers, reclaimed_bytes=sweep.bytes,
             reclaimed_objects=len(sweep.orphan_blobs) + len(sweep.orphan_manifests),
             remaining=[f"{f.kind}: {f.where}: {f.detail}" for f in after])
 
-    def _users(self, damaged: dict[str, str]) -> list[tuple[str, str, str, set[str]]]:
-        """(snapshot id, session, namespace, damaged chunks it uses) of every indexed snapshot using one."""
+    def _users(self, damaged) -> tuple[list[tuple[str, str, str, set[str]]], dict[str, ChunkRef]]:
+        """(snapshot id, session, namespace, damaged chunks it uses) of every indexed snapshot using one, and a
+        reference to each damaged chunk (its token range goes into a healed copy's frame metadata)."""
+        out: list[tuple[str, str, str, set[str]]] = []
+        refs: dict[str, ChunkRef] = {}
         if not damaged:
-            return []
-        out = []
+            return out, refs
         for sid, raw in self.ctx.index.scan("manifests"):
             try:
                 m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
@@ -85,7 +100,8 @@ class Repair:
             hit = {r.hash for r in m.all_chunks} & set(damaged)
             if hit:
                 out.append((m.snapshot_id, m.session_id, m.namespace, hit))
-        return out
+                refs.update({r.hash: r for r in m.all_chunks if r.hash in hit})
+        return out, refs
 
     def _drop(self, snapshot_id: str, reason: str) -> None:
         result = self.txns.write(lambda txn: self.removal.drop(txn, bytes.fromhex(snapshot_id), reason))

@@ -184,7 +184,7 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
             if found is not None:
                 found = _recheck_object(ctx, key, deep)  # the chunk may have moved or gone meanwhile
             if found is not None:
-                blob_findings.append(found)
+                blob_findings.append(_marked(ctx, key.hex(), *found))
         for hb, n in refs.items():  # referenced, but no record in this range
             c.chunks[hb] = (None, n)
     for name, raw in index.scan("packs", VERIFY_BATCH, ids=tally.txn_ids):
@@ -303,15 +303,35 @@ def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
     return None
 
 
-def _recheck_object(ctx, hb: bytes, deep: bool) -> Finding | None:
+def _recheck_object(ctx, hb: bytes, deep: bool) -> tuple[Finding, tuple] | None:
     """The object check again from a fresh read of the chunk's record: a chunk dropped (its object unlinked after
-    the drop committed) or moved (repack, recompression) since the batch was read is no finding."""
+    the drop committed) or moved (repack, recompression) since the batch was read is no finding. Returns the
+    finding and the location of the copy it is about."""
     with ctx.index.read() as txn:
         raw = txn.get("chunks", hb)
     try:
-        return None if raw is None else _object_problem(ctx, hb.hex(), mf.decode(raw, ChunkMeta, "chunk"), deep)
+        meta = None if raw is None else mf.decode(raw, ChunkMeta, "chunk")
     except CorruptData:
         return None  # damaged since: the record check reports it
+    found = None if meta is None else _object_problem(ctx, hb.hex(), meta, deep)
+    return None if found is None else (found, keys.location(hb.hex(), meta))
+
+
+def _marked(ctx, h: str, found: Finding, where: tuple) -> Finding:
+    """A chunk copy found missing or failing its hash is marked bad (``index/bad_chunks.py``), as a restore that
+    found it would: from now on no save dedupes onto it (the next save of the content writes a fresh copy, healing
+    every snapshot using it) and a lookup does not offer a snapshot that needs it. The only write verify makes, and
+    not on a read-only handle (the finding is reported either way)."""
+    if found.kind not in ("corrupt-blob", "missing-blob") or ctx.read_only:
+        return found
+    try:
+        marked = ctx.index.write(lambda txn: bad_chunks.mark(txn, h, where, f"verify: {found.detail}"))
+    except KvShelfError:
+        return found  # a full disk or a busy index: the finding stands, the next verify or restore marks it
+    if not marked:
+        return found
+    return Finding(found.kind, found.where, f"{found.detail}; marked bad: the next save of the same content writes "
+                                            f"a fresh copy, else `kvshelf repair` heals or drops it", found.sessions)
 
 
 def _recount(ctx, c: _Candidates) -> list[Finding]:

@@ -117,4 +117,25 @@ def verified(tier, batch, values):
         tier.counters["bytes_fetched"] += len(value)
         yield r.hash, chunk
 
-__all__ = ["filler", "fill_direct", "fetch_ahead", "batches", "verified", "Missing"]
+
+def good_copy(client, keys, hash_: str, counters: dict | None = None) -> local.RemoteChunk | None:
+    """The shared tier's copy of one chunk, verified by its name, for ``repair`` (a local copy failed its hash):
+    None when the tier does not hold it or its copy is damaged too (then deleted from the server, as a restore does,
+    so the next publish of the content uploads fresh bytes). Network errors propagate (translated by the caller)."""
+    value = client.get(keys.chunk(hash_))
+    if value is None:
+        return None
+    try:
+        chunk = local.RemoteChunk(value, hash_)
+    except CorruptData:
+        if counters is not None:
+            counters["corrupt_chunks"] += 1
+        client.delete(keys.chunk(hash_))
+        return None
+    if counters is not None:
+        counters["chunks_fetched"] += 1
+        counters["bytes_fetched"] += len(value)
+    return chunk
+
+
+__all__ = ["filler", "fill_direct", "fetch_ahead", "batches", "verified", "good_copy", "Missing"]

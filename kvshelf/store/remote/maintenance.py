@@ -21,6 +21,7 @@ from typing import Any
 
 from ...errors import CorruptData
 from .client import DEFAULT_PREFIX, check_prefix, connect, redact
+from . import fetch
 from .errors import translate
 from .search import boundary_members
 from .keys import Keys
@@ -42,6 +43,11 @@ class RemoteAdmin:
 
     def close(self) -> None:
         self.client.close()
+
+    def good_copy(self, hash_: str):
+        """The tier's verified copy of one chunk for ``kvshelf repair --remote`` (``fetch.good_copy``), or None."""
+        with translate("repair"):
+            return fetch.good_copy(self.client, self.keys, hash_)
 
     def __enter__(self) -> RemoteAdmin:
         return self

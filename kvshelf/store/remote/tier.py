@@ -350,6 +350,20 @@ class RemoteTier:
             raise _Missing(f"remote manifest {sid.hex()} is gone")
         return mf.decode(unseal(raw, f"manifest {sid.hex()}"), Manifest, f"remote manifest {sid.hex()}")
 
+    def good_copy(self, hash_: str) -> local.RemoteChunk | None:
+        """The tier's verified copy of one chunk (``repair``'s source when a local copy failed its hash), or None;
+        a remote failure is ``BackendUnavailable`` (the breaker is fed)."""
+        if not self.breaker.allow():
+            return None
+        try:
+            with translate("repair"):
+                chunk = fetch.good_copy(self.client, self.keys, hash_, self.counters)
+        except _REMOTE_ERRORS:
+            self.breaker.failure()
+            raise
+        self.breaker.success()
+        return chunk
+
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
         return {"remote": self.where, "prefix": self.prefix, "breaker": self.breaker.state,
