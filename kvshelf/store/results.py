@@ -107,6 +107,7 @@ class RepairReport:
     lost: list[dict] = field(default_factory=list)
     dropped_quarantined: list[dict] = field(default_factory=list)
     bad_chunks: list[str] = field(default_factory=list)
+    dropped_checkpoints: list[str] = field(default_factory=list)  # snapshot ids of checkpoints whose session is gone
     healed: list[dict] = field(default_factory=list)  # damaged chunks rewritten from a good copy: chunk, source, sessions
     rewritten_trailers: list[str] = field(default_factory=list)  # packs rewritten under fresh trailers
     reclaimed_bytes: int = 0

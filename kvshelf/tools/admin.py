@@ -325,7 +325,7 @@ def repair(store: Store, dry_run: bool = False, remote: str | None = None,
     ``remote``: a shared tier to take good copies of damaged chunks from."""
     r = store.repair(dry_run=dry_run, remote=remote, remote_prefix=remote_prefix or "kvshelf:")
     return {"dry_run": r.dry_run, "lost": r.lost, "dropped_quarantined": r.dropped_quarantined,
-            "bad_chunks": r.bad_chunks, "healed": r.healed, "rewritten_trailers": r.rewritten_trailers,
+            "bad_chunks": r.bad_chunks, "healed": r.healed, "dropped_checkpoints": r.dropped_checkpoints, "rewritten_trailers": r.rewritten_trailers,
             "reclaimed_bytes": r.reclaimed_bytes, "reclaimed_objects": r.reclaimed_objects, "remaining": r.remaining}
 
 

@@ -206,6 +206,7 @@ def cmd_repair(args: argparse.Namespace, pr: Printer) -> int:
                  for r in doc["lost"]]
         rows += [("trailer rewritten", "", p, "its live chunks and manifests copied under fresh trailers")
                  for p in doc["rewritten_trailers"]]
+        rows += [("orphan checkpoint dropped", "", sid, "its session is gone") for sid in doc["dropped_checkpoints"]]
         rows += [("quarantine dropped", q["session_id"], q["snapshot_id"], "its evidence may now be reclaimed")
                  for q in doc["dropped_quarantined"]]
         console.print(rows_table(f"repair{' (dry run)' if args.dry_run else ''}: {len(doc['healed'])} chunk(s) "

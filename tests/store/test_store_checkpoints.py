@@ -87,6 +87,51 @@ def test_checkpoint_arguments_and_a_missing_session_are_refused(tmp_path) -> Non
         assert store.lookup(tokens + [99]).checkpoint is False
 
 
+def test_a_session_deleted_while_its_checkpoint_is_written_leaves_no_orphan(tmp_path) -> None:
+    """The session is checked before the checkpoint's pack is written and again in the commit's transaction: a
+    delete committing in between (held open at the pack write by the write seam) leaves no checkpoint behind."""
+    from kvshelf.store import seams
+
+    with open_store(tmp_path / "s", identity=IDENTITY, provider=PROVIDER, chunk_tokens=64) as store:
+        tokens = _ring_session(store, "a", ks=())
+        deleted = []
+
+        def delete_first(path, nbytes) -> None:
+            if not deleted and "packs" in str(path):
+                store.delete("a")
+                deleted.append(True)
+
+        seams.FAULT_HOOK.append(delete_first)
+        try:
+            with pytest.raises(SnapshotNotFound, match="removed while the checkpoint was saved"):
+                store.save_checkpoint("a", tokens[:64], caches(64, False, 0))
+        finally:
+            seams.FAULT_HOOK.remove(delete_first)
+        assert deleted == [True]
+        assert store.stats()["snapshots"] == 0 and store.list_checkpoints("a") == []
+        assert store.verify(deep=True) == []
+        assert store.gc(dry_run=True).orphan_blobs == []  # the refused checkpoint's pack was reclaimed at once
+
+
+def test_verify_reports_an_orphan_checkpoint_and_repair_drops_it(tmp_path) -> None:
+    """An index that holds checkpoints without their session (written before the commit re-checked the session, or
+    damaged): verify names each, with the session, and repair drops them."""
+    from kvshelf.store.liveness import ledger
+
+    with open_store(tmp_path / "s", identity=IDENTITY, provider=PROVIDER, chunk_tokens=64) as store:
+        _ring_session(store, "a")
+        _ring_session(store, "b", ks=())
+        sid = bytes.fromhex(next(s.snapshot_id for s in store.sessions() if s.session_id == "a"))
+        store.index.write(lambda txn: ledger.drop(store.index, txn, sid))  # the session alone, no followers
+        found = [f for f in store.verify() if f.kind == "orphan-checkpoint"]
+        assert [f.sessions for f in found] == [("a",), ("a",)] and "kvshelf repair" in found[0].detail
+        report = store.repair(dry_run=True)
+        assert len(report.dropped_checkpoints) == 2 and store.stats()["snapshots"] == 3  # a dry run: still there
+        report = store.repair(dry_run=False)
+        assert len(report.dropped_checkpoints) == 2 and report.remaining == []
+        assert store.verify(deep=True) == [] and store.stats()["snapshots"] == 1
+
+
 def test_eviction_of_a_session_takes_its_checkpoints_along(tmp_path) -> None:
     root = tmp_path / "s"
     with open_store(root, identity=IDENTITY, provider=PROVIDER, chunk_tokens=64) as store:

@@ -11,6 +11,8 @@ can show:
   using it (reported as healed, with where the copy came from); otherwise every snapshot using it cannot be
   restored, so each is dropped (reported as lost, with its session); the chunk record and its mark go with the
   last of them;
+* a checkpoint whose session is not indexed (``orphan-checkpoint``; none is committed since the save re-checks its
+  session in its commit, but an index from before that, or a damaged one, may hold them): dropped;
 * a quarantined snapshot: its evidence was for the operator, and running repair is the operator's decision — its
   record is dropped so ``gc`` may take its bytes;
 * a pack whose trailer is damaged while its chunks are live (a rebuild from packs would lose them): its live chunks
@@ -66,11 +68,14 @@ class Repair:
         lost = [(sid, s, ns, hit - done) for sid, s, ns, hit in users if hit - done]
         quarantined = [(f.where, f.sessions) for f in findings if f.kind == "quarantined"]
         trailers = sorted(f.where[len("pack "):] for f in findings if f.kind == "damaged-trailer")
+        orphans = [f.where.split()[1] for f in findings if f.kind == "orphan-checkpoint"]
         if not dry_run:
             for sid, _session, _namespace, hashes in lost:
                 self._drop(sid, f"repair: uses chunk(s) {', '.join(sorted(hashes))} with no good copy")
             for where, _sessions in quarantined:
                 self.quarantine.drop_quarantined(where.split()[1])
+            for sid in orphans:
+                self._drop(sid, "repair: a checkpoint whose session is gone")
             if trailers:  # every live chunk and manifest of the pack copied (verified) under fresh trailers
                 self.rewrite_packs(set(trailers))
         sweep = self.gc.gc(dry_run)
@@ -81,7 +86,7 @@ class Repair:
                   for sid, s, ns, h in lost],
             dropped_quarantined=[{"snapshot_id": w.split()[1], "session_id": (ss or ("",))[0]}
                                  for w, ss in quarantined],
-            bad_chunks=sorted(damaged), healed=healed, rewritten_trailers=trailers, reclaimed_bytes=sweep.bytes,
+            bad_chunks=sorted(damaged), healed=healed, dropped_checkpoints=orphans, rewritten_trailers=trailers, reclaimed_bytes=sweep.bytes,
             reclaimed_objects=len(sweep.orphan_blobs) + len(sweep.orphan_manifests),
             remaining=[f"{f.kind}: {f.where}: {f.detail}" for f in after])
 

@@ -31,6 +31,9 @@ from .gc import object_of, orphans
 
 
 
+_CHECKPOINT = keys.CHECKPOINT_MARK.encode()  # in a ``sessions`` key: a checkpoint's derived session (save/checkpoints)
+
+
 class DamagedTrailer(Exception):
     """The snapshot's pack is there but its trailer does not read (``verify`` reports the pack, not a missing file)."""
 
@@ -112,6 +115,11 @@ def _verify(v: Verifier, deep: bool, out: list[Finding]) -> None:
         for key, sid in rows:
             if txn.get("manifests", sid) is None:
                 out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {sid.hex()}"))
+            elif (at := bytes(key).find(_CHECKPOINT, 32)) >= 0 and txn.get("sessions", bytes(key)[:at]) is None:
+                owner = (keys.parent_of(keys.session_of_key(key)) or ("?",))[0]
+                out.append(Finding("orphan-checkpoint", f"snapshot {sid.hex()} (checkpoint of session {owner!r})",
+                                   "its session is not indexed, so no removal of the session will take it along; "
+                                   "`kvshelf repair` drops it", (owner,)))
     for txn, rows in ctx.index.batches("heads", verifying.VERIFY_BATCH):  # one head per session, each indexed
         tally.head_records += len(rows)
         for lineage, sid in rows:

@@ -114,7 +114,10 @@ class Checkpoints:
             with self._index().read() as txn:
                 if txn.get("sessions", skey) is None:  # removed meanwhile: its checkpoints would be orphans
                     return out
-            out.append(self._write(cap))
+            try:
+                out.append(self._write(cap))
+            except SnapshotNotFound:  # removed while this one was written (``owner_gone``): nothing was kept
+                return out
         return out
 
     # --- listing --------------------------------------------------------------------------------------------------
@@ -163,6 +166,16 @@ class Checkpoints:
         for key in found:
             txn.delete("quarantine", key)
         return len(found)
+
+    @staticmethod
+    def owner_gone(txn, manifest: mf.Manifest) -> bool:
+        """Whether ``manifest`` is a checkpoint whose session is not indexed, read in the transaction that would
+        commit it: the check before the save cannot see a delete (or eviction) that commits while the checkpoint's
+        pack is written, and a checkpoint committed after its session went would be an orphan no removal follows."""
+        if not is_checkpoint(manifest.session_id):
+            return False
+        skey = keys.manifest_keys(manifest)[2]
+        return txn.get("sessions", skey[:skey.find(_MARK_BYTES, 32)]) is None
 
     @staticmethod
     def orphans(txn) -> list[bytes]:

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ...errors import InvalidCacheState, KvShelfError, StoreFull
+from ...errors import InvalidCacheState, KvShelfError, SnapshotNotFound, StoreFull
 from ..context import StoreContext
 from ..index import bad_chunks
 from ..liveness import ledger
 from ..index import schema as mf
 from . import hash_reuse as unchanged
 from ..objects.chunkfile import raw_buffers
+from .checkpoints import Checkpoints
 from .chunking import ChunkPlan, plan_chunks
 from ..index.schema import ChunkRef, Manifest
 from ..liveness.reclaim import Reclaimer
@@ -132,6 +133,14 @@ def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[ChunkPlan], sid: s
     return done["m"], name, size, {h: (name, off, n, enc, size) for h, (off, n, enc) in builder.where.items()}
 
 
+def _commit(ctx: StoreContext, txn, manifest: Manifest, pack: str, pack_size: int, placed: ledger.Placed):
+    """The save's one write transaction; a checkpoint whose session went while it was written is refused in it."""
+    if Checkpoints.owner_gone(txn, manifest):
+        raise SnapshotNotFound(f"session of checkpoint {manifest.session_id!r} was removed while the checkpoint was "
+                               f"saved; nothing was kept")
+    return ledger.commit(ctx.index, txn, manifest, pack, pack_size, placed)
+
+
 class Saver:
     """One handle's saves: hashing (with the handle's ``UnchangedBook``), one pack, one commit, then the budget."""
 
@@ -190,8 +199,7 @@ class Saver:
                         written += sum(unique[h].nbytes for h in more)
                         n_written += len(more)
                     try:
-                        old, freed = self.txns.write(lambda txn: ledger.commit(ctx.index, txn, manifest, pack,
-                                                                              pack_size, placed))
+                        old, freed = self.txns.write(lambda txn: _commit(ctx, txn, manifest, pack, pack_size, placed))
                         committed = True
                         break
                     except ledger.MissingChunks as missing:  # dropped by a concurrent eviction since we checked
