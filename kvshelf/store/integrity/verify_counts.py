@@ -245,16 +245,27 @@ def _trailer_users(ctx, damaged: dict[str, str]) -> list[Finding]:
         if meta.pack in damaged:
             in_pack[key.hex()] = meta.pack
     users: defaultdict[str, set[str]] = defaultdict(set)
+    for h, sessions in sessions_using(ctx, set(in_pack)).items():
+        users[in_pack[h]] |= sessions
+    return [Finding("damaged-trailer", f"pack {name}", detail, tuple(sorted(users[name])))
+            for name, detail in damaged.items()]
+
+
+def sessions_using(ctx, hashes: set[str]) -> defaultdict[str, set[str]]:
+    """chunk hash -> the sessions whose indexed snapshots use it, for the given hashes (one batched pass over the
+    manifests; nothing read when ``hashes`` is empty)."""
+    users: defaultdict[str, set[str]] = defaultdict(set)
+    if not hashes:
+        return users
     for sid, raw in ctx.index.scan("manifests", VERIFY_BATCH):
         try:
             m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
         except (CorruptData, IncompatibleFormat):
             continue
         for r in m.all_chunks:
-            if r.hash in in_pack:
-                users[in_pack[r.hash]].add(m.session_id)
-    return [Finding("damaged-trailer", f"pack {name}", detail, tuple(sorted(users[name])))
-            for name, detail in damaged.items()]
+            if r.hash in hashes:
+                users[r.hash].add(m.session_id)
+    return users
 
 
 def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
@@ -396,17 +407,9 @@ def _with_users(ctx, found: list[Finding]) -> list[Finding]:
               if f.kind in ("missing-blob", "corrupt-blob", "bad-chunk") or f.detail.endswith("but has no record")}
     if not hashes:
         return found
-    users: defaultdict[str, set[str]] = defaultdict(set)
-    for sid, raw in ctx.index.scan("manifests", VERIFY_BATCH):
-        try:
-            m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
-        except (CorruptData, IncompatibleFormat):
-            continue
-        for r in m.all_chunks:
-            if r.hash in hashes:
-                users[r.hash].add(m.session_id)
+    users = sessions_using(ctx, hashes)
     return [Finding(f.kind, f.where, f.detail, tuple(sorted(users.get(f.where[len("blob "):], ()))))
             if f.where[len("blob "):] in hashes else f for f in found]
 
 
-__all__ = ["COUNT_LIMIT", "Tally", "VERIFY_BATCH", "check_counts", "partitions"]
+__all__ = ["COUNT_LIMIT", "Tally", "VERIFY_BATCH", "check_counts", "partitions", "sessions_using"]
