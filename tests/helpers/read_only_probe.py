@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tools_data import MODEL, make_caches, reads, tokens_for  # noqa: E402
 
 from kvshelf import open_store  # noqa: E402
+from kvshelf.tools.compaction import compact  # noqa: E402
 from kvshelf.tools.transfer import export_session  # noqa: E402
 
 
@@ -48,6 +49,7 @@ def probe(store_dir: str, out_dir: str) -> dict:
         doc["verify_deep"] = [f.kind for f in store.verify(deep=True)]
         doc["stats"] = sorted(store.stats())
         doc["gc_dry_run"] = store.gc(dry_run=True).dry_run
+        doc["compact_dry_run"] = _plan(store)
         export_session(store_dir, "s-mla", Path(out_dir) / "s-mla.kvs")
         doc["export"] = (Path(out_dir) / "s-mla.kvs").stat().st_size > 0
         caches = make_caches("mla", 40, 5)
@@ -61,8 +63,15 @@ def probe(store_dir: str, out_dir: str) -> dict:
             "rebuild_index": _attempt(store.rebuild_index),
             "drop_quarantined": _attempt(lambda: store.drop_quarantined("00" * 16)),
             "repack": _attempt(lambda: store.admin.repack()),
+            "compact": _attempt(lambda: compact(store, cold_after=0.0)),
         }
     return doc
+
+
+def _plan(store) -> dict:
+    plan = compact(store, cold_after=0.0, dry_run=True)
+    return {"dry_run": plan.dry_run, "steps": [s.name for s in plan.steps],
+            "index": [plan.step("index").bytes_before, plan.step("index").bytes_after]}
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ PROBE = Path(__file__).resolve().parents[1] / "helpers" / "read_only_probe.py"
 ROOT_PROJECT = Path(__file__).resolve().parents[2]
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=+dac_read_search",
              "--ambient-caps=+dac_read_search"]
-READ_VERBS = [["ls"], ["show", "s-mla"], ["stats"], ["verify", "--deep"], ["export", "s-mla", "{out}/cli.kvs"]]
-WRITE_VERBS = [["gc", "--json"], ["compact", "--json"], ["rebuild-index", "--json"],
-               ["import", "{out}/s-mla.kvs", "--session", "again", "--json"]]
+READ_VERBS = [["ls"], ["show", "s-mla"], ["stats"], ["verify", "--deep"], ["export", "s-mla", "{out}/cli.kvs"],
+              ["compact", "--dry-run"]]  # a dry run writes nothing: it plans on a store it may only read
+# each write verb, and the operation its refusal names: the one the user ran (compact's first write is a gc)
+WRITE_VERBS = [(["gc", "--json"], "gc"), (["compact", "--json"], "compact"),
+               (["rebuild-index", "--json"], "rebuild_index"), (["import", "{out}/s-mla.kvs", "--session", "again", "--json"], "save")]
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own the store and to drop to nobody / mount")
 
@@ -74,29 +76,56 @@ def _check(store: Path, out: Path, prefix: list[str], permission: str, owner: di
     assert doc["sessions"] == owner["sessions"] and doc["restore"] == owner["restore"]
     assert doc["restore_prefix"] == owner["restore"] and doc["lookup"] == owner["lookup"]
     assert doc["restore_batch"] == [70, 70] and doc["verify_deep"] == [] and doc["export"]
-    for call, got in doc["writes"].items():
+    _check_plan(doc["compact_dry_run"])
+    _check_writes(doc["writes"], store, permission)
+    _check_cli(store, out, prefix, permission, READ_VERBS, WRITE_VERBS)
+
+
+def _check_plan(plan: dict) -> None:
+    """``compact(dry_run=True)``: every step planned, the index's compacted size measured (not skipped)."""
+    assert plan["dry_run"] and plan["steps"][-1] == "index", plan
+    before, after = plan["index"]
+    assert 0 < after < before, plan  # a populated index always has free pages to give back
+
+
+def _check_writes(writes: dict, store: Path, permission: str) -> None:
+    for call, got in writes.items():
         assert got["raised"] == "StoreReadOnly" and got["kvshelf"], (call, got)
         assert str(store) in got["message"] and permission in got["message"], (call, got)
-        assert got["message"].count(call) >= 1, (call, got)
-    for verb in READ_VERBS:
+        assert f"{call} needs to write" in got["message"], (call, got)  # the call made, not a step inside it
+
+
+def _check_cli(store: Path, out: Path, prefix: list[str], permission: str, read_verbs, write_verbs) -> None:
+    for verb in read_verbs:
         proc = _run(prefix, ["-m", "kvshelf.tools.cli", *[a.format(out=out) for a in verb], "--store", str(store)])
-        assert proc.returncode == 0, (verb, proc.stderr)
-    for verb in WRITE_VERBS:
+        assert proc.returncode == 0, (verb, proc.stdout, proc.stderr)
+    for verb, operation in write_verbs:
         proc = _run(prefix, ["-m", "kvshelf.tools.cli", *[a.format(out=out) for a in verb], "--store", str(store)])
         text = " ".join((proc.stdout + proc.stderr).split())  # import reports each file on stdout
         assert proc.returncode == 1 and "StoreReadOnly" in text, (verb, proc.stdout, proc.stderr)
         assert str(store) in text and permission in text and "Traceback" not in text, (verb, text)
+        assert f"{operation} needs to write" in text, (verb, text)
+
+
+def _shared_read_only(store: Path) -> None:
+    """Everyone may read, only root (the owner) may write."""
+    for base, dirs, files in os.walk(store):
+        os.chmod(base, 0o755)
+        for f in files:
+            os.chmod(os.path.join(base, f), 0o644)
+
+
+def _writable_out(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir(mode=0o777)
+    os.chmod(out, 0o777)
+    return out
 
 
 def test_a_store_owned_by_root_opens_read_only_for_another_user(template, tmp_path) -> None:
     store = private_copy(template, tmp_path)
-    for base, dirs, files in os.walk(store):  # shared read-only: everyone may read, only root may write
-        os.chmod(base, 0o755)
-        for f in files:
-            os.chmod(os.path.join(base, f), 0o644)
-    out = tmp_path / "out"
-    out.mkdir(mode=0o777)
-    os.chmod(out, 0o777)
+    _shared_read_only(store)
+    out = _writable_out(tmp_path)
     owner = _owner_view(template, tmp_path)
     before = _tree(store)
     _check(store, out, AS_NOBODY, "no write permission", owner)
@@ -160,3 +189,4 @@ def test_a_store_this_process_may_not_read_is_a_file_access_error_naming_it(temp
         assert proc.returncode == 1 and "FileAccessError" in text and str(store) in text, (verb, text)
         assert "PermissionError" not in text and "no kvshelf store" not in text
     assert _tree(store) == before
+
