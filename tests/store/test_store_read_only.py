@@ -3,7 +3,9 @@ the path and the missing permission, and nothing in the store changes (every fil
 
 Two real setups: a store owned by root opened by ``nobody`` (``setpriv``; ``nobody`` keeps CAP_DAC_READ_SEARCH so it
 can reach the interpreter and the test's directories, which are root's 0700 ones: it reads everything and writes
-nothing), and the same store through a read-only bind mount (EROFS). The tests run as root, as CI does.
+nothing), and the same store through a read-only bind mount (EROFS). The tests run as root, as CI does. A store of
+an older index format (the committed ``tests/data`` stores) is read as it is, never upgraded: that is its owner's
+next open's (``store/index/legacy_view.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 import pytest
 from tools_data import MODEL, private_copy, reads, template_store, tokens_for
 
-from kvshelf import open_store
+from kvshelf import Identity, open_store
+from kvshelf.store.index.lmdb_env import INDEX_FORMAT
 
 PROBE = Path(__file__).resolve().parents[1] / "helpers" / "read_only_probe.py"
 ROOT_PROJECT = Path(__file__).resolve().parents[2]
@@ -30,6 +33,8 @@ READ_VERBS = [["ls"], ["show", "s-mla"], ["stats"], ["verify", "--deep"], ["expo
 # each write verb, and the operation its refusal names: the one the user ran (compact's first write is a gc)
 WRITE_VERBS = [(["gc", "--json"], "gc"), (["compact", "--json"], "compact"),
                (["rebuild-index", "--json"], "rebuild_index"), (["import", "{out}/s-mla.kvs", "--session", "again", "--json"], "save")]
+DATA = ROOT_PROJECT / "tests" / "data"
+OLDER = {"format1": ("v1_store", "mla-f32"), "format2": ("v2_index_store", "chat")}  # committed store, a session
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own the store and to drop to nobody / mount")
 
@@ -190,3 +195,80 @@ def test_a_store_this_process_may_not_read_is_a_file_access_error_naming_it(temp
         assert "PermissionError" not in text and "no kvshelf store" not in text
     assert _tree(store) == before
 
+
+@pytest.mark.parametrize("older", sorted(OLDER))
+def test_a_store_of_an_older_index_format_is_read_as_it_is(tmp_path, older) -> None:
+    """Format 1 (layout v1: chunk files, unsealed manifest files) and format 2 (prefix records tagged by snapshot):
+    a writing open upgrades them in place, a read-only one cannot. Every read of the library and the CLI works on
+    the file as it is — restores bit-exact, lookups through prefix records equal to what the upgrade would write,
+    verify clean — and nothing in the store changes; the owner's next open still upgrades it."""
+    import lmdb
+
+    name, session = OLDER[older]
+    store = tmp_path / "store"
+    shutil.copytree(DATA / name, store, ignore=shutil.ignore_patterns("lock.mdb"))  # as committed: no tmp/ either
+    _shared_read_only(store)
+    out = _writable_out(tmp_path)
+    before = _tree(store)
+    want = json.loads((DATA / f"{name}.expected.json").read_text())
+    proc = _run(AS_NOBODY, [str(PROBE), str(store), str(out), str(DATA / f"{name}.expected.json")])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["read_only"] is True and doc["sessions"] == sorted(want["sessions"])
+    assert all(doc["restore"].values()), doc["restore"]
+    for got, s in ((doc["lookup"][n], s) for n, s in want["sessions"].items()):
+        assert got is not None and got[1] == len(s["tokens"]), (got, s["tokens"])
+    assert doc["restore_prefix"] == {n: len(s["tokens"]) for n, s in want["sessions"].items()}
+    assert doc["prefix_records_as_upgraded"] and doc["verify_deep"] == [] and doc["export"]
+    assert doc["stats"] == len(want["sessions"]) and doc["gc_dry_run"]
+    _check_plan(doc["compact_dry_run"])
+    _check_writes(doc["writes"], store, "no write permission")
+    read_verbs = [["ls"], ["show", session], ["stats"], ["verify", "--deep"], ["export", session, "{out}/cli.kvs"],
+                  ["compact", "--dry-run"]]
+    _check_cli(store, out, AS_NOBODY, "no write permission", read_verbs, [(["compact"], "compact")])
+    assert _tree(store) == before
+    with open_store(store, identity=Identity(*want["identity"]), chunk_tokens=want["chunk_tokens"]) as owner:
+        assert not owner.read_only and owner.verify() == []
+    env = lmdb.open(str(store / "index"), max_dbs=16, lock=False, readonly=True)
+    with env.begin() as txn:
+        assert txn.get(b"format", db=env.open_db(b"meta", txn=txn)) == INDEX_FORMAT.to_bytes(8, "little")
+    env.close()
+
+
+def test_a_format3_store_lacking_a_table_added_since_reads_read_only(template, tmp_path) -> None:
+    """``pins`` and ``bad_chunks`` came after format 3 without a format change: a writing open creates them, a
+    read-only one cannot (LMDB refuses to create a table in a read-only map) and reads them as empty."""
+    import lmdb
+
+    store = private_copy(template, tmp_path)
+    env = lmdb.open(str(store / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:  # as a store written before those tables existed
+        for name in (b"pins", b"bad_chunks"):
+            txn.drop(env.open_db(name, txn=txn), delete=True)
+    env.close()
+    _shared_read_only(store)
+    out = _writable_out(tmp_path)
+    owner = _owner_view(template, tmp_path)
+    before = _tree(store)
+    _check(store, out, AS_NOBODY, "no write permission", owner)
+    assert _tree(store) == before
+
+
+def test_a_store_of_a_newer_index_format_is_refused_as_such_read_only(template, tmp_path) -> None:
+    """Read-only, a format this kvshelf does not read is ``IncompatibleFormat`` (not ``StoreReadOnly``: no upgrade
+    was going to be attempted), and nothing changes."""
+    import lmdb
+
+    store = private_copy(template, tmp_path)
+    env = lmdb.open(str(store / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", (INDEX_FORMAT + 1).to_bytes(8, "little"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    _shared_read_only(store)
+    before = _tree(store)
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from tools_data import MODEL; from kvshelf import open_store\n"
+            "try:\n    open_store(sys.argv[1], identity=MODEL)\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)")
+    proc = _run(AS_NOBODY, ["-c", code, str(store), str(PROBE.parent)])
+    assert proc.stdout.startswith("IncompatibleFormat") and f"format {INDEX_FORMAT + 1}" in proc.stdout, proc
+    assert _tree(store) == before
