@@ -198,7 +198,8 @@ class StoreContext:
         if not os.path.isdir(os.path.join(root, "index")) and index_store is None:
             raise FileMissing(errno.ENOENT, f"no kvshelf store at {root} (no index/), and it cannot be created: "
                               f"{access.reason}", os.path.join(root, "index"))
-        objects = byte_store if byte_store is not None else LocalByteStore(root, os.path.join(root, "tmp"))
+        objects = byte_store if byte_store is not None else LocalByteStore(root, os.path.join(root, "tmp"),
+                                                                           create=False)
         lock_dir = os.path.join(root, "locks")
         gate = SaveGate(os.path.join(lock_dir, "save.lock"), root, access=access)
         removers = RemoversLock(os.path.join(lock_dir, "removers.lock"), access=access)

@@ -34,11 +34,12 @@ report); how one snapshot is rewritten at the blob level (dense tables, merged c
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import CorruptData, SnapshotNotFound
+from ..errors import CorruptData, KvShelfError, SnapshotNotFound
 from ..store import Store, StoreBusy
 from ..store.admin.repack import REWRITE_OVERHEAD
 from ..store.index.schema import Manifest
@@ -116,6 +117,8 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     ``level``: the zstd level cold chunks are written at (1-22)."""
     if not isinstance(level, int) or not 1 <= level <= 22:
         raise ValueError(f"zstd level must be an int in 1..22, got {level!r}")
+    if not dry_run:  # refused before the first step, under this job's name (not that of the first write, gc)
+        store.admin.check_writable("compact")
     started = time.perf_counter()
     bytes_before = _disk_bytes(store)
     steps: list[CompactionStep] = []
@@ -282,6 +285,8 @@ def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
     step = CompactionStep("index")
     data = os.path.join(store.root, "index", "data.mdb")
     step.bytes_before = step.bytes_after = os.stat(data).st_size
+    if dry_run and store.read_only:
+        return _measure_index(store, step)
     try:
         with store.admin.exclusive():
             copy = lmdb_files.compact_copy(store.admin.copy_index, os.path.join(store.root, "tmp"))
@@ -298,6 +303,20 @@ def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
         step.note = f"skipped: {exc}"
         return step
     step.count = 1
+    return step
+
+
+def _measure_index(store: Store, step: CompactionStep) -> CompactionStep:
+    """The index step of a dry run on a store this process may only read: no exclusive hold (it is a write lock,
+    and the owner's compact takes it) and no copy inside the store (its ``tmp`` is not writable): the compacting
+    copy is measured in a private temporary directory outside it and removed."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvshelf-compact-") as work:
+            step.bytes_after = min(step.bytes_before, store.admin.compacted_index_size(work))
+    except KvShelfError as exc:  # e.g. no room for the copy in the temporary directory: the plan says so
+        step.note = f"not measured: {exc}"
+        return step
+    step.note = "read-only store: measured on a private copy; the owner's compact swaps it in"
     return step
 
 

@@ -3,7 +3,8 @@
 Run as a script (``python read_only_probe.py STORE OUT_DIR``) by tests/store/test_store_read_only.py, as an
 unprivileged user or on a read-only mount: reads give their results (compared by the test with what the owner
 sees), writes give the error class and message they raised (the test checks each names the path and the missing
-permission).
+permission). ``python read_only_probe.py STORE OUT_DIR EXPECTED_JSON`` probes a copy of a committed store of an
+older index format (``tests/data``) the same way, its reads compared with what the fixture's JSON records.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tools_data import MODEL, make_caches, reads, tokens_for  # noqa: E402
 
-from kvshelf import open_store  # noqa: E402
+from kvshelf import Identity, open_store  # noqa: E402
+from kvshelf.tools.compaction import compact  # noqa: E402
 from kvshelf.tools.transfer import export_session  # noqa: E402
 
 
@@ -48,6 +50,7 @@ def probe(store_dir: str, out_dir: str) -> dict:
         doc["verify_deep"] = [f.kind for f in store.verify(deep=True)]
         doc["stats"] = sorted(store.stats())
         doc["gc_dry_run"] = store.gc(dry_run=True).dry_run
+        doc["compact_dry_run"] = _plan(store)
         export_session(store_dir, "s-mla", Path(out_dir) / "s-mla.kvs")
         doc["export"] = (Path(out_dir) / "s-mla.kvs").stat().st_size > 0
         caches = make_caches("mla", 40, 5)
@@ -61,9 +64,60 @@ def probe(store_dir: str, out_dir: str) -> dict:
             "rebuild_index": _attempt(store.rebuild_index),
             "drop_quarantined": _attempt(lambda: store.drop_quarantined("00" * 16)),
             "repack": _attempt(lambda: store.admin.repack()),
+            "compact": _attempt(lambda: compact(store, cold_after=0.0)),
         }
     return doc
 
 
+def _plan(store) -> dict:
+    plan = compact(store, cold_after=0.0, dry_run=True)
+    return {"dry_run": plan.dry_run, "steps": [s.name for s in plan.steps],
+            "index": [plan.step("index").bytes_before, plan.step("index").bytes_after]}
+
+
+def probe_older(store_dir: str, out_dir: str, expected_json: str) -> dict:
+    """A committed store of an older index format (``tests/data``): every read, against the fixture's JSON."""
+    sys.path.insert(0, os.path.dirname(expected_json))  # tests/data: the fixtures' own checksum
+    from make_v1_store import state_checksum
+    from prefix_oracle import actual, expected
+
+    with open(expected_json) as f:
+        want = json.load(f)
+    doc: dict = {"uid": os.geteuid(), "restore": {}, "lookup": {}, "restore_prefix": {}}
+    with open_store(store_dir, identity=Identity(*want["identity"]), chunk_tokens=want["chunk_tokens"]) as store:
+        doc["read_only"] = store.read_only
+        listed = {(s.session_id, s.namespace): s.snapshot_id for s in store.sessions(namespace=None)}
+        doc["sessions"] = sorted(name for name, _ns in listed)
+        for name, s in want["sessions"].items():
+            ns = s.get("namespace", "")
+            got = store.restore(name, namespace=ns)
+            doc["restore"][name] = (got.tokens == s["tokens"]
+                                    and [state_checksum(c) for c in got.caches] == s["checksums"])
+            hit = store.lookup(s["tokens"] + [7], namespace=ns)
+            doc["lookup"][name] = None if hit is None else [hit.session_id, hit.length]
+            doc["restore_prefix"][name] = store.restore_prefix(s["tokens"] + [7], namespace=ns).length
+        # the prefix records this handle reads are exactly the ones the format upgrade would write
+        sessions = {(name, s.get("namespace", "")): (s["tokens"], listed[(name, s.get("namespace", ""))])
+                    for name, s in want["sessions"].items()}
+        doc["prefix_records_as_upgraded"] = actual(store) == expected(store.id_key, sessions)
+        doc["verify_deep"] = [f"{f.kind}: {f.detail}" for f in store.verify(deep=True)]
+        doc["stats"] = store.stats()["snapshots"]
+        doc["gc_dry_run"] = store.gc(dry_run=True).dry_run
+        doc["compact_dry_run"] = _plan(store)
+        first = sorted(want["sessions"])[0]
+        export_session(store_dir, first, Path(out_dir) / "older.kvs",
+                       namespace=want["sessions"][first].get("namespace", ""))
+        doc["export"] = (Path(out_dir) / "older.kvs").stat().st_size > 0
+        doc["writes"] = {
+            "save": _attempt(lambda: store.save("new", [1, 2, 3], store.restore(first).caches)),
+            "delete": _attempt(lambda: store.delete(first)),
+            "gc": _attempt(lambda: store.gc(dry_run=False)),
+            "rebuild_index": _attempt(store.rebuild_index),
+            "compact": _attempt(lambda: compact(store, cold_after=0.0)),
+        }
+    return doc
+
+
+
 if __name__ == "__main__":
-    print(json.dumps(probe(sys.argv[1], sys.argv[2])))
+    print(json.dumps(probe(*sys.argv[1:3]) if len(sys.argv) == 3 else probe_older(*sys.argv[1:4])))

@@ -3,7 +3,9 @@ the path and the missing permission, and nothing in the store changes (every fil
 
 Two real setups: a store owned by root opened by ``nobody`` (``setpriv``; ``nobody`` keeps CAP_DAC_READ_SEARCH so it
 can reach the interpreter and the test's directories, which are root's 0700 ones: it reads everything and writes
-nothing), and the same store through a read-only bind mount (EROFS). The tests run as root, as CI does.
+nothing), and the same store through a read-only bind mount (EROFS). The tests run as root, as CI does. A store of
+an older index format (the committed ``tests/data`` stores) is read as it is, never upgraded: that is its owner's
+next open's (``store/index/legacy_view.py``).
 """
 
 from __future__ import annotations
@@ -19,15 +21,20 @@ from pathlib import Path
 import pytest
 from tools_data import MODEL, private_copy, reads, template_store, tokens_for
 
-from kvshelf import open_store
+from kvshelf import Identity, open_store
+from kvshelf.store.index.lmdb_env import INDEX_FORMAT
 
 PROBE = Path(__file__).resolve().parents[1] / "helpers" / "read_only_probe.py"
 ROOT_PROJECT = Path(__file__).resolve().parents[2]
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=+dac_read_search",
              "--ambient-caps=+dac_read_search"]
-READ_VERBS = [["ls"], ["show", "s-mla"], ["stats"], ["verify", "--deep"], ["export", "s-mla", "{out}/cli.kvs"]]
-WRITE_VERBS = [["gc", "--json"], ["compact", "--json"], ["rebuild-index", "--json"],
-               ["import", "{out}/s-mla.kvs", "--session", "again", "--json"]]
+READ_VERBS = [["ls"], ["show", "s-mla"], ["stats"], ["verify", "--deep"], ["export", "s-mla", "{out}/cli.kvs"],
+              ["compact", "--dry-run"]]  # a dry run writes nothing: it plans on a store it may only read
+# each write verb, and the operation its refusal names: the one the user ran (compact's first write is a gc)
+WRITE_VERBS = [(["gc", "--json"], "gc"), (["compact", "--json"], "compact"),
+               (["rebuild-index", "--json"], "rebuild_index"), (["import", "{out}/s-mla.kvs", "--session", "again", "--json"], "save")]
+DATA = ROOT_PROJECT / "tests" / "data"
+OLDER = {"format1": ("v1_store", "mla-f32"), "format2": ("v2_index_store", "chat")}  # committed store, a session
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own the store and to drop to nobody / mount")
 
@@ -74,29 +81,56 @@ def _check(store: Path, out: Path, prefix: list[str], permission: str, owner: di
     assert doc["sessions"] == owner["sessions"] and doc["restore"] == owner["restore"]
     assert doc["restore_prefix"] == owner["restore"] and doc["lookup"] == owner["lookup"]
     assert doc["restore_batch"] == [70, 70] and doc["verify_deep"] == [] and doc["export"]
-    for call, got in doc["writes"].items():
+    _check_plan(doc["compact_dry_run"])
+    _check_writes(doc["writes"], store, permission)
+    _check_cli(store, out, prefix, permission, READ_VERBS, WRITE_VERBS)
+
+
+def _check_plan(plan: dict) -> None:
+    """``compact(dry_run=True)``: every step planned, the index's compacted size measured (not skipped)."""
+    assert plan["dry_run"] and plan["steps"][-1] == "index", plan
+    before, after = plan["index"]
+    assert 0 < after < before, plan  # a populated index always has free pages to give back
+
+
+def _check_writes(writes: dict, store: Path, permission: str) -> None:
+    for call, got in writes.items():
         assert got["raised"] == "StoreReadOnly" and got["kvshelf"], (call, got)
         assert str(store) in got["message"] and permission in got["message"], (call, got)
-        assert got["message"].count(call) >= 1, (call, got)
-    for verb in READ_VERBS:
+        assert f"{call} needs to write" in got["message"], (call, got)  # the call made, not a step inside it
+
+
+def _check_cli(store: Path, out: Path, prefix: list[str], permission: str, read_verbs, write_verbs) -> None:
+    for verb in read_verbs:
         proc = _run(prefix, ["-m", "kvshelf.tools.cli", *[a.format(out=out) for a in verb], "--store", str(store)])
-        assert proc.returncode == 0, (verb, proc.stderr)
-    for verb in WRITE_VERBS:
+        assert proc.returncode == 0, (verb, proc.stdout, proc.stderr)
+    for verb, operation in write_verbs:
         proc = _run(prefix, ["-m", "kvshelf.tools.cli", *[a.format(out=out) for a in verb], "--store", str(store)])
         text = " ".join((proc.stdout + proc.stderr).split())  # import reports each file on stdout
         assert proc.returncode == 1 and "StoreReadOnly" in text, (verb, proc.stdout, proc.stderr)
         assert str(store) in text and permission in text and "Traceback" not in text, (verb, text)
+        assert f"{operation} needs to write" in text, (verb, text)
+
+
+def _shared_read_only(store: Path) -> None:
+    """Everyone may read, only root (the owner) may write."""
+    for base, dirs, files in os.walk(store):
+        os.chmod(base, 0o755)
+        for f in files:
+            os.chmod(os.path.join(base, f), 0o644)
+
+
+def _writable_out(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir(mode=0o777)
+    os.chmod(out, 0o777)
+    return out
 
 
 def test_a_store_owned_by_root_opens_read_only_for_another_user(template, tmp_path) -> None:
     store = private_copy(template, tmp_path)
-    for base, dirs, files in os.walk(store):  # shared read-only: everyone may read, only root may write
-        os.chmod(base, 0o755)
-        for f in files:
-            os.chmod(os.path.join(base, f), 0o644)
-    out = tmp_path / "out"
-    out.mkdir(mode=0o777)
-    os.chmod(out, 0o777)
+    _shared_read_only(store)
+    out = _writable_out(tmp_path)
     owner = _owner_view(template, tmp_path)
     before = _tree(store)
     _check(store, out, AS_NOBODY, "no write permission", owner)
@@ -159,4 +193,82 @@ def test_a_store_this_process_may_not_read_is_a_file_access_error_naming_it(temp
         text = " ".join(proc.stderr.split())
         assert proc.returncode == 1 and "FileAccessError" in text and str(store) in text, (verb, text)
         assert "PermissionError" not in text and "no kvshelf store" not in text
+    assert _tree(store) == before
+
+
+@pytest.mark.parametrize("older", sorted(OLDER))
+def test_a_store_of_an_older_index_format_is_read_as_it_is(tmp_path, older) -> None:
+    """Format 1 (layout v1: chunk files, unsealed manifest files) and format 2 (prefix records tagged by snapshot):
+    a writing open upgrades them in place, a read-only one cannot. Every read of the library and the CLI works on
+    the file as it is — restores bit-exact, lookups through prefix records equal to what the upgrade would write,
+    verify clean — and nothing in the store changes; the owner's next open still upgrades it."""
+    import lmdb
+
+    name, session = OLDER[older]
+    store = tmp_path / "store"
+    shutil.copytree(DATA / name, store, ignore=shutil.ignore_patterns("lock.mdb"))  # as committed: no tmp/ either
+    _shared_read_only(store)
+    out = _writable_out(tmp_path)
+    before = _tree(store)
+    want = json.loads((DATA / f"{name}.expected.json").read_text())
+    proc = _run(AS_NOBODY, [str(PROBE), str(store), str(out), str(DATA / f"{name}.expected.json")])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["read_only"] is True and doc["sessions"] == sorted(want["sessions"])
+    assert all(doc["restore"].values()), doc["restore"]
+    for got, s in ((doc["lookup"][n], s) for n, s in want["sessions"].items()):
+        assert got is not None and got[1] == len(s["tokens"]), (got, s["tokens"])
+    assert doc["restore_prefix"] == {n: len(s["tokens"]) for n, s in want["sessions"].items()}
+    assert doc["prefix_records_as_upgraded"] and doc["verify_deep"] == [] and doc["export"]
+    assert doc["stats"] == len(want["sessions"]) and doc["gc_dry_run"]
+    _check_plan(doc["compact_dry_run"])
+    _check_writes(doc["writes"], store, "no write permission")
+    read_verbs = [["ls"], ["show", session], ["stats"], ["verify", "--deep"], ["export", session, "{out}/cli.kvs"],
+                  ["compact", "--dry-run"]]
+    _check_cli(store, out, AS_NOBODY, "no write permission", read_verbs, [(["compact"], "compact")])
+    assert _tree(store) == before
+    with open_store(store, identity=Identity(*want["identity"]), chunk_tokens=want["chunk_tokens"]) as owner:
+        assert not owner.read_only and owner.verify() == []
+    env = lmdb.open(str(store / "index"), max_dbs=16, lock=False, readonly=True)
+    with env.begin() as txn:
+        assert txn.get(b"format", db=env.open_db(b"meta", txn=txn)) == INDEX_FORMAT.to_bytes(8, "little")
+    env.close()
+
+
+def test_a_format3_store_lacking_a_table_added_since_reads_read_only(template, tmp_path) -> None:
+    """``pins`` and ``bad_chunks`` came after format 3 without a format change: a writing open creates them, a
+    read-only one cannot (LMDB refuses to create a table in a read-only map) and reads them as empty."""
+    import lmdb
+
+    store = private_copy(template, tmp_path)
+    env = lmdb.open(str(store / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:  # as a store written before those tables existed
+        for name in (b"pins", b"bad_chunks"):
+            txn.drop(env.open_db(name, txn=txn), delete=True)
+    env.close()
+    _shared_read_only(store)
+    out = _writable_out(tmp_path)
+    owner = _owner_view(template, tmp_path)
+    before = _tree(store)
+    _check(store, out, AS_NOBODY, "no write permission", owner)
+    assert _tree(store) == before
+
+
+def test_a_store_of_a_newer_index_format_is_refused_as_such_read_only(template, tmp_path) -> None:
+    """Read-only, a format this kvshelf does not read is ``IncompatibleFormat`` (not ``StoreReadOnly``: no upgrade
+    was going to be attempted), and nothing changes."""
+    import lmdb
+
+    store = private_copy(template, tmp_path)
+    env = lmdb.open(str(store / "index"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", (INDEX_FORMAT + 1).to_bytes(8, "little"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    _shared_read_only(store)
+    before = _tree(store)
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from tools_data import MODEL; from kvshelf import open_store\n"
+            "try:\n    open_store(sys.argv[1], identity=MODEL)\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)")
+    proc = _run(AS_NOBODY, ["-c", code, str(store), str(PROBE.parent)])
+    assert proc.stdout.startswith("IncompatibleFormat") and f"format {INDEX_FORMAT + 1}" in proc.stdout, proc
     assert _tree(store) == before

@@ -7,11 +7,13 @@ nothing else meanwhile (the index's writer lock). Only then may the index be rep
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ...errors import InvalidCacheState, StoreBusy
+from ...errors import InvalidCacheState, StoreBusy, file_error
 from ..context import StoreContext
 from ..index.protocol import DUP_TABLES, PLAIN_TABLES, capability
 from ..liveness import open_lock as openlock
@@ -86,6 +88,27 @@ class IndexSwap:
             raise InvalidCacheState(f"copy_index copies an LMDB index directory; this store's index is "
                                     f"{type(index).__name__}")
         index.copy_to(target)
+
+    def compacted_size(self, work_dir: str) -> int:
+        """The size of a compacting copy of the index, written into a fresh directory under ``work_dir`` and
+        removed again. Unlike ``copy_index`` it needs no exclusive hold: LMDB copies one read snapshot, and this
+        copy is only measured, never swapped in (a copy taken outside the hold and installed later would lose the
+        commits made in between — that is what the hold guards). So a dry run works on a store this process may
+        only read, with ``work_dir`` outside it."""
+        self.ctx.check_open()
+        index = self.ctx.index
+        if not capability(index, "lmdb_directory"):
+            raise InvalidCacheState(f"compacted_size copies an LMDB index directory; this store's index is "
+                                    f"{type(index).__name__}")
+        try:
+            target = tempfile.mkdtemp(prefix="index-size-", dir=work_dir)
+        except OSError as exc:
+            raise file_error(exc, f"measuring a compacted copy of the index of {self.ctx.root} in {work_dir}") from exc
+        try:
+            index.copy_to(target)
+            return os.stat(os.path.join(target, "data.mdb")).st_size
+        finally:
+            shutil.rmtree(target, ignore_errors=True)
 
 
 __all__ = ["IndexSwap"]

@@ -356,6 +356,17 @@ class StoreAdmin:
                 raise KvShelfError(f"could not rewrite snapshot {old.snapshot_id}: chunks kept vanishing")
 
     # ------------------------------------------------------------------ offline: this handle alone
+    def check_writable(self, what: str) -> None:
+        """``StoreReadOnly`` naming ``what``, the path and the missing permission when this handle may not write
+        the store: an offline job (``kvshelf compact``) refuses before its first step, under its own name rather
+        than that of the first write it would have reached."""
+        self.ctx.check_writable(what)
+
+    def compacted_index_size(self, work_dir: str) -> int:
+        """The bytes a compacting copy of the index would take (a dry run's plan), measured on a throwaway copy
+        under ``work_dir`` (``index_swap.IndexSwap.compacted_size``): needs no hold and no write permission."""
+        return self.swap.compacted_size(work_dir)
+
     def exclusive(self, timeout: float = 10.0):
         """Hold the store alone for an offline job (``index_swap.IndexSwap.exclusive``)."""
         self.ctx.check_writable("exclusive")

@@ -34,12 +34,14 @@ import lmdb
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
 from . import lmdb_check as lmdbcheck
 from .. import syncs
-from .protocol import DUP_TABLES, PLAIN_TABLES, Batching
+from .protocol import DUP_TABLES, PLAIN_TABLES, Batching, IndexTxn
+from .legacy_view import LegacyView
 from .lmdb_txn import LmdbTxn
 from ..objects.local import ensure_dir
 
 INDEX_FORMAT = 3  # 2: layout v2 (packs, sealed records); 3: prefix records tagged by session lineage (records.py)
-READS_FORMATS = (1, 2, 3)  # 1 and 2 are migrated at open, in one write transaction (``Index._check_format``)
+READS_FORMATS = (1, 2, 3)  # 1 and 2 are migrated at a writing open, in one write transaction (``Index._check_format``);
+# a read-only handle reads them as they are (legacy_view.py)
 _T = TypeVar("_T")
 
 
@@ -69,14 +71,26 @@ class _Shared:
                 raise lmdbcheck.translate(exc, path) from exc
             raise KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}") from exc
         try:
-            self.db = {name: self.env.open_db(name.encode()) for name in PLAIN_TABLES}
-            self.db.update({name: self.env.open_db(name.encode(), dupsort=True) for name in DUP_TABLES})
+            self.db = {name: db for name in (*PLAIN_TABLES, *DUP_TABLES)
+                       if (db := self._open_db(name, name in DUP_TABLES, read_only)) is not None}
         except lmdb.Error as exc:
             self.env.close()
             raise (lmdbcheck.translate(exc, path) if lmdbcheck.is_damage(exc) else
                    KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}")) from exc
+        self.missing = tuple(name for name in (*PLAIN_TABLES, *DUP_TABLES) if name not in self.db)
+        self.legacy = None  # a read-only handle's in-memory tables (legacy_view.py), made by the first Index
         self.lock = threading.RLock()
         self.users = 0
+
+    def _open_db(self, name: str, dup: bool, read_only: bool):
+        """A table's handle; a writing open creates a table the file lacks (one added since it was written), a
+        read-only one cannot: None, and the table reads as empty (legacy_view.py)."""
+        try:
+            return self.env.open_db(name.encode(), dupsort=dup, create=not read_only)
+        except lmdb.NotFoundError:
+            if read_only:
+                return None
+            raise
 
 
 _OPEN: dict[str, _Shared] = {}
@@ -115,11 +129,13 @@ class Index(Batching):
         self._shared = shared
         self.env, self.db, self._lock = shared.env, shared.db, shared.lock
         self._closed = False
+        self.legacy: LegacyView | None = None  # a read-only handle's in-memory tables (legacy_view.py)
         try:
             self._check_format()
         except BaseException:
             self.close()
             raise
+        self.legacy = shared.legacy
 
     def _format(self, raw) -> int | None:
         if raw is None:
@@ -131,8 +147,11 @@ class Index(Batching):
     def _check_format(self) -> None:
         with self.read() as txn:
             raw = txn.get("meta", b"format")
-        if self._format(raw) == INDEX_FORMAT:
+        if self._format(raw) == INDEX_FORMAT and not self._shared.missing:
             return  # the common case: no write transaction (no fsync) at open
+        if self._read_only:
+            self._read_as_it_is(self._format(raw))
+            return
         def mark(txn):  # re-read inside the write transaction: of two processes opening together, one migrates
             raw = txn.get("meta", b"format")
             found = self._format(raw)
@@ -148,6 +167,23 @@ class Index(Batching):
                                          f"this kvshelf reads format {INDEX_FORMAT}")
 
         self.write(mark)
+
+    def _read_as_it_is(self, found: int | None) -> None:
+        """A read-only handle never upgrades (the owner's next open does): an older format, or a file lacking a
+        table added since, is read as it is through in-memory tables (legacy_view.py); a newer one is refused."""
+        if found is not None and found not in READS_FORMATS:
+            raise IncompatibleFormat(f"index at {self.path} has format {found}, this kvshelf reads format "
+                                     f"{INDEX_FORMAT}")
+        shared = self._shared
+        with self._lock:
+            if shared.legacy is None:
+                derive = self._retag if found != INDEX_FORMAT else None
+                with self.env.begin(buffers=False) as raw:
+                    shared.legacy = LegacyView(LmdbTxn(raw, self.db), shared.missing, derive)
+
+    @property
+    def _read_only(self) -> bool:
+        return self.access is not None and self.access.read_only
 
     def _check_pid(self) -> None:
         if os.getpid() != self.pid:
@@ -259,8 +295,10 @@ class _Read:
     def __init__(self, txn: lmdb.Transaction, index: Index):
         self.txn, self.index = txn, index
 
-    def __enter__(self) -> LmdbTxn:
-        return LmdbTxn(self.txn, self.index.db)
+    def __enter__(self) -> IndexTxn:
+        txn = LmdbTxn(self.txn, self.index.db)
+        legacy = self.index.legacy
+        return txn if legacy is None else legacy.over(txn)
 
     def __exit__(self, typ, exc, tb) -> None:
         self.txn.abort()

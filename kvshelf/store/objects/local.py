@@ -192,11 +192,14 @@ class LocalByteStore:
     reaps_tmp = True  # reap_tmp(dry_run)
     opens_readers = True  # open_reader(name)
 
-    def __init__(self, root: str, tmp_dir: str | None = None):
+    def __init__(self, root: str, tmp_dir: str | None = None, *, create: bool = True):
+        """``create=False``: a store this process may only read (store/access.py) — nothing is made, not even a
+        ``tmp_dir`` the store lacks (an older store, or one copied without its empty directories)."""
         self.root = os.path.abspath(root)
         self.tmp_dir = os.path.abspath(tmp_dir or os.path.join(self.root, ".tmp"))
-        ensure_dir(self.root)
-        ensure_dir(self.tmp_dir)
+        if create:
+            ensure_dir(self.root)
+            ensure_dir(self.tmp_dir)
 
     def path(self, name: str) -> str:
         """The file holding object ``name`` (local stores only: tests and tools that flip bytes use it)."""
