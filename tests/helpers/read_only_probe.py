@@ -51,6 +51,7 @@ def probe(store_dir: str, out_dir: str) -> dict:
         doc["stats"] = sorted(store.stats())
         doc["gc_dry_run"] = store.gc(dry_run=True).dry_run
         doc["compact_dry_run"] = _plan(store)
+        doc["repair_dry_run"] = store.repair(dry_run=True).remaining == []
         export_session(store_dir, "s-mla", Path(out_dir) / "s-mla.kvs")
         doc["export"] = (Path(out_dir) / "s-mla.kvs").stat().st_size > 0
         caches = make_caches("mla", 40, 5)
@@ -65,6 +66,7 @@ def probe(store_dir: str, out_dir: str) -> dict:
             "drop_quarantined": _attempt(lambda: store.drop_quarantined("00" * 16)),
             "repack": _attempt(lambda: store.admin.repack()),
             "compact": _attempt(lambda: compact(store, cold_after=0.0)),
+            "repair": _attempt(lambda: store.repair(dry_run=False)),
         }
     return doc
 

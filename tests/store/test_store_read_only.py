@@ -29,9 +29,9 @@ ROOT_PROJECT = Path(__file__).resolve().parents[2]
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=+dac_read_search",
              "--ambient-caps=+dac_read_search"]
 READ_VERBS = [["ls"], ["show", "s-mla"], ["stats"], ["verify", "--deep"], ["export", "s-mla", "{out}/cli.kvs"],
-              ["compact", "--dry-run"]]  # a dry run writes nothing: it plans on a store it may only read
+              ["compact", "--dry-run"], ["repair", "--dry-run"], ["quarantine", "ls"]]  # dry runs write nothing
 # each write verb, and the operation its refusal names: the one the user ran (compact's first write is a gc)
-WRITE_VERBS = [(["gc", "--json"], "gc"), (["compact", "--json"], "compact"),
+WRITE_VERBS = [(["gc", "--json"], "gc"), (["compact", "--json"], "compact"), (["repair", "--json"], "repair"),
                (["rebuild-index", "--json"], "rebuild_index"), (["import", "{out}/s-mla.kvs", "--session", "again", "--json"], "save")]
 DATA = ROOT_PROJECT / "tests" / "data"
 OLDER = {"format1": ("v1_store", "mla-f32"), "format2": ("v2_index_store", "chat")}  # committed store, a session
@@ -80,7 +80,7 @@ def _check(store: Path, out: Path, prefix: list[str], permission: str, owner: di
     assert doc["read_only"] is True
     assert doc["sessions"] == owner["sessions"] and doc["restore"] == owner["restore"]
     assert doc["restore_prefix"] == owner["restore"] and doc["lookup"] == owner["lookup"]
-    assert doc["restore_batch"] == [70, 70] and doc["verify_deep"] == [] and doc["export"]
+    assert doc["restore_batch"] == [70, 70] and doc["verify_deep"] == [] and doc["export"] and doc["repair_dry_run"]
     _check_plan(doc["compact_dry_run"])
     _check_writes(doc["writes"], store, permission)
     _check_cli(store, out, prefix, permission, READ_VERBS, WRITE_VERBS)
@@ -271,4 +271,24 @@ def test_a_store_of_a_newer_index_format_is_refused_as_such_read_only(template, 
             "except Exception as exc:\n    print(type(exc).__name__, exc)")
     proc = _run(AS_NOBODY, ["-c", code, str(store), str(PROBE.parent)])
     assert proc.stdout.startswith("IncompatibleFormat") and f"format {INDEX_FORMAT + 1}" in proc.stdout, proc
+    assert _tree(store) == before
+
+
+def test_a_damaged_store_opened_read_only_is_reported_and_left_as_it_is(template, tmp_path) -> None:
+    """A deep verify marks a failing copy bad on a writable handle; read-only it reports the damage (the CLI exits 1
+    naming the session) and writes no mark, and ``repair --dry-run`` says what the owner's repair would do."""
+    from store_cases import flip_chunk_byte
+
+    store = private_copy(template, tmp_path)
+    with open_store(store, identity=MODEL) as handle:
+        flip_chunk_byte(handle, handle.manifest(handle.restore("s-mla").snapshot_id).chunks[0].hash)
+    _shared_read_only(store)
+    before = _tree(store)
+    proc = _run(AS_NOBODY, ["-m", "kvshelf.tools.cli", "verify", "--deep", "--json", "--store", str(store)])
+    assert proc.returncode == 1, proc.stderr
+    problems = json.loads(proc.stdout)["problems"]
+    assert {(p["kind"], p["session_id"]) for p in problems} >= {("corrupt-blob", "s-mla")}
+    assert not any("marked bad" in p["detail"] for p in problems)
+    proc = _run(AS_NOBODY, ["-m", "kvshelf.tools.cli", "repair", "--dry-run", "--json", "--store", str(store)])
+    assert proc.returncode == 0 and "s-mla" in {r["session_id"] for r in json.loads(proc.stdout)["lost"]}, proc
     assert _tree(store) == before
