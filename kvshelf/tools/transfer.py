@@ -113,6 +113,7 @@ def _import_checked(store_dir, path: Path, session: str, ident: Any, namespace: 
         if current is not None and _fingerprint(current.tokens, current.caches) == _fingerprint(tokens, caches):
             return {"file": str(path), "status": "already-present", "session_id": session,
                     "namespace": namespace, "tokens": len(tokens), "bytes_written": 0}
+        store.admin.check_writable("import")  # a read-only store refuses under the verb the user ran
         info = store.save(session, tokens, caches, namespace=namespace)
     return {"file": str(path), "status": "imported", "session_id": session, "namespace": namespace,
             "tokens": len(tokens), "snapshot_id": getattr(info, "id", None),

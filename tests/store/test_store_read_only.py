@@ -32,7 +32,7 @@ READ_VERBS = [["ls"], ["show", "s-mla"], ["stats"], ["verify", "--deep"], ["expo
               ["compact", "--dry-run"], ["repair", "--dry-run"], ["quarantine", "ls"]]  # dry runs write nothing
 # each write verb, and the operation its refusal names: the one the user ran (compact's first write is a gc)
 WRITE_VERBS = [(["gc", "--json"], "gc"), (["compact", "--json"], "compact"), (["repair", "--json"], "repair"),
-               (["rebuild-index", "--json"], "rebuild_index"), (["import", "{out}/s-mla.kvs", "--session", "again", "--json"], "save")]
+               (["rebuild-index", "--json"], "rebuild_index"), (["import", "{out}/s-mla.kvs", "--session", "again", "--json"], "import")]
 DATA = ROOT_PROJECT / "tests" / "data"
 OLDER = {"format1": ("v1_store", "mla-f32"), "format2": ("v2_index_store", "chat")}  # committed store, a session
 
