@@ -127,7 +127,8 @@ class Store:
                                 saver=saver, writer=writer, verifier=verifier, gc=gc,
                                 rebuild=Rebuild(ctx, swap), swap=swap, pins=pins)
         self._repair = Repair(ctx, txns, removal, quarantine, verifier, gc,
-                              GoodCopies(ctx, txns, gate, reclaimer, saver.write_pack), rewrite_packs=lambda packs: self.admin.repack(packs=packs))
+                              GoodCopies(ctx, txns, gate, reclaimer, saver.write_pack),
+                              rewrite_packs=lambda packs: self.admin.repack(packs=packs))
         if not ctx.read_only:  # once per index: v1 manifest files get the checksum rebuilds need
             seal_v1_manifests(ctx.index, ctx.bytes)
 
