@@ -127,14 +127,19 @@ def _writable_out(tmp_path: Path) -> Path:
     return out
 
 
-def test_a_store_owned_by_root_opens_read_only_for_another_user(template, tmp_path) -> None:
-    store = private_copy(template, tmp_path)
+def _check_as_nobody(store: Path, template: Path, tmp_path: Path) -> None:
+    """Shared read-only (owner root), then every read and refused write as ``nobody``; no file or mode changes."""
     _shared_read_only(store)
     out = _writable_out(tmp_path)
     owner = _owner_view(template, tmp_path)
     before = _tree(store)
     _check(store, out, AS_NOBODY, "no write permission", owner)
     assert _tree(store) == before
+
+
+def test_a_store_owned_by_root_opens_read_only_for_another_user(template, tmp_path) -> None:
+    store = private_copy(template, tmp_path)
+    _check_as_nobody(store, template, tmp_path)
     # and its owner still opens it for writing, as it is: nothing was chmod-ed back to 0700
     with open_store(store, identity=MODEL) as handle:
         assert not handle.read_only
@@ -246,12 +251,7 @@ def test_a_format3_store_lacking_a_table_added_since_reads_read_only(template, t
         for name in (b"pins", b"bad_chunks"):
             txn.drop(env.open_db(name, txn=txn), delete=True)
     env.close()
-    _shared_read_only(store)
-    out = _writable_out(tmp_path)
-    owner = _owner_view(template, tmp_path)
-    before = _tree(store)
-    _check(store, out, AS_NOBODY, "no write permission", owner)
-    assert _tree(store) == before
+    _check_as_nobody(store, template, tmp_path)
 
 
 def test_a_store_of_a_newer_index_format_is_refused_as_such_read_only(template, tmp_path) -> None:
