@@ -201,6 +201,18 @@ def test_repair_without_a_good_copy_anywhere_reports_the_loss_not_a_heal(tmp_pat
         assert store.verify(deep=True) == []
 
 
+def test_a_repair_dry_run_on_damage_nothing_has_read_yet_writes_no_mark(tmp_path) -> None:
+    """The dry run's deep verify finds the damage first (no restore or verify marked it before) and still writes
+    nothing: not even the bad mark a verify would write."""
+    root = tmp_path / "s"
+    store, bad = _three_sharing(root)
+    with store:
+        before = _files(root)
+        dry = store.repair(dry_run=True)
+        assert dry.bad_chunks == [bad] and {r["session_id"] for r in dry.lost} == {"a", "b", "c"}
+        assert _files(root) == before and store.bad_chunks() == []
+
+
 def test_deep_verify_marks_what_fails_its_hash_so_the_next_save_heals_it(tmp_path) -> None:
     """No restore has read the damaged chunk yet: verify finds it, marks the copy bad, and the next save of the same
     content writes fresh bytes instead of deduping onto it (which heals the other sessions)."""

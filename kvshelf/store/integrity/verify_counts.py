@@ -144,8 +144,9 @@ def _total_findings(totals: tuple) -> list[Finding]:
     return out
 
 
-def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]) -> None:
-    """Chunk records (refcounts, objects, ``deep`` content), pack records and totals against ``tally``."""
+def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding], mark_bad: bool = True) -> None:
+    """Chunk records (refcounts, objects, ``deep`` content), pack records and totals against ``tally``;
+    ``mark_bad``: mark each chunk copy found missing or failing its hash (``_marked``)."""
     index, parts, c = ctx.index, tally.parts, _Candidates()
     live: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
     chunk_sum, blob_findings = 0, []
@@ -184,7 +185,7 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
             if found is not None:
                 found = _recheck_object(ctx, key, deep)  # the chunk may have moved or gone meanwhile
             if found is not None:
-                blob_findings.append(_marked(ctx, key.hex(), *found))
+                blob_findings.append(_marked(ctx, key.hex(), *found) if mark_bad else found[0])
         for hb, n in refs.items():  # referenced, but no record in this range
             c.chunks[hb] = (None, n)
     for name, raw in index.scan("packs", VERIFY_BATCH, ids=tally.txn_ids):
