@@ -83,15 +83,18 @@ def fingerprint(caches) -> str:
 
 
 def prefix_reads(kind: str, caches) -> str | None:
-    """What a cut cache reads (latent kinds: every stored position; plain KV kinds: the codec's planes); None for
-    the rotating ring, whose layout after a cut legitimately differs from a fresh cache of that length."""
+    """What a cut cache reads (latent kinds: every stored position; plain KV kinds: the codec's planes; a ring that
+    has not wrapped: its rows up to the offset, since a cut keeps the longer buffer); None for a wrapped ring (never
+    cut)."""
     h = hashlib.blake2b(digest_size=16)
     for cache in caches:
         if kind in LATENT:
             state = cache.read_latent()
             arrays = [state.latent, state.rope, *([state.index_keys] if state.index_keys is not None else [])]
         elif kind == "rotating":
-            return None
+            if cache.offset > cache.max_size:
+                return None
+            arrays = [a[..., :cache.offset, :] for a in cache.state]
         else:
             arrays = default_provider.snapshot(cache, checksums=False)[1]
         for a in arrays:
