@@ -6,7 +6,7 @@ deleted from the server, as a restore would), and the sessions are then reported
 from __future__ import annotations
 
 import redis
-from redis_servers import redis_server  # noqa: F401  (fixture)
+from redis_servers import free_port, redis_server  # noqa: F401  (fixture)
 from store_cases import flip_chunk_byte
 from tools_data import run_json
 
@@ -61,3 +61,12 @@ def test_a_damaged_copy_on_the_tier_is_not_used(tmp_path, redis_server) -> None:
     assert done["healed"] == [] and [r["session_id"] for r in done["lost"]] == ["s"] and done["remaining"] == []
     assert client.get(key) is None  # deleted from the server: the next publish of the content uploads fresh bytes
     client.close()
+
+
+def test_an_unreachable_tier_heals_nothing_and_repair_still_reports(tmp_path, redis_server) -> None:
+    """The tier named to repair is down: no copy comes from it (asked once, not per chunk), the loss is reported,
+    and repair exits cleanly."""
+    root, toks, h = _damaged(tmp_path, redis_server.url)
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    dry = run_json("repair", "--dry-run", "--remote", down, "--store", str(root))
+    assert dry["healed"] == [] and [r["session_id"] for r in dry["lost"]] == ["s"]

@@ -74,7 +74,7 @@ class GoodCopies:
                 try:
                     chunk = remote.good_copy(h)
                 except KvShelfError:
-                    continue  # the tier is unreachable: no copy from there (the report says what stays damaged)
+                    break  # the tier is unreachable: no copy from there (the report says what stays damaged)
                 if chunk is not None:
                     bufs = chunk.read_into([None] * len(chunk.tensors))
                     pieces = [Piece(t.name, t.dtype, t.shape, memoryview(b)) for t, b in zip(chunk.tensors, bufs)]
