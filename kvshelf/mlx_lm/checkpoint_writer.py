@@ -24,7 +24,8 @@ from typing import Any
 log = logging.getLogger("kvshelf.generation")
 
 COUNTERS = ("checkpoints_queued", "checkpoints_durable", "checkpoints_failed", "checkpoints_skipped_full",
-            "checkpoints_dropped", "drops_failed", "resumes", "resumed_tokens", "requests_not_resumable")
+            "checkpoints_dropped", "drops_failed", "resumes", "resumed_tokens", "requests_not_resumable",
+            "requests_short")
 
 
 class CheckpointWriter:

@@ -18,6 +18,7 @@ pytest.importorskip("mlx_lm")
 openai = pytest.importorskip("openai")
 
 from serve_harness import Server
+from test_serve_metrics import metrics
 from tiny_model_dir import EOS, VOCAB, make_model_dir, words
 
 from kvshelf import open_store
@@ -128,6 +129,23 @@ def test_a_retried_request_resumes_after_sigkill_and_answers_identically(model, 
         resumes = RESUME.findall(restarted.log())
         assert resumes and int(resumes[-1][0]) >= 256 and int(resumes[-1][1]) == MAX_TOKENS
         assert checkpoint_sessions(model, store) == []  # the completed request dropped its checkpoints
+        seen = metrics(restarted)  # what an operator's scrape shows of it
+        assert seen[("kvshelf_generation_resumes_total", ())] == 1
+        assert seen[("kvshelf_generation_resumed_tokens_total", ())] == int(resumes[-1][0])
+        assert seen[("kvshelf_generation_checkpoints_total", (("outcome", "dropped"),))] >= 1
+
+
+def test_a_request_too_short_to_reach_a_checkpoint_stays_in_mlx_lms_batch(reference):
+    """``max_tokens`` at or below the interval never writes a checkpoint and can never resume: it is left to
+    mlx-lm's batch (counted), not served one at a time."""
+    before = metrics(reference)
+    got = ask(reference, request(max_tokens=200), False)
+    after = metrics(reference)
+    assert got["finish"] == "length" and got["completion_tokens"] == 200
+    key = ("kvshelf_generation_requests_short_total", ())
+    assert after[key] == before.get(key, 0) + 1
+    queued = ("kvshelf_generation_checkpoints_total", (("outcome", "queued"),))
+    assert after[queued] == before[queued]
 
 
 def test_a_different_request_never_resumes_from_that_checkpoint(model, reference, tmp_path):

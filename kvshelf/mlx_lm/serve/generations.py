@@ -19,7 +19,8 @@ model identity, the prompt token ids, every sampling and penalty field, the stop
 logit bias and the explicit seed (if any) — so a different request (another seed, ``max_tokens``, stop sequence,
 system prompt) never resumes from another's checkpoint.
 
-How it plugs in: resumable requests are served one at a time by :meth:`ServeGenerations.serve` (mlx-lm's
+How it plugs in: resumable requests long enough to reach a checkpoint (``max_tokens`` above the interval) are served
+one at a time by :meth:`ServeGenerations.serve` (mlx-lm's
 ``_serve_single`` with :func:`~kvshelf.mlx_lm.resumable.checkpointed_steps` as its decode loop) instead of joining
 mlx-lm's batch, whose rows cannot be checkpointed. ``counters`` is a plain dict the metrics can read.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -104,15 +106,37 @@ class ServeGenerations:
         self.log = logger or log
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.writer = CheckpointWriter(max_in_flight=max_in_flight, counters=self.counters, logger=self.log)
+        self._counted: dict[int, weakref.ref] = {}  # the requests already counted (``_count``), while they live
 
     def takes(self, args: Any) -> bool:
-        """Whether this server serves the request itself (checkpointed, resumable) rather than mlx-lm's batch."""
+        """Whether this server serves the request itself (checkpointed, resumable) rather than mlx-lm's batch. A
+        request whose ``max_tokens`` does not exceed the interval never writes a checkpoint (and none can exist to
+        resume it from), so it stays in mlx-lm's batch (counted in ``requests_short``)."""
         if not self.every:
             return False
         if not resumable(args):
-            self.counters["requests_not_resumable"] += 1
+            self._count("requests_not_resumable", args)
+            return False
+        if self._short(args):
+            self._count("requests_short", args)
             return False
         return True
+
+    def _count(self, name: str, args: Any) -> None:
+        """Once per request: mlx-lm's loop asks again for a request it re-queued (to start or drain a batch)."""
+        key = id(args)  # by identity: mlx-lm's arguments are an unhashable dataclass
+        seen = self._counted.get(key)
+        if seen is not None and seen() is args:
+            return
+        try:
+            self._counted[key] = weakref.ref(args, lambda _ref, key=key: self._counted.pop(key, None))
+        except TypeError:  # arguments that cannot be weakly referenced: counted each time asked
+            pass
+        self.counters[name] += 1
+
+    def _short(self, args: Any) -> bool:
+        limit = getattr(args, "max_tokens", None)
+        return isinstance(limit, int) and 0 < limit <= self.every
 
     def _store(self, model_key: Any):
         try:
@@ -134,7 +158,7 @@ class ServeGenerations:
         """Serve one request as mlx-lm's ``_serve_single`` would, checkpointed and resuming; False (nothing done)
         when this request is not for us and mlx-lm must serve it."""
         rqueue, req, args = request
-        if (not self.every or not resumable(args) or provider.draft_model is not None
+        if (not self.every or not resumable(args) or self._short(args) or provider.draft_model is not None
                 or any(_image_parts(req.messages))):
             return False
         store = self._store(provider.model_key)

@@ -36,7 +36,8 @@ RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 class ServeMetrics:
     """The server's counters. ``state()`` (a callable) gives the live figures read at scrape time: a dict with
-    ``stores`` (open ``Store`` handles), ``pending_writes`` and ``pending_bytes`` (the write-behind queue)."""
+    ``stores`` (open ``Store`` handles), ``pending_writes`` and ``pending_bytes`` (the write-behind queue) and
+    ``generations`` (the generation checkpoints' counters, ``generations.py``)."""
 
     def __init__(self, state: Callable[[], dict[str, Any]] | None = None, *, clock: Callable[[], float] = time.time):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -152,6 +153,28 @@ class _StoreCollector:
                                   value=figures["evicted"])
         yield CounterMetricFamily("kvshelf_quarantined", "Damaged snapshots this server quarantined",
                                   value=figures["quarantined"])
+        yield from generation_families(state.get("generations") or {})
+
+
+CHECKPOINT_OUTCOMES = ("queued", "durable", "failed", "skipped_full", "dropped")
+
+
+def generation_families(counters: dict[str, int]):
+    """``--generation-checkpoint-every``'s counters (``generations.py``), every series present from the start."""
+    family = CounterMetricFamily("kvshelf_generation_checkpoints", "Generation checkpoints by outcome (queued, "
+                                 "durable, failed, skipped_full: the write queue was full, dropped: by a completed "
+                                 "request)", labels=["outcome"])
+    for outcome in CHECKPOINT_OUTCOMES:
+        family.add_metric([outcome], counters.get(f"checkpoints_{outcome}", 0))
+    yield family
+    for name, doc in (("resumes", "Requests resumed from a generation checkpoint"),
+                      ("resumed_tokens", "Generated tokens a resume did not decode again"),
+                      ("requests_not_resumable", "Requests served without checkpoints (sampled without a seed, "
+                                                 "logprobs, images)"),
+                      ("requests_short", "Resumable requests whose max_tokens cannot reach a checkpoint, left in "
+                                         "mlx-lm's batch"),
+                      ("drops_failed", "Completed requests whose checkpoints could not be dropped")):
+        yield CounterMetricFamily(f"kvshelf_generation_{name}", doc, value=counters.get(name, 0))
 
 
 def store_figures(stores: list) -> dict[str, Any]:
@@ -179,4 +202,4 @@ def store_figures(stores: list) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CONTENT_TYPE", "ServeMetrics", "WINDOWS", "store_figures"]
+__all__ = ["CHECKPOINT_OUTCOMES", "CONTENT_TYPE", "ServeMetrics", "WINDOWS", "generation_families", "store_figures"]

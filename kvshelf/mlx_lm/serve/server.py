@@ -254,6 +254,7 @@ class Serving:
                                         observer=self.metrics)
 
         self._checkpoints_for: dict[int, int] = {}
+        self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
 
     def checkpoint_every(self, model) -> int:
         """``--checkpoint-every`` for this model: 0 when its caches can all be cut (checked once per model)."""
@@ -266,7 +267,8 @@ class Serving:
 
     def state(self) -> dict[str, Any]:
         return {"stores": self.opener.stores(), "pending_writes": self.tiered.pending_writes,
-                "pending_bytes": self.tiered.pending_bytes, "queue_entries": self.tiered.queue_entries}
+                "pending_bytes": self.tiered.pending_bytes, "queue_entries": self.tiered.queue_entries,
+                "generations": dict(self.generation_counters)}
 
     def status(self) -> dict[str, Any]:
         from ...store.remote.client import redact
@@ -283,6 +285,7 @@ def _generator_class(base: type, serving_of: dict) -> type:
             self.kvshelf = serving_of["serving"]
             # generation checkpoints (generations.py): set before mlx-lm's constructor starts its thread
             self.generations = ServeGenerations(self.kvshelf.opts.generation_checkpoint_every, self.kvshelf.opener)
+            self.kvshelf.generation_counters = self.generations.counters  # read by /metrics at scrape time
             super().__init__(model_provider, self.kvshelf.tiered)
 
         def generate(self, request, generation_args, progress_callback=None):
