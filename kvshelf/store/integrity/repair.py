@@ -86,7 +86,8 @@ class Repair:
                   for sid, s, ns, h in lost],
             dropped_quarantined=[{"snapshot_id": w.split()[1], "session_id": (ss or ("",))[0]}
                                  for w, ss in quarantined],
-            bad_chunks=sorted(damaged), healed=healed, dropped_checkpoints=orphans, rewritten_trailers=trailers, reclaimed_bytes=sweep.bytes,
+            bad_chunks=sorted(damaged), healed=healed, dropped_checkpoints=orphans, rewritten_trailers=trailers,
+            reclaimed_bytes=sweep.bytes,
             reclaimed_objects=len(sweep.orphan_blobs) + len(sweep.orphan_manifests),
             remaining=[f"{f.kind}: {f.where}: {f.detail}" for f in after])
 

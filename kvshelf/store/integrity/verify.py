@@ -24,15 +24,13 @@ from ..objects.local import open_object
 from ..index.schema import Manifest, Summary
 from ..objects.pack import read_trailer
 from ..results import Finding
+from ..save.checkpoints import Checkpoints
 from ..context import StoreContext
 from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate
 from .gc import object_of, orphans
 from .legacy_v1 import SEALED_KEY
 
-
-
-_CHECKPOINT = keys.CHECKPOINT_MARK.encode()  # in a ``sessions`` key: a checkpoint's derived session (save/checkpoints)
 
 
 class DamagedTrailer(Exception):
@@ -117,7 +115,7 @@ def _verify(v: Verifier, deep: bool, out: list[Finding], mark: bool = True) -> N
         for key, sid in rows:
             if txn.get("manifests", sid) is None:
                 out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {sid.hex()}"))
-            elif (at := bytes(key).find(_CHECKPOINT, 32)) >= 0 and txn.get("sessions", bytes(key)[:at]) is None:
+            elif Checkpoints.orphaned(txn, key):
                 owner = (keys.parent_of(keys.session_of_key(key)) or ("?",))[0]
                 out.append(Finding("orphan-checkpoint", f"snapshot {sid.hex()} (checkpoint of session {owner!r})",
                                    "its session is not indexed, so no removal of the session will take it along; "

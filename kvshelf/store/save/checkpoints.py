@@ -168,25 +168,23 @@ class Checkpoints:
         return len(found)
 
     @staticmethod
-    def owner_gone(txn, manifest: mf.Manifest) -> bool:
+    def orphaned(txn, key: bytes) -> bool:
+        """Whether the ``sessions`` key ``key`` is a checkpoint's whose session is not indexed in ``txn``."""
+        key = bytes(key)
+        at = key.find(_MARK_BYTES, 32)
+        return at >= 0 and txn.get("sessions", key[:at]) is None
+
+    @classmethod
+    def owner_gone(cls, txn, manifest: mf.Manifest) -> bool:
         """Whether ``manifest`` is a checkpoint whose session is not indexed, read in the transaction that would
         commit it: the check before the save cannot see a delete (or eviction) that commits while the checkpoint's
         pack is written, and a checkpoint committed after its session went would be an orphan no removal follows."""
-        if not is_checkpoint(manifest.session_id):
-            return False
-        skey = keys.manifest_keys(manifest)[2]
-        return txn.get("sessions", skey[:skey.find(_MARK_BYTES, 32)]) is None
+        return is_checkpoint(manifest.session_id) and cls.orphaned(txn, keys.manifest_keys(manifest)[2])
 
-    @staticmethod
-    def orphans(txn) -> list[bytes]:
+    @classmethod
+    def orphans(cls, txn) -> list[bytes]:
         """Snapshot ids of indexed checkpoints whose session is not indexed (``rebuild_index`` drops them)."""
-        out = []
-        for key, sid in txn.range("sessions"):
-            key = bytes(key)
-            at = key.find(_MARK_BYTES, 32)
-            if at >= 0 and txn.get("sessions", key[:at]) is None:
-                out.append(bytes(sid))
-        return out
+        return [bytes(sid) for key, sid in txn.range("sessions") if cls.orphaned(txn, key)]
 
 
 __all__ = ["CheckpointInfo", "Checkpoints"]
