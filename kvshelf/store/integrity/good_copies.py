@@ -31,7 +31,7 @@ from ..liveness import ledger
 from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate
 from ..liveness.transactions import Transactions
-from ..objects.chunkfile import ChunkReader, Piece, content_hash
+from ..objects.chunkfile import ChunkReader, Piece
 from ..objects.local import open_object
 from ..objects.pack import PACK_DIR, is_pack, read_trailer
 from ..objects.protocol import ObjectMissing
@@ -39,10 +39,12 @@ from ..objects.protocol import ObjectMissing
 
 @dataclass(frozen=True)
 class Found:
-    """A verified copy of a chunk: where it came from (for the report) and its content."""
+    """A verified copy of a chunk: where it came from (for the report), its content, and the (object, offset) of
+    the indexed copy it replaces (the one found damaged)."""
 
     source: str
     pieces: list[Piece]
+    damaged: tuple[str, int]
 
 
 class GoodCopies:
@@ -66,7 +68,7 @@ class GoodCopies:
                 continue
             pieces = _read_verified(self.ctx, pack, offset, length, h)
             if pieces is not None:
-                found[h] = Found(f"pack {pack}", pieces)
+                found[h] = Found(f"pack {pack}", pieces, want[h])
         if remote is not None:
             for h in want:
                 if h in found:
@@ -75,25 +77,23 @@ class GoodCopies:
                     chunk = remote.good_copy(h)
                 except KvShelfError:
                     break  # the tier is unreachable: no copy from there (the report says what stays damaged)
-                if chunk is not None:
+                if chunk is not None:  # verified by its name as it was fetched (remote/local.RemoteChunk)
                     bufs = chunk.read_into([None] * len(chunk.tensors))
                     pieces = [Piece(t.name, t.dtype, t.shape, memoryview(b)) for t, b in zip(chunk.tensors, bufs)]
-                    if content_hash(pieces) == h:
-                        found[h] = Found(f"shared tier {getattr(remote, 'where', '')}".rstrip(), pieces)
+                    found[h] = Found(f"shared tier {getattr(remote, 'where', '')}".rstrip(), pieces, want[h])
         return found
 
     def restore(self, h: str, copy: Found, ref: ChunkRef) -> bool:
         """Store ``copy`` as a fresh pack and repoint chunk ``h`` at it, clearing its bad mark. False (and nothing
-        changed) when the chunk is no longer indexed or no longer points at the damaged copy."""
+        changed) when the chunk is no longer indexed or no longer points at the damaged copy (a save healed it)."""
         self.ctx.check_writable("repair")
-        bad = self._bad_location(h)
         with self.ctx.removers.removing(), self.gate.hold():  # the move frees the damaged copy (removers.py)
             name, size, placed = self.write_pack([(ref, copy.pieces)])
             _pack, offset, stored, encoding, _size = placed[h]
 
             def move(txn):
                 meta = tables.chunk_meta(txn, h)
-                if meta is None or (bad is not None and keys.location(h, meta)[:2] != bad):
+                if meta is None or keys.location(h, meta)[:2] != copy.damaged:
                     return None
                 left = ledger.move_chunk(self.ctx.index, txn, h, name, offset, stored, encoding, size)
                 bad_chunks.clear(txn, h)
@@ -109,7 +109,7 @@ class GoodCopies:
             meta = tables.chunk_meta(txn, h)
         return None if meta is None else keys.location(h, meta)[:2]
 
-    def _pack_copies(self, want: dict[str, tuple[str, int] | None]):
+    def _pack_copies(self, want: dict[str, tuple[str, int]]):
         """(pack, hash, offset, length) of every copy of a wanted chunk other than its damaged one."""
         for name in sorted(self.ctx.bytes.names(PACK_DIR)):
             if not is_pack(name):

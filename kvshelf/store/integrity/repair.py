@@ -56,7 +56,7 @@ class Repair:
         self.ctx.check_open()
         if not dry_run:
             self.ctx.check_writable("repair")
-        findings = self.verifier.verify(deep=True, mark=not dry_run)
+        findings = self.verifier.verify(deep=True, mark_bad=not dry_run)
         damaged = {f.where[len("blob "):]: f.sessions for f in findings
                    if f.kind in _DAMAGED and f.where.startswith("blob ")}
         users, refs = self._users(damaged)

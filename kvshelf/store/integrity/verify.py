@@ -61,14 +61,14 @@ class Verifier:
     def __init__(self, ctx: StoreContext, gate: SaveGate, reclaimer: Reclaimer):
         self.ctx, self.gate, self.reclaimer = ctx, gate, reclaimer
 
-    def verify(self, deep: bool = False, mark: bool = True) -> list[Finding]:
+    def verify(self, deep: bool = False, mark_bad: bool = True) -> list[Finding]:
         """Every inconsistency as a ``Finding``; never raises on damaged data (a record, pack or index that cannot
         be read at all is a finding too), and every quarantined snapshot stays a finding until an operator drops
-        it. ``mark``: a chunk copy found missing or failing its hash is marked bad (``verify_counts._marked``; the
+        it. ``mark_bad``: a chunk copy found missing or failing its hash is marked bad (``verify_counts._marked``; the
         only write verify makes); a repair dry run passes False, as it must change nothing."""
         out: list[Finding] = []
         try:
-            _verify(self, deep, out, mark)
+            _verify(self, deep, out, mark_bad)
         except (KvShelfError, ObjectMissing, OSError) as exc:
             out.append(Finding("unreadable-index", "index", f"verify stopped: {type(exc).__name__}: {exc}"))
         except Exception as exc:  # the index's own library, raised in a loop over a streamed batch
@@ -91,7 +91,7 @@ def _quarantine_findings(ctx: StoreContext, out: list[Finding]) -> None:
                            f"(Store.drop_quarantined / delete)", (session,)))
 
 
-def _verify(v: Verifier, deep: bool, out: list[Finding], mark: bool = True) -> None:
+def _verify(v: Verifier, deep: bool, out: list[Finding], mark_bad: bool = True) -> None:
     """Streamed (``verifying`` says how memory stays bounded and why a concurrent commit invents nothing): the
     manifests in batches, each checked against its other records inside its batch's read transaction and any
     finding re-checked in a fresh one; then session pointers; then the counts (``verify_counts.check_counts``); then
@@ -126,7 +126,7 @@ def _verify(v: Verifier, deep: bool, out: list[Finding], mark: bool = True) -> N
             if txn.get("manifests", sid) is None:
                 out.append(Finding("prefix-drift", "prefix heads",
                                    f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
-    verifying.check_counts(ctx, deep, tally, out, mark)
+    verifying.check_counts(ctx, deep, tally, out, mark_bad)
     for name, kind in _confirmed_orphans(v, residue):
         what = "manifest" if kind == "orphan-manifest" else "pack" if keys.is_pack(name) else "blob"
         out.append(Finding(kind, f"{what} {name}",
