@@ -112,15 +112,21 @@ class ServeGenerations:
         """Whether this server serves the request itself (checkpointed, resumable) rather than mlx-lm's batch. A
         request whose ``max_tokens`` does not exceed the interval never writes a checkpoint (and none can exist to
         resume it from), so it stays in mlx-lm's batch (counted in ``requests_short``)."""
+        why = self._not_ours(args)
+        if why is not None and why != "off":
+            self._count(why, args)
+        return why is None
+
+    def _not_ours(self, args: Any) -> str | None:
+        """Why mlx-lm serves the request as before (``"off"``, or the counter that counts it); None: it is ours."""
         if not self.every:
-            return False
+            return "off"
         if not resumable(args):
-            self._count("requests_not_resumable", args)
-            return False
-        if self._short(args):
-            self._count("requests_short", args)
-            return False
-        return True
+            return "requests_not_resumable"
+        limit = getattr(args, "max_tokens", None)
+        if isinstance(limit, int) and 0 < limit <= self.every:
+            return "requests_short"
+        return None
 
     def _count(self, name: str, args: Any) -> None:
         """Once per request: mlx-lm's loop asks again for a request it re-queued (to start or drain a batch)."""
@@ -133,10 +139,6 @@ class ServeGenerations:
         except TypeError:  # arguments that cannot be weakly referenced: counted each time asked
             pass
         self.counters[name] += 1
-
-    def _short(self, args: Any) -> bool:
-        limit = getattr(args, "max_tokens", None)
-        return isinstance(limit, int) and 0 < limit <= self.every
 
     def _store(self, model_key: Any):
         try:
@@ -158,8 +160,7 @@ class ServeGenerations:
         """Serve one request as mlx-lm's ``_serve_single`` would, checkpointed and resuming; False (nothing done)
         when this request is not for us and mlx-lm must serve it."""
         rqueue, req, args = request
-        if (not self.every or not resumable(args) or self._short(args) or provider.draft_model is not None
-                or any(_image_parts(req.messages))):
+        if self._not_ours(args) is not None or provider.draft_model is not None or any(_image_parts(req.messages)):
             return False
         store = self._store(provider.model_key)
         if store is None:
