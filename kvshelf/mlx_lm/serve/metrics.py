@@ -170,7 +170,7 @@ def generation_families(counters: dict[str, int]):
     for name, doc in (("resumes", "Requests resumed from a generation checkpoint"),
                       ("resumed_tokens", "Generated tokens a resume did not decode again"),
                       ("requests_not_resumable", "Requests served without checkpoints (sampled without a seed, "
-                                                 "logprobs, images)"),
+                                                 "or asking for logprobs)"),
                       ("requests_short", "Resumable requests whose max_tokens cannot reach a checkpoint, left in "
                                          "mlx-lm's batch"),
                       ("drops_failed", "Completed requests whose checkpoints could not be dropped")):
