@@ -52,7 +52,7 @@ def memcpy_sample(ctx: Context, caches) -> Sample:
 
 
 def run(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx_path: Path, label: str) -> list[Row]:
-    from kvshelf.store import syncs
+    from kvshelf.store.base import syncs
 
     rows: list[Row] = []
     path = ctx.scratch.fresh("store-kv-targets")

@@ -124,5 +124,5 @@ def test_snippet_runs_as_written(block: str, model_dirs: dict[str, Path], tmp_pa
     store_dir = tmp_path / STORE_DIR
     if "open_store(" in block:
         with open_store(store_dir, admin=True) as store:
-            assert [s.session_id for s in store.summaries().values()] == ["chat-1"]
+            assert [s.session_id for s in store.admin.summaries().values()] == ["chat-1"]
             assert store.verify(deep=True) == []

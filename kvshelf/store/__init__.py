@@ -5,20 +5,23 @@
 ``stats``/``verify``/``gc``/``rebuild_index``, the generation checkpoints and ``close``; ``store.admin`` holds the
 offline tools' calls, and ``open_store(path, admin=True)`` opens a store identity-blind for them.
 
-The façade (``store.py``) checks inputs (``inputs.py``), builds its collaborators from one ``StoreContext``
-(``context.py``) and delegates; each sub-package is one room (its ``__init__`` says what belongs there and what it
-may import), and docs/ARCHITECTURE.md is the map of the rooms.
+The façade (``store.py``) only delegates: ``opening.py`` opens the directory into one ``StoreContext``
+(``context.py``), ``assembly.py`` builds the collaborators from it, and each public call is one line into the room
+that does the work. Each sub-package is one room (its ``__init__`` says what belongs there and what it may import);
+the allowed imports are a contract checked in CI (``[tool.importlinter]`` in pyproject.toml), and
+docs/ARCHITECTURE.md is the map of the rooms.
 """
 
-from .objects.protocol import ByteStore
-from .objects.memory import MemoryByteStore
-from .identity import Identity
-from .objects.local import LocalByteStore
-from .index.schema import BlobRef, ChunkMeta, ChunkRef, Manifest
-from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
-from .liveness.open_lock import StoreBusy
-from .store import Store, open_store
+from .base import syncs
 from .generations import GenerationCheckpoint, continuation_key
+from .identity import Identity
+from .index.schema import BlobRef, ChunkMeta, ChunkRef, Manifest
+from .liveness.open_lock import StoreBusy
+from .objects.local import LocalByteStore
+from .objects.memory import MemoryByteStore
+from .objects.protocol import ByteStore
+from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
+from .store import Store, open_store
 
 __all__ = [
     "BlobRef",
@@ -41,4 +44,5 @@ __all__ = [
     "StoreBusy",
     "continuation_key",
     "open_store",
+    "syncs",
 ]

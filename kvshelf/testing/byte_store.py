@@ -22,8 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..errors import CorruptData, InvalidCacheState, KvShelfError
-from ..store.objects.local import open_object
-from ..store.objects.protocol import ByteStore, ObjectMissing
+from ..store.objects import ByteStore, ObjectMissing, open_object
 
 # The store fixture is per test; the suite's methods run under each subclass (one executor each).
 _FIXTURE_CHECKS = [HealthCheck.function_scoped_fixture, HealthCheck.differing_executors]

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..errors import KvShelfError
-from ..store.index.protocol import IndexStore, IndexTxn
+from ..store.index import IndexStore, IndexTxn
 
 T = "chunks"  # any plain table of the store's index
 U = "packs"

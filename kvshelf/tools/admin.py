@@ -22,8 +22,7 @@ import msgspec
 from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, file_error
 from ..store import Store, StoreBusy, open_store
 from ..store.identity import identity_key
-from ..store.index.schema import Manifest
-from ..store.index.keys import is_checkpoint, parent_of
+from ..store.index import Manifest, is_checkpoint, parent_of
 from . import lmdb_files
 from .paths import require_path, require_text
 
@@ -184,7 +183,7 @@ def show(store: Store, target: str, **filters: str | None) -> dict[str, Any]:
     doc.pop("own", None)
     if not is_checkpoint(m.session_id):  # the session's checkpoints (store/save/checkpoints.py)
         doc["checkpoints"] = _checkpoints_by_session(
-            [c for c in store.iter_manifests(skip_damaged=True)
+            [c for c in store.admin.iter_manifests(skip_damaged=True)
              if c.namespace == m.namespace and c.session_id.startswith(m.session_id)]).get(_scope(m), [])
     return doc
 
@@ -331,19 +330,19 @@ def repair(store: Store, dry_run: bool = False, remote: str | None = None,
 
 def quarantine_ls(store: Store) -> dict[str, Any]:
     """``kvshelf quarantine ls``: every quarantined snapshot and every chunk copy marked bad."""
-    return {"quarantined": store.quarantined(), "bad_chunks": store.bad_chunks()}
+    return {"quarantined": store.admin.quarantined(), "bad_chunks": store.admin.bad_chunks()}
 
 
 def quarantine_drop(store: Store, snapshot_id: str | None) -> dict[str, Any]:
     """``kvshelf quarantine drop ID|--all``: forget quarantine records (``gc`` may then take their evidence)."""
-    ids = [q["snapshot_id"] for q in store.quarantined()] if snapshot_id is None else [snapshot_id]
+    ids = [q["snapshot_id"] for q in store.admin.quarantined()] if snapshot_id is None else [snapshot_id]
     return {"dropped": [sid for sid in ids if store.drop_quarantined(sid)], "asked": ids}
 
 
 def remote_admin(remote: str, prefix: str | None = None):
     """The shared tier, identity-blind (``kvshelf ls/stats/gc --remote``)."""
-    from ..store.remote.client import DEFAULT_PREFIX
-    from ..store.remote.maintenance import RemoteAdmin
+    from ..store.admin import RemoteAdmin
+    from ..store.remote import DEFAULT_PREFIX
 
     return RemoteAdmin(remote, prefix=prefix or DEFAULT_PREFIX)
 
@@ -374,7 +373,7 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
         with open_admin(path, create=True):
             pass
     except CorruptData:  # the index itself is damaged (truncated, overwritten): rebuild next to it
-        from ..store.index.lmdb_check import set_aside as move_aside
+        from ..store.admin import set_aside_index as move_aside
 
         set_aside = move_aside(str(path))
     with open_admin(path, create=True) as store:

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 from ..errors import CorruptData, KvShelfError, SnapshotNotFound
 from ..store import Store, StoreBusy
-from ..store.admin.repack import REWRITE_OVERHEAD
-from ..store.index.schema import Manifest
+from ..store.admin import REWRITE_OVERHEAD
+from ..store.index import Manifest
 from . import lmdb_files
 from .densify import is_dense
 from .rewriting import (ZSTD_LEVEL, Lost, densify_one, estimate_zstd, merge_one, merge_plan, raw_overhead,

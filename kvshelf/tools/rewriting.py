@@ -15,10 +15,9 @@ import numpy as np
 
 from ..errors import CorruptData, KvShelfError
 from ..store import Store
-from ..store.objects.chunkfile import KVZ_MAGIC, Piece, content_hash, kvz_buffers, storage_dtype
-from ..store.restore.destinations import Destinations, fill_from_chunk
-from ..store.save.chunking import plan_chunks
-from ..store.index.schema import ChunkRef, Manifest
+from ..store.admin import (KVZ_MAGIC, Destinations, Piece, content_hash, fill_from_chunk, kvz_buffers, plan_chunks,
+                           storage_dtype)
+from ..store.index import ChunkRef, Manifest
 from .densify import densify, dropped_blocks
 
 ZSTD_LEVEL = 3  # what the store's .kvz writer uses by default
@@ -29,7 +28,7 @@ def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
     """Every array of a snapshot, read and verified from its blobs (no codec, no cache object)."""
     dest = Destinations(list(manifest.entries))
     for ref in manifest.all_chunks:
-        with store.open_chunk(ref.hash, verify=True) as reader:
+        with store.admin.open_chunk(ref.hash, verify=True) as reader:
             fill_from_chunk(reader, ref, dest)
     return dest.finish()
 
@@ -37,7 +36,7 @@ def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
 def swap(store: Store, old: Manifest, new: Manifest, todo: list[tuple[ChunkRef, list[Piece]]]) -> None:
     """Write the new blobs and swap the manifest (``Store.replace_snapshot``: save gate held, old blobs leased across
     the swap and left for a later ``gc``). A snapshot replaced or removed meanwhile raises ``Lost``."""
-    if not store.replace_snapshot(old, new, todo):
+    if not store.admin.replace_snapshot(old, new, todo):
         raise Lost(f"snapshot {old.snapshot_id} of session {old.session_id!r} was saved again, removed or rewritten "
                     f"while it was being compacted; left as it is")
 
@@ -101,7 +100,7 @@ def _merged_pieces(store: Store, m: Manifest, group: list[ChunkRef]) -> list[Pie
     parts: dict[str, list[np.ndarray]] = {}
     meta: dict[str, tuple[str, int]] = {}
     for ref in group:
-        with store.open_chunk(ref.hash, verify=True) as reader:
+        with store.admin.open_chunk(ref.hash, verify=True) as reader:
             bufs = reader.read_into([None] * len(reader.tensors))
             for t, buf in zip(reader.tensors, bufs):
                 i, j = (int(x) for x in t.name.split(".", 2)[:2])
@@ -144,7 +143,7 @@ def merge_one(store: Store, m: Manifest, bins: list[list[ChunkRef]]) -> None:
 def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
     """The bytes a chunk's frame would take stored as zstd (for ``--dry-run``): the very frame the recompression
     would write (``kvz_buffers``: byte-shuffled float planes, then zstd), measured, never written."""
-    with store.open_chunk(hash_, verify=False) as reader:
+    with store.admin.open_chunk(hash_, verify=False) as reader:
         bufs = reader.read_into([None] * len(reader.tensors))
         pieces = [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
         return sum(len(b) for b in kvz_buffers(pieces, dict(reader.metadata), level))
@@ -152,7 +151,7 @@ def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
 
 def raw_overhead(store: Store, hash_: str) -> int:
     """The bytes of a blob's safetensors framing (its raw file = framing + payload), for ``--dry-run``."""
-    with store.open_chunk(hash_, verify=False) as reader:
+    with store.admin.open_chunk(hash_, verify=False) as reader:
         return reader.data_start - reader.base - (len(KVZ_MAGIC) if reader.compressed else 0)
 
 

@@ -103,8 +103,8 @@ def main() -> None:
         info = store.save("share-b", grown, shared)
         assert info.blobs_reused >= 2, info
         expected["share-b"] = {"tokens": grown, "checksums": [state_checksum(c) for c in shared]}
-        victim = store.manifest(info.snapshot_id).chunks[-1].hash
-        assert store.rewrite_chunk(victim, "zstd", level=3) is not None
+        victim = store.admin.manifest(info.snapshot_id).chunks[-1].hash
+        assert store.admin.rewrite_chunk(victim, "zstd", level=3) is not None
         assert store.verify(deep=True) == []
     with open(EXPECTED, "w") as f:
         json.dump({"identity": [IDENTITY.model_id, IDENTITY.config_fingerprint, IDENTITY.tokenizer_hash],

@@ -3,7 +3,7 @@
 ``python generation_worker.py MODEL_DIR STORE_DIR [--die-at-sync N]``: a sampled (temperature 0.8, seeded) long
 generation with checkpoints every ``EVERY`` tokens, logging kvshelf's lines on stderr and printing the generated
 token ids and text as one JSON line on stdout when it completes. ``--die-at-sync N`` SIGKILLs the process itself at
-the N-th durable step the store takes (a file fsync, a directory fsync, an index commit, as ``kvshelf.store.syncs``
+the N-th durable step the store takes (a file fsync, a directory fsync, an index commit, as ``kvshelf.store.base.syncs``
 sees them): a crash at a chosen point inside a checkpoint's write.
 """
 
@@ -28,7 +28,7 @@ TEMPERATURE = 0.8
 
 def die_at_sync(n: int) -> None:
     """SIGKILL this process at the ``n``-th fsync / directory fsync / index commit from now on."""
-    from kvshelf.store import syncs
+    from kvshelf.store.base import syncs
 
     seen = [0]
     original = syncs._count

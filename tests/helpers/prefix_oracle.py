@@ -42,7 +42,7 @@ def current(store, namespaces=None) -> dict[tuple[str, str], tuple[list[int], st
     out = {}
     for info in store.sessions(namespace=None):
         if namespaces is None or info.namespace in namespaces:
-            out[(info.session_id, info.namespace)] = (list(store.manifest(info.snapshot_id).tokens), info.snapshot_id)
+            out[(info.session_id, info.namespace)] = (list(store.admin.manifest(info.snapshot_id).tokens), info.snapshot_id)
     return out
 
 

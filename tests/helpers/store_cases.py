@@ -36,7 +36,7 @@ def same_caches(a: list, b: list) -> None:
 
 def chunk_file(store, hash_: str) -> tuple[str, int, int]:
     """(file, offset, length) of a stored chunk: its frame inside a pack (or a whole v1 blob file)."""
-    name, offset, length = store.chunk_location(hash_)
+    name, offset, length = store.admin.chunk_location(hash_)
     return store.bytes.path(name), offset, length
 
 

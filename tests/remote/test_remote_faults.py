@@ -18,7 +18,7 @@ from redis_servers import RedisServer, redis_server  # noqa: F401  (fixture)
 from kvshelf import Identity, open_store
 from kvshelf.errors import SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
-from kvshelf.store import seams
+from kvshelf.store.base import seams
 
 IDENTITY = Identity("remote-test", config_fingerprint="cfg", tokenizer_hash="tok")
 G = LatentGeometry(kv_lora_rank=16, rope_head_dim=8)
@@ -172,7 +172,7 @@ def test_replaced_chunk_is_detected_dropped_and_counted(tmp_path, redis_server, 
     with host(tmp_path / "a", redis_server.url) as a, \
             host(tmp_path / "b", redis_server.url, direct_reads=direct) as b:
         published(a, toks)
-        manifest = a.manifest(a.restore("s").snapshot_id)
+        manifest = a.admin.manifest(a.restore("s").snapshot_id)
         key = b.tier.keys.chunk(manifest.chunks[1].hash)
         value = b.tier.client.get(key)
         bad = {"other-bytes": value[:-8] + b"\x00" * 8, "truncated": value[: len(value) // 2],

@@ -10,7 +10,7 @@ from redis_servers import _cluster_servers, redis_cluster, redis_server  # noqa:
 from test_remote_faults import bits_of, caches_for, host, published, tokens
 from tools_data import run_json
 
-from kvshelf.store import seams
+from kvshelf.store.base import seams
 from kvshelf.store.remote.maintenance import RemoteAdmin
 
 

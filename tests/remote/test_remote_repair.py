@@ -20,7 +20,7 @@ def _damaged(tmp_path, url):
     root = tmp_path / "a"
     with host(root, url) as a:
         published(a, toks)
-        h = a.manifest(a.restore("s").snapshot_id).chunks[1].hash
+        h = a.admin.manifest(a.restore("s").snapshot_id).chunks[1].hash
         flip_chunk_byte(a, h)
     return root, toks, h
 

@@ -157,7 +157,7 @@ def test_a_corrupted_chunk_is_a_miss_and_the_replies_stay_those_of_a_cold_server
         r1 = first.chat(msgs1)
         first.wait_log(rf"kvshelf write-behind saved tokens={final_tokens(r1)}\b")
     with open_store(store, admin=True) as admin:
-        chunks = [h for h, _ in admin.iter_chunks()]
+        chunks = [h for h, _ in admin.admin.iter_chunks()]
         assert chunks
         for h in chunks:  # one flipped bit inside each chunk's tensor data: only the hash can tell
             flip_chunk_byte(admin, h)

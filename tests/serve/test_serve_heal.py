@@ -44,9 +44,9 @@ def test_after_a_flipped_chunk_the_next_write_behind_heals_and_a_restart_hits_di
         held = lib.restore(info.session_id, namespace=info.namespace)
         lib.save("kept-copy", held.tokens, held.caches, namespace=info.namespace)
     with open_store(store, admin=True) as admin:
-        bad = admin.manifest(info.snapshot_id).chunks[0].hash  # shared by both sessions
-        assert admin.chunk_info(bad).refs >= 2
-        damaged_pack = admin.chunk_location(bad)[0]
+        bad = admin.admin.manifest(info.snapshot_id).chunks[0].hash  # shared by both sessions
+        assert admin.admin.chunk_info(bad).refs >= 2
+        damaged_pack = admin.admin.chunk_location(bad)[0]
         flip_chunk_byte(admin, bad)
     with Server(model, store, tmp_path / "second.log") as second:  # the same conversation again
         again = second.chat(msgs1)
@@ -56,9 +56,9 @@ def test_after_a_flipped_chunk_the_next_write_behind_heals_and_a_restart_hits_di
         written = [int(n) for n in re.findall(r"kvshelf write-behind saved tokens=\d+ new_bytes=(\d+)", second.log())]
         assert sum(written) > 0  # the same content, yet the damaged chunk is written afresh, not reused
     with open_store(store, admin=True) as admin:
-        now = admin.chunk_location(bad)
+        now = admin.admin.chunk_location(bad)
         assert now is not None and now[0] != damaged_pack  # fresh bytes took the chunk's name back
-        assert admin.bad_chunks() == []  # and the copy kept by the other session is healed by the same write
+        assert admin.admin.bad_chunks() == []  # and the copy kept by the other session is healed by the same write
     msgs2 = conversation(SYSTEM, TURNS[:2], [r1["text"]])
     with Server(model, store, tmp_path / "third.log") as third:  # a restart
         third.chat(msgs2)

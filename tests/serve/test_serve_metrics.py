@@ -96,7 +96,7 @@ def test_a_damaged_entry_is_a_miss_counted_by_its_reason(model, tmp_path):
         text, head, n = chat(first, msgs)
         saved(first, int(head["prompt"]), n)
     with open_store(store, admin=True) as admin:
-        for h, _ in admin.iter_chunks():
+        for h, _ in admin.admin.iter_chunks():
             flip_chunk_byte(admin, h)
     with Server(model, store, tmp_path / "b.log") as server:
         _t, head, _n = chat(server, conversation(SYSTEM, TURNS[:2], [text]))

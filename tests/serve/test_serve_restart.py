@@ -80,7 +80,7 @@ def test_another_model_on_the_same_store_never_gets_its_caches(models, tmp_path)
         assert [p["source"] for p in b.prefix_lines()] == ["none", "ram"]
     with open_store(store, admin=True) as admin:  # model A's caches were there, token for token, all along
         a_key = model_identity(model_a).key
-        stored = {s.length for s in admin.summaries().values() if s.id_key == a_key}
+        stored = {s.length for s in admin.admin.summaries().values() if s.id_key == a_key}
     # the whole turn is stored; the prompt-only insert may be skipped as a duplicate of it (a prefix the store holds)
     assert ra["prompt_tokens"] + ra["completion_tokens"] in stored
 

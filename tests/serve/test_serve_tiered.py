@@ -19,7 +19,7 @@ from store_cases import flip_chunk_byte
 
 from kvshelf import Identity, open_store
 from kvshelf.mlx_lm import TieredPromptCache
-from kvshelf.store import seams
+from kvshelf.store.base import seams
 
 KEY = ("tiny-llama", None, None)
 T = [5, 17, 42, 8, 77, 3, 61, 29, 90, 11, 13, 21, 34, 55, 2, 4, 6, 9, 12, 15]
@@ -123,7 +123,7 @@ def test_a_corrupted_chunk_is_a_miss_not_an_error(llama, store):
     writer = tiered(store)
     writer.insert_cache(KEY, list(T), filled(llama, T))
     writer.flush(timeout=60)
-    chunks = [h for h, _ in store.iter_chunks()]
+    chunks = [h for h, _ in store.admin.iter_chunks()]
     assert chunks
     for h in chunks:  # one flipped bit inside each chunk's tensor data: only the hash can tell
         flip_chunk_byte(store, h)

@@ -43,9 +43,9 @@ def trial(workdir: Path, rng: random.Random, kind: str) -> tuple[str, list[str]]
         truth = _build(root, kind, rng.randrange(1000))
         want = {name: fingerprint(make_caches(kind, n, s)) for name, (_t, n, s) in truth.items()}
         with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK) as store:
-            chunks = sorted({h for h, _m in store.iter_chunks()})
+            chunks = sorted({h for h, _m in store.admin.iter_chunks()})
             victim = rng.choice(chunks)
-            name, offset, length = store.chunk_location(victim)
+            name, offset, length = store.admin.chunk_location(victim)
             path = store.bytes.path(name)
             with open(path, "r+b") as f:  # one byte inside the chunk's tensor data: same size, only a hash sees
                 at = offset + length - 1 - rng.randrange(min(64, length // 4))

@@ -212,7 +212,7 @@ def test_snapshot_ids_lengths_and_batch_requests(store) -> None:
     with pytest.raises(SnapshotNotFound):
         store.restore_batch(["keep", "missing"])
     with pytest.raises(InvalidCacheState, match="snapshot_id"):
-        store.manifest("zz")
+        store.admin.manifest("zz")
     still_serving(store)
 
 
@@ -338,7 +338,7 @@ def test_any_argument_gives_success_or_a_kvshelf_error(fuzz_store, a, b, c) -> N
         lambda: store.restore(a, namespace=b), lambda: store.restore_snapshot(a, b),
         lambda: store.lookup(a, namespace=b), lambda: store.restore_prefix(a, namespace=b),
         lambda: store.restore_batch(a), lambda: store.restore_batch([a, b]), lambda: store.delete(a, namespace=b),
-        lambda: store.sessions(a), lambda: Identity(a, b, c), lambda: store.manifest(a),
+        lambda: store.sessions(a), lambda: Identity(a, b, c), lambda: store.admin.manifest(a),
     ):
         _only_kvshelf_errors(call)
     store.flush()

@@ -20,8 +20,8 @@ def test_quarantined_snapshot_keeps_its_bytes_and_stays_a_finding_until_dropped(
     with open_store(root, identity=MODEL, chunk_tokens=16) as store:
         a = store.save("a", list(range(N)), make_caches("mla", N, 1))
         store.save("b", list(range(1000, 1000 + N)), make_caches("mla", N, 2))
-        bad = store.manifest(a.snapshot_id).chunks[-1].hash
-        pack = store.chunk_location(bad)[0]
+        bad = store.admin.manifest(a.snapshot_id).chunks[-1].hash
+        pack = store.admin.chunk_location(bad)[0]
         flip_chunk_byte(store, bad)
         try:
             store.restore("a")
@@ -50,13 +50,13 @@ def test_rebuild_reports_a_damaged_trailer_instead_of_dropping_it_silently(tmp_p
     with open_store(root, identity=MODEL, chunk_tokens=16) as store:
         a = store.save("a", list(range(N)), make_caches("mla", N, 1))
         store.save("b", list(range(1000, 1000 + N)), make_caches("mla", N, 2))
-        pack = root / chunk_file(store, store.manifest(a.snapshot_id).chunks[0].hash)[0]
+        pack = root / chunk_file(store, store.admin.manifest(a.snapshot_id).chunks[0].hash)[0]
     data = bytearray(pack.read_bytes())
     data[-40] ^= 0x10  # inside the trailer's body (the manifest): its checksum no longer matches
     pack.write_bytes(bytes(data))
     with open_store(root, admin=True) as store:
         assert store.rebuild_index() == 1
-        skipped = store.rebuild_report()
+        skipped = store.admin.rebuild_report()
         assert [f.kind for f in skipped] == ["rebuild-skipped-pack"]
         assert pack.name in skipped[0].where and "checksum" in skipped[0].detail
-        assert {m.session_id for m in store.iter_manifests()} == {"b"}
+        assert {m.session_id for m in store.admin.iter_manifests()} == {"b"}

@@ -31,8 +31,8 @@ def test_the_store_on_every_byte_store(tmp_path, backend, index):
     with open_test_store(root, chunk_tokens=16, byte_store=objects, index_store=INDEXES[index]()) as store:
         store.save("a", shared + token_ids(8, seed=1), session(MLA, (40, 8)))
         store.save("b", shared + token_ids(20, seed=2), session(MLA, (40, 20), seed=0))
-        assert sorted(n for n in objects.names("packs/")) == sorted({store.chunk_location(h)[0]
-                                                                    for h, _m in store.iter_chunks()})
+        assert sorted(n for n in objects.names("packs/")) == sorted({store.admin.chunk_location(h)[0]
+                                                                    for h, _m in store.admin.iter_chunks()})
         same_caches(store.restore("a").caches, session(MLA, (40, 8)))
         assert store.restore_prefix(shared + [1]).length == 40
         store.delete("a")

@@ -181,7 +181,7 @@ def test_kv_rows_of_different_heads_are_refused_as_load_batch_refuses(tmp_path):
         with pytest.raises(InvalidCacheState) as direct:
             store.restore_batch(["two", "four"])
         assert store.counters["batch_layers_fallback"] == 0 and store.counters["batch_layers_direct"] == 0
-        assert "plane" in str(direct.value) and store.leased_hashes() == set()
+        assert "plane" in str(direct.value) and store.admin.leased_hashes() == set()
         assert store.restore("two").caches[0].row_offsets == [5]
 
 
@@ -210,7 +210,7 @@ def test_corrupt_chunk_in_one_row_raises_and_returns_nothing(tmp_path):
     with open_test_store(tmp_path / "s") as store:
         store.save("good", token_ids(12, 1), latent_session(case, (12,), 1))
         store.save("bad", token_ids(10, 2), latent_session(case, (10,), 2))
-        bad = store.manifest(store.sessions()[[s.session_id for s in store.sessions()].index("bad")].snapshot_id)
+        bad = store.admin.manifest(store.sessions()[[s.session_id for s in store.sessions()].index("bad")].snapshot_id)
         ref = bad.chunks[1]
         flip_chunk_byte(store, ref.hash, from_end=7, bit=0x10)
         result = None
@@ -218,7 +218,7 @@ def test_corrupt_chunk_in_one_row_raises_and_returns_nothing(tmp_path):
             result = store.restore_batch(["good", "bad", "good"])
         assert result is None
         assert "'bad'" in str(raised.value) and ref.hash in str(raised.value) and "[4, 8)" in str(raised.value)
-        assert store.leased_hashes() == set()
+        assert store.admin.leased_hashes() == set()
         with pytest.raises(CorruptData, match="quarantined"):
             store.restore("bad")
         good = store.restore_batch(["good", "good"])

@@ -90,7 +90,7 @@ def test_checkpoint_arguments_and_a_missing_session_are_refused(tmp_path) -> Non
 def test_a_session_deleted_while_its_checkpoint_is_written_leaves_no_orphan(tmp_path) -> None:
     """The session is checked before the checkpoint's pack is written and again in the commit's transaction: a
     delete committing in between (held open at the pack write by the write seam) leaves no checkpoint behind."""
-    from kvshelf.store import seams
+    from kvshelf.store.base import seams
 
     with open_store(tmp_path / "s", identity=IDENTITY, provider=PROVIDER, chunk_tokens=64) as store:
         tokens = _ring_session(store, "a", ks=())

@@ -19,7 +19,7 @@ N = 40
 
 def _craft(store, snapshot_id: str, change) -> None:
     """Replace the indexed manifest by ``change(manifest)``, sealed like a real record (its checksum is valid)."""
-    m = store.manifest(snapshot_id)
+    m = store.admin.manifest(snapshot_id)
     new = change(m)
     store.index.write(lambda txn: txn.put("manifests", bytes.fromhex(snapshot_id), mf.encode(new)))
 
@@ -38,7 +38,7 @@ def test_a_record_whose_shapes_lie_is_corrupt_before_allocation(tmp_path, lie) -
     with open_store(tmp_path / "s", identity=MODEL, chunk_tokens=16) as store:
         info = store.save("a", list(range(N)), caches)
         store.save("b", list(range(1000, 1000 + N)), other)
-        t = store.manifest(info.snapshot_id).entries[0].tensors[0]
+        t = store.admin.manifest(info.snapshot_id).entries[0].tensors[0]
         axis = t.token_axis
         if lie == "dtype":  # same shape, half the bytes: a float16 destination filled from float32 chunks
             change = lambda m: _with_slot(m, dtype="float16", nbytes=t.nbytes // 2)  # noqa: E731

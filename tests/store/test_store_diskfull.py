@@ -1,7 +1,7 @@
 """Disk full: a save that meets ENOSPC raises ``StoreFull``, commits nothing, and leaves every earlier snapshot intact.
 
 Two ways to run out of space: a real 4 MiB tmpfs mounted for the test (needs the right to mount; skipped with the
-reason when the machine refuses), and the blob writer's fault-injection seam (``kvshelf.store.seams.FAULT_HOOK``),
+reason when the machine refuses), and the blob writer's fault-injection seam (``kvshelf.store.base.seams.FAULT_HOOK``),
 which always runs. Both then check the same things: the error names the failure clearly, the index verifies clean
 (also after reopening), earlier sessions restore bit-exact, the failed session is absent or still its old self,
 and once space is freed the same save succeeds.
@@ -161,7 +161,7 @@ def test_real_full_filesystem_during_the_index_commit_raises_store_full(small_fs
 
 
 def test_injected_enospc_in_the_blob_writer_raises_store_full(tmp_path: Path, request) -> None:
-    from kvshelf.store import seams
+    from kvshelf.store.base import seams
 
     store_dir = tmp_path / "store"
     saved: dict[str, int] = {}

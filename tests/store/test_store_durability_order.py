@@ -35,8 +35,8 @@ with open_test_store({root!r}, chunk_tokens=16) as store:
     mark()
     info = store.save("a", token_ids(100), caches)
     mark()
-    m = store.manifest(info.snapshot_id)
-    objects = sorted({{store.chunk_location(r.hash)[0] for r in m.all_chunks}})
+    m = store.admin.manifest(info.snapshot_id)
+    objects = sorted({{store.admin.chunk_location(r.hash)[0] for r in m.all_chunks}})
     json.dump({{"objects": objects}}, open({out!r}, "w"))
 """
 

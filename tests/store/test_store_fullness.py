@@ -108,9 +108,9 @@ def check_long(store, session: str, i: int) -> None:
 
 def compact_index(store) -> None:
     """The index rewritten by a compacting copy: its free list is empty, so every page a commit writes is new."""
-    with store.exclusive():
-        copy = lmdb_files.compact_copy(store.copy_index, os.path.join(store.root, "tmp"))
-        store.replace_index(lambda index_dir: lmdb_files.swap_in(copy, index_dir))
+    with store.admin.exclusive():
+        copy = lmdb_files.compact_copy(store.admin.copy_index, os.path.join(store.root, "tmp"))
+        store.admin.replace_index(lambda index_dir: lmdb_files.swap_in(copy, index_dir))
 
 
 def leftovers(store_dir: Path) -> list[str]:
@@ -118,8 +118,8 @@ def leftovers(store_dir: Path) -> list[str]:
 
 
 def pack_of(store, session: str) -> Path:
-    m = store.manifest(store.sessions()[[s.session_id for s in store.sessions()].index(session)].snapshot_id)
-    return Path(store.bytes.path(store.summaries()[m.snapshot_id].pack))
+    m = store.admin.manifest(store.sessions()[[s.session_id for s in store.sessions()].index(session)].snapshot_id)
+    return Path(store.bytes.path(store.admin.summaries()[m.snapshot_id].pack))
 
 
 def test_full_disk_serves_restores_and_refuses_saves_cleanly(tmpfs) -> None:
@@ -233,11 +233,11 @@ def test_a_reader_on_a_full_disk_keeps_its_objects_from_another_process(tmpfs) -
         save(store, "f1-keep", 300)
     ballast = fill(mnt)  # the reserve stays: the deleter needs it; the reader's fresh lease file gets no room
     with sw.open_test_store(store_dir) as store:
-        m = store.manifest(store.sessions()[[s.session_id for s in store.sessions()].index("f0-read")].snapshot_id)
+        m = store.admin.manifest(store.sessions()[[s.session_id for s in store.sessions()].index("f0-read")].snapshot_id)
         own = pack_of(store, "f0-read")
         before = own.read_bytes()
-        with store.lease(m):
-            assert store.leased_hashes() >= {r.hash for r in m.all_chunks}  # this handle sees its in-memory lease
+        with store.admin.lease(m):
+            assert store.admin.leased_hashes() >= {r.hash for r in m.all_chunks}  # this handle sees its in-memory lease
             done = subprocess.run([sys.executable, "-c", _DELETER.format(helpers=str(Path(sw.__file__).parent),
                                                                         store=str(store_dir), session="f0-read")],
                                   capture_output=True, text=True, timeout=120)
@@ -296,8 +296,8 @@ def test_copying_the_index_on_a_full_disk_is_store_full(tmpfs) -> None:
         (mnt / "index-copy").mkdir()
         reserve.release(str(store_dir))
         ballast = fill(mnt)
-        with store.exclusive():
+        with store.admin.exclusive():
             with pytest.raises(StoreFull):
-                store.copy_index(str(mnt / "index-copy"))
+                store.admin.copy_index(str(mnt / "index-copy"))
         check(store, saved)
     ballast.unlink()

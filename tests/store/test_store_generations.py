@@ -65,7 +65,7 @@ def test_a_damaged_checkpoint_is_quarantined_and_the_next_longest_is_used(tmp_pa
         # a second, longer one from "another process" on the same continuation: made without deleting the first
         longer = store.save(f"g{8:010d}-p{PROMPT}-t9-s-{'0' * 12}", tokens + token_ids(4, 5),
                             session(MLA, lengths=(PROMPT + 8,), seed=3), namespace=NAMESPACE_PREFIX + KEY)
-        flip_chunk_byte(store, store.manifest(longer.snapshot_id).chunks[-1].hash)
+        flip_chunk_byte(store, store.admin.manifest(longer.snapshot_id).chunks[-1].hash)
         found = store.find_generation_checkpoint(KEY, tokens[:PROMPT])
         assert found is not None and len(found.generated) == 4
         assert any(f.kind == "quarantined" for f in store.verify())

@@ -28,7 +28,7 @@ def _three_sharing(root):
     """Sessions a, b, c holding the same content (every chunk shared), one chunk of it flipped."""
     store = open_store(root, identity=MODEL, chunk_tokens=16)
     infos = [store.save(s, list(range(N)), make_caches("mla", N, 1)) for s in "abc"]
-    bad = store.manifest(infos[0].snapshot_id).chunks[1].hash
+    bad = store.admin.manifest(infos[0].snapshot_id).chunks[1].hash
     flip_chunk_byte(store, bad)
     return store, bad
 
@@ -92,7 +92,7 @@ def test_repair_drops_what_no_good_copy_can_heal_and_reports_it(tmp_path) -> Non
         assert {r["session_id"] for r in report.lost} == {"b", "c"}
         assert [q["session_id"] for q in report.dropped_quarantined] == ["a"]
         assert report.reclaimed_bytes > 0 and report.remaining == []
-        assert store.verify(deep=True) == [] and store.bad_chunks() == [] and store.quarantined() == []
+        assert store.verify(deep=True) == [] and store.admin.bad_chunks() == [] and store.admin.quarantined() == []
         assert [s.session_id for s in store.sessions()] == ["z"]
         assert _bits(store.restore("z").caches) == _bits(make_caches("mla", N, 7)) and other
         again = store.repair(dry_run=False)  # nothing left to do
@@ -129,7 +129,7 @@ def test_a_damaged_trailer_on_a_pack_with_live_chunks_is_reported_and_rewritten(
     root = tmp_path / "s"
     with open_store(root, identity=MODEL, chunk_tokens=16) as store:
         first = store.save("a", list(range(N)), make_caches("mla", N, 1))
-        pack = store.chunk_location(store.manifest(first.snapshot_id).chunks[0].hash)[0]
+        pack = store.admin.chunk_location(store.admin.manifest(first.snapshot_id).chunks[0].hash)[0]
         store.save("b", list(range(N)), make_caches("mla", N, 1))  # b's chunks all lie in a's pack
         store.save("a", list(range(2000, 2000 + N)), make_caches("mla", N, 3))  # a moves on: the pack's manifest is old
         want = {s: _bits(store.restore(s).caches) for s in "ab"}
@@ -145,7 +145,7 @@ def test_a_damaged_trailer_on_a_pack_with_live_chunks_is_reported_and_rewritten(
         assert store.verify(deep=True) == [] and not (root / pack).exists()
     with open_store(root, admin=True) as store:
         store.rebuild_index()
-        assert store.rebuild_report() == []
+        assert store.admin.rebuild_report() == []
     with open_store(root, identity=MODEL, chunk_tokens=16) as store:
         assert {s: _bits(store.restore(s).caches) for s in "ab"} == want  # the rebuild lost nothing
 
@@ -158,10 +158,10 @@ def test_repair_heals_a_damaged_chunk_from_its_copy_in_another_pack(tmp_path) ->
     store = open_store(root, identity=MODEL, chunk_tokens=16)
     with store:
         infos = [store.save(s, list(range(N)), make_caches("mla", N, 1)) for s in "abc"]
-        h = store.manifest(infos[0].snapshot_id).chunks[1].hash
-        old_pack = store.chunk_location(h)[0]
-        assert store.rewrite_chunk(h, "zstd") is not None
-        assert store.chunk_location(h)[0] != old_pack and (root / old_pack).exists()
+        h = store.admin.manifest(infos[0].snapshot_id).chunks[1].hash
+        old_pack = store.admin.chunk_location(h)[0]
+        assert store.admin.rewrite_chunk(h, "zstd") is not None
+        assert store.admin.chunk_location(h)[0] != old_pack and (root / old_pack).exists()
         flip_chunk_byte(store, h)
         try:
             store.restore("a")
@@ -176,7 +176,7 @@ def test_repair_heals_a_damaged_chunk_from_its_copy_in_another_pack(tmp_path) ->
         assert [c["chunk"] for c in report.healed] == [h] and report.healed[0]["sessions"] == ["b", "c"]
         assert report.lost == [] and report.remaining == []
         assert [q["session_id"] for q in report.dropped_quarantined] == ["a"]  # a's restore had quarantined it
-        assert store.bad_chunks() == [] and store.verify(deep=True) == []
+        assert store.admin.bad_chunks() == [] and store.verify(deep=True) == []
         for s in "bc":
             assert _bits(store.restore(s).caches) == _bits(make_caches("mla", N, 1))
         assert store.save("a", list(range(N)), make_caches("mla", N, 1)).blobs_written == 0  # the healed copy dedupes
@@ -187,9 +187,9 @@ def test_repair_without_a_good_copy_anywhere_reports_the_loss_not_a_heal(tmp_pat
     root = tmp_path / "s"
     with open_store(root, identity=MODEL, chunk_tokens=16) as store:
         info = store.save("a", list(range(N)), make_caches("mla", N, 1))
-        h = store.manifest(info.snapshot_id).chunks[1].hash
-        old = store.chunk_location(h)
-        store.rewrite_chunk(h, "zstd")
+        h = store.admin.manifest(info.snapshot_id).chunks[1].hash
+        old = store.admin.chunk_location(h)
+        store.admin.rewrite_chunk(h, "zstd")
         flip_chunk_byte(store, h)
         with open(root / old[0], "r+b") as f:  # the same flip in the old copy
             f.seek(old[1] + old[2] - 5)
@@ -210,7 +210,7 @@ def test_a_repair_dry_run_on_damage_nothing_has_read_yet_writes_no_mark(tmp_path
         before = _files(root)
         dry = store.repair(dry_run=True)
         assert dry.bad_chunks == [bad] and {r["session_id"] for r in dry.lost} == {"a", "b", "c"}
-        assert _files(root) == before and store.bad_chunks() == []
+        assert _files(root) == before and store.admin.bad_chunks() == []
 
 
 def test_deep_verify_marks_what_fails_its_hash_so_the_next_save_heals_it(tmp_path) -> None:
@@ -222,7 +222,7 @@ def test_deep_verify_marks_what_fails_its_hash_so_the_next_save_heals_it(tmp_pat
         found = {(f.kind, f.where): f for f in store.verify(deep=True)}
         f = found[("corrupt-blob", f"blob {bad}")]
         assert f.sessions == ("a", "b", "c") and "marked bad" in f.detail
-        assert [m["hash"] for m in store.bad_chunks()] == [bad]
+        assert [m["hash"] for m in store.admin.bad_chunks()] == [bad]
         assert store.lookup(list(range(N)) + [7]) is None  # no snapshot needing it is offered
         info = store.save("d", list(range(N)), make_caches("mla", N, 1))
         assert info.blobs_written == 1  # the fresh copy, and only it
@@ -265,7 +265,7 @@ def test_random_damage_save_repair_never_restores_wrong_bytes_and_loses_nothing_
                 current = {i.session_id: i.snapshot_id for i in store.sessions()}
                 if s not in current:  # quarantined meanwhile: nothing of it to damage
                     continue
-                chunks = store.manifest(current[s]).all_chunks
+                chunks = store.admin.manifest(current[s]).all_chunks
                 flip_chunk_byte(store, chunks[arg % len(chunks)].hash, from_end=5 + arg)
             elif op == "restore" and s in want and s not in reported:
                 try:

@@ -13,7 +13,7 @@ from codec_cases import CASES_BY_ID
 from store_cases import chunk_file, flip_chunk_byte, open_test_store, same_caches, session, token_ids
 
 from kvshelf.errors import CorruptData, SnapshotNotFound, StoreFull
-from kvshelf.store import seams
+from kvshelf.store.base import seams
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 PER_TOKEN = 2 * (64 + 32) * 4  # two f32 MLA layers of widths 64 + 32
@@ -61,7 +61,7 @@ def test_saving_a_grown_session_writes_only_new_chunks(tmp_path):
         again = store.save("b", tokens, session(MLA, (40, 40)))
         assert (again.bytes_written, again.bytes_reused) == (0, 80 * PER_TOKEN)
         assert len(store.sessions()) == 2 and store.stats()["blobs"] == 5  # the old partial chunk was freed
-        live = {store.chunk_location(h)[0] for h, _m in store.iter_chunks()}
+        live = {store.admin.chunk_location(h)[0] for h, _m in store.admin.iter_chunks()}
         assert len(live) == 2 and {p.name for p in packs_on_disk(tmp_path / "s")} >= {n.split("/")[1] for n in live}
         same_caches(store.restore("a").caches, session(MLA, (40, 40)))
         assert store.verify(deep=True) == []
@@ -73,7 +73,7 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
         a = store.save("a", shared + token_ids(36, seed=1), session(MLA, (64, 36), seed=0))
         b = store.save("b", shared + token_ids(20, seed=2), session(MLA, (64, 20), seed=0))
         assert b.bytes_reused == 64 * PER_TOKEN
-        bad = store.manifest(a.snapshot_id).chunks[-1]  # a's own last chunk
+        bad = store.admin.manifest(a.snapshot_id).chunks[-1]  # a's own last chunk
         flip_chunk_byte(store, bad.hash)
         assert [f.kind for f in store.verify(deep=False)] == []
         assert [(f.kind, f.where) for f in store.verify(deep=True)] == [("corrupt-blob", f"blob {bad.hash}")]
@@ -88,7 +88,7 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
         assert (tmp_path / "s" / "tomb" / f"{a.snapshot_id}.quarantined").exists()  # the evidence: why, and when
         # issue 12: the quarantined snapshot stays a finding naming its session, and its bytes stay as evidence
         assert [(f.kind, f.sessions) for f in store.verify(deep=True)] == [("quarantined", ("a",))]
-        assert os.path.exists(chunk_file(store, bad.hash)[0]) if store.chunk_info(bad.hash) else True
+        assert os.path.exists(chunk_file(store, bad.hash)[0]) if store.admin.chunk_info(bad.hash) else True
         assert store.gc(dry_run=False).orphan_blobs == []  # gc keeps the evidence while the record exists
         assert store.drop_quarantined(a.snapshot_id)  # the operator's decision
         store.gc(dry_run=False)
@@ -101,7 +101,7 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
 def test_truncated_blob_is_corrupt_data(tmp_path):
     with open_test_store(tmp_path / "s", chunk_tokens=16) as store:
         info = store.save("a", token_ids(40), mla(40))
-        path, offset, length = chunk_file(store, store.manifest(info.snapshot_id).chunks[-1].hash)
+        path, offset, length = chunk_file(store, store.admin.manifest(info.snapshot_id).chunks[-1].hash)
         with open(path, "r+b") as f:
             f.truncate(offset + length - 100)  # the last chunk (and the pack's trailer) cut short
         with pytest.raises(CorruptData, match="truncated"):
@@ -195,16 +195,16 @@ def test_budget_evicts_least_recently_used_whole_snapshots(tmp_path):
 def test_leased_snapshot_is_not_evicted_and_keeps_its_chunks(tmp_path):
     with open_test_store(tmp_path / "s", chunk_tokens=16, max_bytes=int(1.5 * 48 * PER_TOKEN)) as store:
         info = store.save("a", token_ids(48, seed=1), mla(48, seed=1))
-        manifest = store.manifest(info.snapshot_id)
-        lease = store._lease(manifest, manifest.chunks)  # what a restore in flight holds
-        store.save("b", token_ids(48, seed=2), mla(48, seed=2))  # over budget, but a is leased
-        assert {s.session_id for s in store.sessions()} == {"a", "b"}
-        files = {chunk_file(store, r.hash)[0] for r in manifest.chunks}
-        store.delete("a")  # even an explicit delete leaves a reader's chunks on disk
-        assert all(os.path.exists(f) for f in files)
-        store._release(lease, None, manifest.chunks)  # the reader is done: the freed chunks go with its release
+        manifest = store.admin.manifest(info.snapshot_id)
+        with store.admin.lease(manifest):  # what a restore in flight holds
+            store.save("b", token_ids(48, seed=2), mla(48, seed=2))  # over budget, but a is leased
+            assert {s.session_id for s in store.sessions()} == {"a", "b"}
+            files = {chunk_file(store, r.hash)[0] for r in manifest.chunks}
+            store.delete("a")  # even an explicit delete leaves a reader's chunks on disk
+            assert all(os.path.exists(f) for f in files)
+        # the reader is done: what died meanwhile is left for gc (a release never unlinks), which reclaims it
         report = store.gc(dry_run=False)
-        assert report.orphan_blobs == [] and not any(os.path.exists(f) for f in files)
+        assert report.orphan_blobs and not any(os.path.exists(f) for f in files)
         assert store.verify(deep=True) == []
 
 

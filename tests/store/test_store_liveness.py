@@ -27,7 +27,7 @@ sys.path[:0] = [{helpers!r}, {repo!r}]
 from store_cases import open_test_store
 with open_test_store({root!r}, chunk_tokens=16) as store:
     sid = store.sessions()[0].snapshot_id
-    with store.lease(sid):
+    with store.admin.lease(sid):
         pathlib.Path({ready!r}).write_text(str(__import__("os").getpid()))
         time.sleep(600)
 """
@@ -49,7 +49,7 @@ def test_a_readers_lease_lives_exactly_as_long_as_its_process(tmp_path, namespac
     root = tmp_path / "s"
     with open_test_store(root, chunk_tokens=16) as store:
         info = store.save("a", token_ids(48), session(MLA, (48,)))
-        packs = {store.chunk_location(r.hash)[0] for r in store.manifest(info.snapshot_id).all_chunks}
+        packs = {store.admin.chunk_location(r.hash)[0] for r in store.admin.manifest(info.snapshot_id).all_chunks}
     ready = tmp_path / "ready"
     script = HOLDER.format(helpers=str(TESTS / "helpers"), repo=str(TESTS.parent), root=str(root), ready=str(ready))
     holder = subprocess.Popen([*prefix, sys.executable, "-c", script], start_new_session=True)
@@ -62,7 +62,7 @@ def test_a_readers_lease_lives_exactly_as_long_as_its_process(tmp_path, namespac
         if namespace != "same":
             assert ready.read_text() in ("1", "2")  # its own PID namespace: that PID is some other process here
         with open_test_store(root, chunk_tokens=16) as store:
-            assert store.leased_hashes()  # the other namespace's lease is seen
+            assert store.admin.leased_hashes()  # the other namespace's lease is seen
             store.delete("a")
             report = store.gc(dry_run=False)
             assert report.expired_leases == 0 and report.orphan_blobs == []
@@ -70,9 +70,9 @@ def test_a_readers_lease_lives_exactly_as_long_as_its_process(tmp_path, namespac
             os.killpg(holder.pid, signal.SIGKILL)  # no cleanup runs: only the kernel drops its lock
             holder.wait(30)
             deadline = time.monotonic() + 30  # unshare's forked child (the holder) dies just after unshare itself
-            while store.leased_hashes() and time.monotonic() < deadline:
+            while store.admin.leased_hashes() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert store.leased_hashes() == set()
+            assert store.admin.leased_hashes() == set()
             report = store.gc(dry_run=False)
             assert report.expired_leases == 1  # its lease file, reaped
             assert sorted(report.orphan_blobs) == sorted(packs)

@@ -13,6 +13,7 @@ from kvshelf import Identity
 from kvshelf.errors import IdentityMismatch, InvalidCacheState, SnapshotNotFound
 from kvshelf.latent_legos import LatentGeometry, MLACache
 from kvshelf.store.identity import namespace_key
+from kvshelf.store.index.keys import session_key
 from kvshelf.store.prefix.hashing import boundary_hash, continuation, positions, tokens_array
 from kvshelf.store.prefix.records import lineage_id
 
@@ -110,10 +111,10 @@ def test_candidates_are_confirmed_token_by_token(tmp_path):
     tokens = token_ids(100)
     with open_test_store(tmp_path / "s") as store:
         store.save("a", tokens, session(MLA, LENGTHS))
-        tag = lineage_id(store._session_key("a", ""))  # records name the session's lineage; heads resolve it to "a"
+        nsk = namespace_key(store.id_key, "")
+        tag = lineage_id(session_key(store.id_key, nsk, "a"))  # records name the session's lineage; heads resolve it to "a"
         unrelated = token_ids(100, seed=77)
         diverging = tokens[:20] + token_ids(80, seed=78)
-        nsk = store._ns_key("")
         def forge(txn):  # collisions at every boundary of both prompts
             for prompt in (unrelated, diverging):
                 arr = tokens_array(prompt)

@@ -100,7 +100,7 @@ def test_every_path_that_removes_a_head_removes_its_records(tmp_path):
                  for i, name in enumerate(["a", "b", "c", "d"])}
         store.delete("a")
         assert_table_exact(store, current(store))
-        victim = store.manifest(infos["b"].snapshot_id).chunks[-1].hash
+        victim = store.admin.manifest(infos["b"].snapshot_id).chunks[-1].hash
         flip_chunk_byte(store, victim)
         with pytest.raises(CorruptData):
             store.restore("b")  # the damaged chunk quarantines b

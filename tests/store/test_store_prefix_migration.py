@@ -23,7 +23,7 @@ from prefix_oracle import actual, expected  # noqa: E402
 
 from kvshelf import Identity, open_store  # noqa: E402
 from kvshelf.store.prefix import records
-from kvshelf.store import syncs  # noqa: E402
+from kvshelf.store.base import syncs  # noqa: E402
 from kvshelf.store.index.lmdb_env import INDEX_FORMAT  # noqa: E402
 
 V2 = os.path.join(DATA, "v2_index_store")

@@ -281,7 +281,7 @@ def test_a_damaged_store_opened_read_only_is_reported_and_left_as_it_is(template
 
     store = private_copy(template, tmp_path)
     with open_store(store, identity=MODEL) as handle:
-        flip_chunk_byte(handle, handle.manifest(handle.restore("s-mla").snapshot_id).chunks[0].hash)
+        flip_chunk_byte(handle, handle.admin.manifest(handle.restore("s-mla").snapshot_id).chunks[0].hash)
     _shared_read_only(store)
     before = _tree(store)
     proc = _run(AS_NOBODY, ["-m", "kvshelf.tools.cli", "verify", "--deep", "--json", "--store", str(store)])

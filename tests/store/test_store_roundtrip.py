@@ -57,7 +57,7 @@ def test_blobs_are_standard_safetensors_and_private(tmp_path):
     case = next(c for c in CASES if c.lego == "mla" and not c.dsa)
     with open_test_store(tmp_path / "s") as store:
         info = store.save("a", token_ids(12), session(case))
-        where = [store.chunk_location(r.hash) for r in store.manifest(info.snapshot_id).chunks]
+        where = [store.admin.chunk_location(r.hash) for r in store.admin.manifest(info.snapshot_id).chunks]
         assert len(where) == 3 and len({name for name, _, _ in where}) == 1  # 12 tokens in chunks of 4, one pack
         name, offset, length = where[0]
         with open(store.bytes.path(name), "rb") as f:  # a chunk is a standard safetensors file inside the pack
@@ -96,21 +96,21 @@ def test_zstd_blobs_read_transparently_under_the_same_hash(tmp_path):
     tokens = token_ids(12)
     with open_test_store(tmp_path / "s") as store:
         store.save("a", tokens, session(case))
-        m = store.manifest(store.sessions()[0].snapshot_id)
+        m = store.admin.manifest(store.sessions()[0].snapshot_id)
         before = store.stats()["stored_bytes"]
         for ref in m.all_chunks:
-            assert store.rewrite_chunk(ref.hash, "zstd") is not None
-            assert store.chunk_info(ref.hash).encoding == "zstd"
-        packs = dict(store.iter_packs())
-        raw_pack = store.summaries()[m.snapshot_id].pack
+            assert store.admin.rewrite_chunk(ref.hash, "zstd") is not None
+            assert store.admin.chunk_info(ref.hash).encoding == "zstd"
+        packs = dict(store.admin.iter_packs())
+        raw_pack = store.admin.summaries()[m.snapshot_id].pack
         assert packs[raw_pack].live_chunks == 0 and packs[raw_pack].manifests == 1  # raw copies dead, manifest live
-        store.repack()  # moves the manifest out of the emptied pack: the raw copies go
-        assert raw_pack not in dict(store.iter_packs()) and not store.bytes.exists(raw_pack)
-        assert store.manifest(m.snapshot_id) == m
+        store.admin.repack()  # moves the manifest out of the emptied pack: the raw copies go
+        assert raw_pack not in dict(store.admin.iter_packs()) and not store.bytes.exists(raw_pack)
+        assert store.admin.manifest(m.snapshot_id) == m
         assert store.stats()["stored_bytes"] != before
         same_caches(store.restore("a").caches, session(case))
         same_caches(store.restore_prefix(tokens[:9] + [1]).caches, trimmed(session(case), 3))
         assert store.verify(deep=True) == []
-        assert store.rewrite_chunk(m.chunks[0].hash, "raw") is not None
+        assert store.admin.rewrite_chunk(m.chunks[0].hash, "raw") is not None
         same_caches(store.restore("a").caches, session(case))
         assert store.verify(deep=True) == []

@@ -1,6 +1,6 @@
 """How many syncs a durable save and a restore cost (issue 11: at most three per save, none per restore).
 
-Two views of the same fact: the store's recording seam (``kvshelf.store.syncs``: every fsync of ours and every LMDB
+Two views of the same fact: the store's recording seam (``kvshelf.store.base.syncs``: every fsync of ours and every LMDB
 write transaction, which fsyncs inside its commit), and the kernel's — ``strace`` of a real process counting the
 fsync-family system calls between markers (``getpriority``, a call nothing else in the process makes). The strace
 test skips with its reason where strace is missing or ptrace is refused (``.ci/run`` installs it).
@@ -17,7 +17,7 @@ from store_cases import open_test_store, session, token_ids
 from traced import run_traced
 
 from kvshelf.latent_legos.kv import KVCache
-from kvshelf.store import syncs
+from kvshelf.store.base import syncs
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 SYNC_CALLS = ("fsync", "fdatasync", "sync", "syncfs", "msync", "sync_file_range")

@@ -29,7 +29,7 @@ from tools_data import (
 from kvshelf import open_store  # noqa: E402
 from kvshelf.errors import KvShelfError  # noqa: E402
 from kvshelf.store import StoreBusy  # noqa: E402
-from kvshelf.store import seams  # noqa: E402
+from kvshelf.store.base import seams  # noqa: E402
 from kvshelf.tools import admin  # noqa: E402
 from kvshelf.tools.admin import open_admin  # noqa: E402
 from kvshelf.tools.compaction import compact  # noqa: E402
@@ -88,9 +88,9 @@ def test_replace_manifest_loses_cleanly_to_a_save_committed_after_its_read(store
     newer = tokens_for(90, 42)
     with open_store(store_dir, identity=MODEL, chunk_tokens=32) as store:
         sid = next(s.snapshot_id for s in store.sessions() if s.session_id == "s-mla")
-        old = store.manifest(sid)
+        old = store.admin.manifest(sid)
         fired = _save_during_manifest_write(store_dir, sid, "s-mla", newer, make_caches("mla", 90, 42))
-        assert store.replace_manifest(sid, old) is False  # the same manifest, but the session moved on meanwhile
+        assert store.admin.replace_manifest(sid, old) is False  # the same manifest, but the session moved on meanwhile
         assert fired.is_set()
         seams.FAULT_HOOK.clear()
         r = store.restore("s-mla")
@@ -129,12 +129,12 @@ def test_a_reader_holding_a_manifest_rewritten_in_place_reads_the_new_one(store_
         want = _bits(first.restore("s-paged-f32").caches)
     with open_store(store_dir, identity=MODEL, chunk_tokens=32) as reader:
         sid = next(s.snapshot_id for s in reader.sessions() if s.session_id == "s-paged-f32")
-        stale = reader.manifest(sid)
+        stale = reader.admin.manifest(sid)
         with open_admin(store_dir) as store:  # rewrites the snapshot, then its gc unlinks the replaced blobs
             assert compact(store, cold_after=3600.0, grace=0.0, merge=False,
                            compact_index=False).step("densify").count == 1
-        assert reader.manifest(sid) != stale
-        entries, arrays = reader._read_arrays(stale, stale.length)  # the window between reading and leasing
+        assert reader.admin.manifest(sid) != stale
+        entries, arrays = reader.admin.read_arrays(stale, stale.length)  # the window between reading and leasing
         caches = [reader.provider.for_entry(e).load(e, a, verify=False) for e, a in zip(entries, arrays)]
         assert _bits(caches) == want
         assert reader.verify(deep=True) == []
@@ -144,25 +144,25 @@ def test_a_reader_holding_a_manifest_rewritten_in_place_reads_the_new_one(store_
 def test_lease_keeps_blobs_from_rewrites_and_releases_without_a_use(store_dir) -> None:
     with open_store(store_dir, identity=MODEL, chunk_tokens=32) as store:
         sid = next(s.snapshot_id for s in store.sessions() if s.session_id == "s-mla")
-        used = store.summaries()[sid].last_used_ns
-        with store.lease(sid) as m:
-            assert m.snapshot_id == sid and store.leased_hashes() >= {r.hash for r in m.all_chunks}
-            assert store.rewrite_chunk(m.chunks[0].hash, "zstd") is None  # leased: skipped
-        assert store.leased_hashes() == set()
-        assert store.rewrite_chunk(m.chunks[0].hash, "zstd") is not None
-        assert store.summaries()[sid].last_used_ns == used
+        used = store.admin.summaries()[sid].last_used_ns
+        with store.admin.lease(sid) as m:
+            assert m.snapshot_id == sid and store.admin.leased_hashes() >= {r.hash for r in m.all_chunks}
+            assert store.admin.rewrite_chunk(m.chunks[0].hash, "zstd") is None  # leased: skipped
+        assert store.admin.leased_hashes() == set()
+        assert store.admin.rewrite_chunk(m.chunks[0].hash, "zstd") is not None
+        assert store.admin.summaries()[sid].last_used_ns == used
         with pytest.raises(KvShelfError, match="not in the store"):
-            with store.lease("0" * 32):
+            with store.admin.lease("0" * 32):
                 pass
 
 
 def test_admin_handle_is_identity_blind(store_dir) -> None:
     with open_store(store_dir, admin=True) as store:
-        summaries = store.summaries()
+        summaries = store.admin.summaries()
         by_session = {(s.namespace, s.session_id) for s in summaries.values()}
         assert by_session == {("", "s-mla"), ("", "s-paged-f32"), ("", "s-mla-copy"), ("tenant", "s-tenant"),
                               ("", "s-other")}
-        assert set(summaries) == {m.snapshot_id for m in store.iter_manifests()}
+        assert set(summaries) == {m.snapshot_id for m in store.admin.iter_manifests()}
         for call in (lambda: store.save("x", [1, 2], make_caches("mla", 2, 1)), lambda: store.restore("s-mla"),
                      lambda: store.lookup([1, 2, 3]), lambda: store.sessions(), lambda: store.delete("s-mla"),
                      lambda: store.restore_snapshot(next(iter(summaries)))):
@@ -230,7 +230,7 @@ def test_the_open_lock_says_exactly_whether_another_process_has_the_store_open(s
         _wait_for(ready, holder)
         with open_admin(store_dir) as store:
             with pytest.raises(StoreBusy, match="another process"):
-                with store.exclusive():
+                with store.admin.exclusive():
                     pass
             step = compact(store, cold_after=3600.0, merge=False, densify_pages=False).step("index")
             assert step.count == 0 and step.note.startswith("skipped: another process has the store")
@@ -239,14 +239,14 @@ def test_the_open_lock_says_exactly_whether_another_process_has_the_store_open(s
             second = open_store(store_dir, identity=MODEL)
             try:
                 with pytest.raises(StoreBusy, match="other store handles in this process"):
-                    with store.exclusive():
+                    with store.admin.exclusive():
                         pass
             finally:
                 second.close()
             close_now.write_text("")
             _wait_for(done, holder)  # the holder process lives on, with the store closed
             assert holder.poll() is None
-            with store.exclusive():  # now exact: nobody else has it open
+            with store.admin.exclusive():  # now exact: nobody else has it open
                 opener = subprocess.run([sys.executable, "-c", OPENER, str(store_dir)], capture_output=True,
                                         text=True, timeout=60)
                 assert opener.stdout.startswith("busy:") and "held exclusively" in opener.stdout, opener
@@ -264,7 +264,7 @@ def test_the_open_lock_says_exactly_whether_another_process_has_the_store_open(s
 
 def _kvz_sizes(root: Path) -> int:
     with open_store(root, admin=True) as store:
-        return sum(meta.stored_bytes for _h, meta in store.iter_chunks() if meta.encoding == "zstd")
+        return sum(meta.stored_bytes for _h, meta in store.admin.iter_chunks() if meta.encoding == "zstd")
 
 
 def test_zstd_level_is_used_and_reaches_the_cli(store_dir, tmp_path) -> None:
@@ -272,14 +272,14 @@ def test_zstd_level_is_used_and_reaches_the_cli(store_dir, tmp_path) -> None:
     shutil.copytree(store_dir, fast)
     shutil.copytree(store_dir, best)
     with open_store(store_dir, admin=True) as store:
-        h = next(m for m in store.iter_manifests() if m.session_id == "s-mla").chunks[0].hash
-        low = store.rewrite_chunk(h, "zstd", level=1)
-        store.rewrite_chunk(h, "raw")
-        high = store.rewrite_chunk(h, "zstd", level=19)
+        h = next(m for m in store.admin.iter_manifests() if m.session_id == "s-mla").chunks[0].hash
+        low = store.admin.rewrite_chunk(h, "zstd", level=1)
+        store.admin.rewrite_chunk(h, "raw")
+        high = store.admin.rewrite_chunk(h, "zstd", level=19)
         assert low is not None and high is not None and high < low
-        assert store.chunk_info(h).stored_bytes == high and store.verify(deep=True) == []
+        assert store.admin.chunk_info(h).stored_bytes == high and store.verify(deep=True) == []
         with pytest.raises(ValueError, match="1..22"):
-            store.rewrite_chunk(h, "raw", level=0)
+            store.admin.rewrite_chunk(h, "raw", level=0)
     a = run_json("compact", "--cold-after", "0s", "--level", "1", "--store", str(fast))
     b = run_json("compact", "--cold-after", "0s", "--level", "19", "--store", str(best))
     step = {s["name"]: s for s in a["steps"]}["recompress"], {s["name"]: s for s in b["steps"]}["recompress"]
@@ -299,14 +299,14 @@ def test_zstd_chunks_used_again_stay_zstd_when_raw_would_make_the_store_bigger(s
     as skipped with the reason), and the plan says the same."""
     with open_admin(store_dir) as store:
         compact(store, cold_after=0.0, grace=0.0, merge=False, densify_pages=False, compact_index=False)
-        assert {meta.encoding for _h, meta in store.iter_chunks()} == {"zstd"}
+        assert {meta.encoding for _h, meta in store.admin.iter_chunks()} == {"zstd"}
     cold_until = time.time()  # no chunk is used after this until the restore below
     while time.time() < cold_until + GAP:
         time.sleep(0.05)
     hot_from = time.time()
     with open_store(store_dir, identity=OTHER) as other:
         want = _bits(other.restore("s-other").caches)  # these chunks are hot again
-        manifest_hot = other.manifest(other.sessions()[0].snapshot_id)
+        manifest_hot = other.admin.manifest(other.sessions()[0].snapshot_id)
     with open_admin(store_dir) as store:
         only = {"merge": False, "densify_pages": False, "compact_index": False}  # merging would rewrite s-other
         # the hot window ends halfway between the last cold use and the restore, whenever this runs: however
@@ -322,7 +322,7 @@ def test_zstd_chunks_used_again_stay_zstd_when_raw_would_make_the_store_bigger(s
         assert step.count == 0 == plan.step("decompress").count
         assert {s.split(":")[0] for s in step.skipped} == hot and all("bigger" in s for s in step.skipped)
         assert report.step("recompress").count == 0 and report.bytes_after <= report.bytes_before
-        assert {meta.encoding for _h, meta in store.iter_chunks()} == {"zstd"}
+        assert {meta.encoding for _h, meta in store.admin.iter_chunks()} == {"zstd"}
         assert store.verify(deep=True) == []
     with open_store(store_dir, identity=OTHER) as other:
         assert _bits(other.restore("s-other").caches) == want
@@ -332,15 +332,15 @@ def test_replace_manifest_refuses_another_id_or_session(store_dir) -> None:
     from kvshelf.errors import InvalidCacheState
 
     with open_store(store_dir, admin=True) as store:
-        m = next(m for m in store.iter_manifests() if m.session_id == "s-mla")
+        m = next(m for m in store.admin.iter_manifests() if m.session_id == "s-mla")
         with pytest.raises(InvalidCacheState, match="keeps the snapshot id"):
-            store.replace_manifest(m.snapshot_id, msgspec.structs.replace(m, snapshot_id="1" * 32))
+            store.admin.replace_manifest(m.snapshot_id, msgspec.structs.replace(m, snapshot_id="1" * 32))
         with pytest.raises(InvalidCacheState, match="keeps the session"):
-            store.replace_manifest(m.snapshot_id, msgspec.structs.replace(m, session_id="elsewhere"))
+            store.admin.replace_manifest(m.snapshot_id, msgspec.structs.replace(m, session_id="elsewhere"))
         changed = msgspec.structs.replace(m, created_at=m.created_at + 1)
-        assert store.replace_manifest(m.snapshot_id, changed, expected=msgspec.structs.replace(m, trimmable=False)) \
+        assert store.admin.replace_manifest(m.snapshot_id, changed, expected=msgspec.structs.replace(m, trimmable=False)) \
             is False  # not the manifest the rewrite was derived from
-        assert store.manifest(m.snapshot_id) == m
-        assert store.replace_manifest(m.snapshot_id, changed, expected=m) is True
-        assert store.manifest(m.snapshot_id) == changed
+        assert store.admin.manifest(m.snapshot_id) == m
+        assert store.admin.replace_manifest(m.snapshot_id, changed, expected=m) is True
+        assert store.admin.manifest(m.snapshot_id) == changed
         assert store.verify(deep=True) == []

@@ -81,7 +81,7 @@ def scratch_hashes(entries, arrays, chunk_tokens: int) -> list[str]:
 
 
 def manifest_hashes(store, snapshot_id: str) -> list[str]:
-    m = store.manifest(snapshot_id)
+    m = store.admin.manifest(snapshot_id)
     return [r.hash for r in m.chunks] + [r.hash for r in m.own]
 
 

@@ -30,7 +30,7 @@ def check_all(store) -> None:
 def test_v1_store_opens_lists_restores_bit_exact_and_verifies_clean(v1_store):
     with open_store(v1_store, identity=IDENTITY, chunk_tokens=EXPECTED["chunk_tokens"]) as store:
         assert sorted(s.session_id for s in store.sessions()) == sorted(EXPECTED["sessions"])
-        assert store.chunk_info(EXPECTED["zstd_chunk"]).encoding == "zstd"
+        assert store.admin.chunk_info(EXPECTED["zstd_chunk"]).encoding == "zstd"
         check_all(store)
         assert store.verify(deep=True) == []
         hit = store.lookup(EXPECTED["sessions"]["share-b"]["tokens"][:10] + [1, 2])
@@ -53,15 +53,15 @@ def test_v1_store_compacts_into_packs_and_restores_bit_exact_again(v1_store):
     from kvshelf.tools.compaction import compact
 
     with open_store(v1_store, admin=True) as store:
-        assert all(not meta.pack for _h, meta in store.iter_chunks())  # every chunk a v1 blob file
-        n = len(list(store.iter_chunks()))
+        assert all(not meta.pack for _h, meta in store.admin.iter_chunks())  # every chunk a v1 blob file
+        n = len(list(store.admin.iter_chunks()))
         report = compact(store, cold_after=1e10, grace=0.0, merge=False, densify_pages=False)
         # nothing is cold (1e10 s), but the fixture's hot zstd chunk stays zstd: decompressing it would make the
         # store bigger before anything was given back (compaction never ends bigger); every chunk is repacked
         assert report.step("decompress").count == 0 and report.step("repack").count == n
         assert report.bytes_after <= report.bytes_before
-        assert all(meta.pack for _h, meta in store.iter_chunks())  # every chunk now lies in a pack
-        assert all(s.pack for s in store.summaries().values())  # manifests moved out of the v1 files too
+        assert all(meta.pack for _h, meta in store.admin.iter_chunks())  # every chunk now lies in a pack
+        assert all(s.pack for s in store.admin.summaries().values())  # manifests moved out of the v1 files too
         assert not list((v1_store / "blobs").glob("??/*.*"))  # no v1 chunk file left
         assert not list((v1_store / "blobs" / "manifests").glob("*.msgpack"))
         assert store.verify(deep=True) == []

@@ -90,7 +90,7 @@ def test_a_flipped_byte_in_a_sealed_v1_manifest_is_skipped_and_reported_by_rebui
         fh.write(raw)
     with open_store(v1_store, admin=True) as store:
         assert store.rebuild_index() == len(EXPECTED["sessions"]) - 1
-        report = store.rebuild_report()
+        report = store.admin.rebuild_report()
         assert [(f.kind, os.path.basename(path) in f.where) for f in report] == [("rebuild-skipped-manifest", True)]
         assert "checksum" in report[0].detail
     with open_own(v1_store) as store:
@@ -108,7 +108,7 @@ def test_an_unsealed_v1_manifest_is_never_indexed_and_is_reported(v1_store):
         fh.write(bad)
     with open_store(v1_store, admin=True) as store:
         assert store.rebuild_index() == len(EXPECTED["sessions"]) - 1
-        report = store.rebuild_report()
+        report = store.admin.rebuild_report()
         assert len(report) == 1 and report[0].kind == "rebuild-skipped-manifest"
         assert "unsealed" in report[0].detail and report[0].sessions == (VICTIM,)
     with open_own(v1_store) as store:
@@ -134,7 +134,7 @@ def test_a_v1_manifest_disagreeing_with_the_index_stays_unsealed_and_verify_says
         assert sorted(f.kind for f in store.verify(deep=True)) == ["manifest-file-drift", "unsealed-manifest-file"]
     with open_store(v1_store, admin=True) as store:
         assert store.rebuild_index() == len(EXPECTED["sessions"]) - 1
-        assert [f.sessions for f in store.rebuild_report()] == [(VICTIM,)]
+        assert [f.sessions for f in store.admin.rebuild_report()] == [(VICTIM,)]
     with open_own(v1_store) as store:
         with pytest.raises(SnapshotNotFound):
             store.restore(VICTIM)

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import store_workers as sw  # noqa: E402
 
-from kvshelf.store import seams
+from kvshelf.store.base import seams
 from kvshelf.store.index import schema as mf  # noqa: E402
 from kvshelf.store.integrity import verify_counts as verifying  # noqa: E402
 from kvshelf.store.index.schema import ChunkMeta  # noqa: E402
@@ -62,8 +62,8 @@ def test_tiny_batches_and_partitions_find_exactly_the_crafted_drift(tmp_path, ti
         _fill(store, 6)
         assert verifying.partitions(store.index) > 3  # the refcounts really are counted in several passes
         assert store.verify(deep=True) == []
-        victim = sorted(h for h, _m in store.iter_chunks())[-1]  # the last range: every partition is reached
-        meta = store.chunk_info(victim)
+        victim = sorted(h for h, _m in store.admin.iter_chunks())[-1]  # the last range: every partition is reached
+        meta = store.admin.chunk_info(victim)
 
         def bump(txn):
             txn.put("chunks", bytes.fromhex(victim), mf.encode(ChunkMeta(meta.refs + 2, meta.nbytes, meta.stored_bytes,
@@ -146,9 +146,9 @@ def test_verify_invents_nothing_while_another_process_saves_and_deletes(tmp_path
                 seams.AFTER_BATCH.remove(a_commit_lands_now)
             assert overlapped[0] == 40  # every verify had a commit land between two of its batches
             # real damage planted while the writer runs is still found, and only it: a chunk only f0-v-0 uses
-            mine = store.manifest(next(s.snapshot_id for s in store.sessions() if s.session_id == "f0-v-0"))
+            mine = store.admin.manifest(next(s.snapshot_id for s in store.sessions() if s.session_id == "f0-v-0"))
             victim = mine.chunks[-1].hash
-            meta = store.chunk_info(victim)
+            meta = store.admin.chunk_info(victim)
             store.index.write(lambda txn: txn.put("chunks", bytes.fromhex(victim), mf.encode(ChunkMeta(
                 meta.refs + 2, meta.nbytes, meta.stored_bytes, meta.encoding, meta.last_used_ns, meta.pack,
                 meta.offset))))

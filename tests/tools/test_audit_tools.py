@@ -126,8 +126,8 @@ def test_files_stay_0600_and_dirs_0700_after_every_tool_that_writes(store_copy, 
         assert run_cli("compact", "--cold-after", "0s", "--store", str(store_copy)).returncode == 0
         assert _modes(store_copy) == []
         with open_store(store_copy, identity=MODEL) as store:
-            assert any(store.chunk_info(r.hash).encoding == "zstd"
-                       for r in store.manifest(store.restore("s-mla").snapshot_id).chunks)
+            assert any(store.admin.chunk_info(r.hash).encoding == "zstd"
+                       for r in store.admin.manifest(store.restore("s-mla").snapshot_id).chunks)
         for name in ("data.mdb", "lock.mdb"):
             os.unlink(store_copy / "index" / name)
         assert run_cli("rebuild-index", "--store", str(store_copy)).returncode == 0

@@ -134,10 +134,10 @@ def test_orphans_make_stats_and_verify_exit_1_until_gc(fresh_store) -> None:
 def test_verify_deep_rehashes_and_names_the_sessions(fresh_store) -> None:
     with open_store(fresh_store, identity=MODEL) as store:
         sid = store.sessions(namespace="")[0]
-        manifest = store.manifest(store.restore("s-turbo").snapshot_id)
+        manifest = store.admin.manifest(store.restore("s-turbo").snapshot_id)
     ref: ChunkRef = next(r for r in manifest.chunks if r.start == 64)  # not shared with any other session
     with open_store(fresh_store, identity=MODEL) as store:
-        name, offset, length = store.chunk_location(ref.hash)
+        name, offset, length = store.admin.chunk_location(ref.hash)
     path = fresh_store / name
     data = bytearray(path.read_bytes())
     data[offset + length - 5] ^= 0x40  # one flipped bit in tensor data: same size, so only a re-hash sees it

@@ -60,7 +60,7 @@ def files(root: Path) -> dict[str, int]:
 def test_compaction_is_lossless_for_every_kind_and_reports_its_savings(store_dir) -> None:
     before = observe(store_dir)
     with open_admin(store_dir) as store:
-        paged = [m for m in store.iter_manifests() if not all(is_dense(e) for e in m.entries)]
+        paged = [m for m in store.admin.iter_manifests() if not all(is_dense(e) for e in m.entries)]
         assert sorted(m.session_id for m in paged) == ["s-paged-affine", "s-paged-f32"]
         n_blobs = store.stats()["blobs"]  # chunks
         report = compact(store, cold_after=0.0, grace=0.2)
@@ -74,9 +74,9 @@ def test_compaction_is_lossless_for_every_kind_and_reports_its_savings(store_dir
     assert report.bytes_after < report.bytes_before and report.ratio == report.bytes_before / report.bytes_after
     assert observe(store_dir) == before
     with open_admin(store_dir) as store:
-        assert all(is_dense(e) for m in store.iter_manifests() for e in m.entries)
+        assert all(is_dense(e) for m in store.admin.iter_manifests() for e in m.entries)
         assert store.stats()["blobs"] < n_blobs
-        assert {meta.encoding for _h, meta in store.iter_chunks()} >= {"zstd"}
+        assert {meta.encoding for _h, meta in store.admin.iter_chunks()} >= {"zstd"}
         assert store.verify(deep=True) == []
     # a second run finds nothing left to do and changes nothing
     with open_admin(store_dir) as store:
@@ -99,7 +99,7 @@ def test_hot_chunks_stay_raw(store_dir) -> None:
     with open_admin(store_dir) as store:
         report = compact(store, cold_after=3600.0, merge=False, densify_pages=False)
         assert report.step("recompress").count == 0
-        assert {meta.encoding for _h, meta in store.iter_chunks()} == {"raw"}
+        assert {meta.encoding for _h, meta in store.admin.iter_chunks()} == {"raw"}
 
 
 def test_merging_never_touches_shared_chunks() -> None:
@@ -117,13 +117,13 @@ def test_merging_never_touches_shared_chunks() -> None:
 
 def test_leased_snapshots_are_skipped(store_dir) -> None:
     with open_admin(store_dir) as store:
-        target = next(m for m in store.iter_manifests() if m.session_id == "s-paged-f32")
-        with store.lease(target):  # what a reader holds while it restores
+        target = next(m for m in store.admin.iter_manifests() if m.session_id == "s-paged-f32")
+        with store.admin.lease(target):  # what a reader holds while it restores
             report = compact(store, cold_after=0.0, grace=0.0)
         assert target.snapshot_id in report.step("densify").skipped
         assert report.skipped_leased >= 1
-        after = store.manifest(target.snapshot_id)
-        assert after == target and store.chunk_info(target.own[0].hash).encoding == "raw"
+        after = store.admin.manifest(target.snapshot_id)
+        assert after == target and store.admin.chunk_info(target.own[0].hash).encoding == "raw"
 
 
 def loops_done(result: Path) -> int:

@@ -271,7 +271,7 @@ class Serving:
                 "generations": dict(self.generation_counters)}
 
     def status(self) -> dict[str, Any]:
-        from ...store.remote.client import redact
+        from ...store.remote import redact
 
         return status(self.metrics, self.state(), model=self.cli.model, store_dir=self.opts.store,
                       remote=redact(self.opts.remote) if self.opts.remote else None)

@@ -63,7 +63,7 @@ def check_remote(remote: str | None, prefix: str, options: dict[str, Any]) -> No
     ``--remote-prefix`` end the start; an unreachable server does not (remote faults are misses)."""
     if remote is None:
         return
-    from ...store.remote.client import check_prefix, connect, redact
+    from ...store.remote import check_prefix, connect, redact
 
     try:
         check_prefix(prefix)

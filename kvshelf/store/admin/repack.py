@@ -14,7 +14,7 @@ from ..context import StoreContext
 from ..index import keys
 from ..liveness import ledger
 from ..index import schema as mf
-from ..objects.local import open_object
+from ..objects.protocol import open_object
 from ..index.schema import ChunkMeta, Summary
 from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate

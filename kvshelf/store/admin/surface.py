@@ -30,6 +30,7 @@ from ..liveness.save_gate import SaveGate
 from ..liveness.transactions import Transactions
 from ..objects.chunkfile import ChunkReader, Piece, content_hash, kvz_buffers, raw_buffers
 from ..objects.pack import PackBuilder, new_pack_name
+from ..restore.reader import Reader
 from ..restore.chunks import chunk_info, open_chunk
 from ..restore.snapshots import Snapshots, sid_bytes
 from ..save.background import BackgroundWriter
@@ -44,13 +45,20 @@ class StoreAdmin:
 
     def __init__(self, ctx: StoreContext, *, snapshots: Snapshots, leases: Leases, reclaimer: Reclaimer,
                  txns: Transactions, gate: SaveGate, saver: Saver, writer: BackgroundWriter, verifier: Verifier,
-                 gc: Gc, rebuild: Rebuild, swap: IndexSwap, pins: Pins):
+                 gc: Gc, rebuild: Rebuild, swap: IndexSwap, pins: Pins, reader: Reader):
         self.ctx, self.snapshots, self.leases, self.reclaimer, self.pins = ctx, snapshots, leases, reclaimer, pins
+        self.reader = reader
         self.txns, self.gate, self.saver, self.writer = txns, gate, saver, writer
         self.verifier, self.sweeper, self.rebuilder, self.swap = verifier, gc, rebuild, swap
         self._placed: dict = {}  # chunks written by put_chunks that no commit has indexed yet: where they lie
 
     # ------------------------------------------------------------------ listings
+    def read_arrays(self, manifest: Manifest, length: int) -> tuple[list, list]:
+        """A snapshot's cache entries and arrays for ``[0, length)``, read under a lease and verified, without
+        building caches: for a tool that converts or inspects arrays. A manifest rewritten in place meanwhile
+        (compaction) is noticed in the lease transaction and read again."""
+        return self.reader.read_arrays(manifest, length)
+
     def manifest(self, snapshot_id: str) -> Manifest:
         """A snapshot's manifest by id (any identity)."""
         return self.snapshots.manifest(snapshot_id)

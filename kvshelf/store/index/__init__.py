@@ -10,3 +10,11 @@ Belongs here: the index-transaction protocol (``protocol.py``) and its two imple
 May import: ``kvshelf.errors``, ``kvshelf.codecs`` (record types embed cache headers) and ``store.syncs``/``tally``.
 Never the façade or any other room of the store: every room reads and writes the index through this protocol.
 """
+
+from .keys import is_checkpoint, parent_of
+from .memory import MemoryIndexStore
+from .protocol import IndexStore, IndexTxn
+from .schema import ChunkMeta, ChunkRef, Manifest, Summary
+
+__all__ = ["ChunkMeta", "ChunkRef", "IndexStore", "IndexTxn", "Manifest", "MemoryIndexStore", "Summary",
+           "is_checkpoint", "parent_of"]

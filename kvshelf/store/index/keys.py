@@ -20,7 +20,6 @@ import struct
 
 from ..identity import identity_key, namespace_key
 from .schema import ChunkMeta, Manifest, Summary
-from ..objects.pack import TOMB_DIR, is_pack
 
 LEGACY_EXT = {"raw": "safetensors", "zstd": "kvz"}
 LEGACY_MANIFESTS = "blobs/manifests/"
@@ -84,10 +83,6 @@ def legacy_manifest(sid_hex: str, quarantined: bool = False) -> str:
     return f"{LEGACY_MANIFESTS}{sid_hex}.{'quarantined' if quarantined else 'msgpack'}"
 
 
-def tomb(sid_hex: str, quarantined: bool = False) -> str:
-    return f"{TOMB_DIR}{sid_hex}{'.quarantined' if quarantined else ''}"
-
-
 def location(hash_: str, meta: ChunkMeta) -> tuple[str, int, int | None]:
     """(object, offset, length) of a chunk: inside its pack, or a whole v1 blob file (length: the file's)."""
     if meta.pack:
@@ -135,7 +130,7 @@ def open_lock_path(root: str) -> str:
     and by moving a damaged index aside (``lmdb_check.set_aside``)."""
     return os.path.join(root, "locks", "open.lock")
 
-__all__ = ["CHECKPOINT_MARK", "after_prefix", "be64", "checkpoint_id", "identity_key_of", "is_checkpoint", "is_pack",
+__all__ = ["CHECKPOINT_MARK", "after_prefix", "be64", "checkpoint_id", "identity_key_of", "is_checkpoint",
            "legacy_blob", "legacy_manifest", "lineage_id", "location", "lru_key", "lru_sid", "manifest_keys",
            "open_lock_path", "parent_of", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key",
-           "tomb"]
+           ]

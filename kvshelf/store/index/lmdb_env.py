@@ -33,11 +33,11 @@ import lmdb
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
 from . import lmdb_check as lmdbcheck
-from .. import syncs
+from ..base import syncs
 from .protocol import DUP_TABLES, PLAIN_TABLES, Batching, IndexTxn
 from .legacy_view import LegacyView
 from .lmdb_txn import LmdbTxn
-from ..objects.local import ensure_dir
+from ..base.syncs import ensure_dir
 
 INDEX_FORMAT = 3  # 2: layout v2 (packs, sealed records); 3: prefix records tagged by session lineage (records.py)
 READS_FORMATS = (1, 2, 3)  # 1 and 2 are migrated at a writing open, in one write transaction (``Index._check_format``);

@@ -32,7 +32,7 @@ from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate
 from ..liveness.transactions import Transactions
 from ..objects.chunkfile import ChunkReader, Piece
-from ..objects.local import open_object
+from ..objects.protocol import open_object
 from ..objects.pack import PACK_DIR, is_pack, read_trailer
 from ..objects.protocol import ObjectMissing
 

@@ -79,6 +79,8 @@ class Quarantine:
     def drop_quarantined(self, snapshot_id: str) -> bool:
         """An operator's decision: forget a quarantined snapshot (its record goes; ``gc`` may then reclaim the
         objects it kept). Identity-blind (works on an admin handle). True when a record was dropped."""
+        self.ctx.check_writable("drop_quarantined")
+        self.ctx.check_open()
         snapshot_id = inputs.check_snapshot_id(snapshot_id)
 
         def drop(txn):

@@ -17,7 +17,7 @@ from ..index import keys
 from ..liveness import ledger
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
-from ..objects.local import open_object
+from ..objects.protocol import open_object
 from ..index.schema import Manifest
 from ..objects.pack import TOMB_DIR, is_pack, read_trailer
 from ..results import Finding

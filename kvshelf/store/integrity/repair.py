@@ -27,6 +27,7 @@ same ``Removal`` a delete uses (tombstone, followers such as pins), so the books
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ...errors import CorruptData, IncompatibleFormat
 from ..context import StoreContext
@@ -46,9 +47,20 @@ _DAMAGED = ("bad-chunk", "corrupt-blob", "missing-blob")
 
 class Repair:
     def __init__(self, ctx: StoreContext, txns: Transactions, removal: Removal, quarantine: Quarantine,
-                 verifier: Verifier, gc: Gc, copies: GoodCopies, rewrite_packs: Callable[[set[str]], dict]):
+                 verifier: Verifier, gc: Gc, copies: GoodCopies, rewrite_packs: Callable[[set[str]], dict],
+                 open_remote: Callable[[Any, str], Any]):
         self.ctx, self.txns, self.removal, self.quarantine = ctx, txns, removal, quarantine
         self.verifier, self.gc, self.copies, self.rewrite_packs = verifier, gc, copies, rewrite_packs
+        self.open_remote = open_remote  # (URL or seeds, prefix) -> a shared tier's admin handle (remote/maintenance)
+
+    def repair_from(self, dry_run: bool = True, remote: Any = None, remote_prefix: str = "kvshelf:") -> RepairReport:
+        """``Store.repair``: ``remote`` names a shared tier (URL or seed list) to take good copies from; default:
+        the tier this handle was opened with, if any."""
+        self.ctx.check_open()
+        if remote is None:
+            return self.repair(dry_run, self.ctx.tier)
+        with self.open_remote(remote, remote_prefix) as tier:
+            return self.repair(dry_run, tier)
 
     def repair(self, dry_run: bool = True, remote=None) -> RepairReport:
         """Heal the damaged chunks that have a good copy (``remote``: a shared tier to look in too, an object with

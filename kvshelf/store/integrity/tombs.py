@@ -27,7 +27,7 @@ from ...errors import CorruptData, IncompatibleFormat, KvShelfError
 from ..index import keys
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
-from ..objects.local import open_object
+from ..objects.protocol import open_object
 from ..index.schema import Manifest
 from ..objects.pack import PACK_DIR, TOMB_DIR, is_pack, read_trailer
 

@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy
-from .. import seams
+from ..base import seams
 from ..index import keys
 from ..liveness import ledger
 from ..prefix import records
@@ -20,7 +20,7 @@ from . import verify_counts as verifying
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
 from ..index.tables import quarantined_objects
-from ..objects.local import open_object
+from ..objects.protocol import open_object
 from ..index.schema import Manifest, Summary
 from ..objects.pack import read_trailer
 from ..results import Finding
@@ -28,6 +28,7 @@ from ..save.checkpoints import Checkpoints
 from ..context import StoreContext
 from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate
+from ..objects.pack import is_pack
 from .gc import object_of, orphans
 from .legacy_v1 import SEALED_KEY
 
@@ -128,7 +129,7 @@ def _verify(v: Verifier, deep: bool, out: list[Finding], mark_bad: bool = True) 
                                    f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
     verifying.check_counts(ctx, deep, tally, out, mark_bad)
     for name, kind in _confirmed_orphans(v, residue):
-        what = "manifest" if kind == "orphan-manifest" else "pack" if keys.is_pack(name) else "blob"
+        what = "manifest" if kind == "orphan-manifest" else "pack" if is_pack(name) else "blob"
         out.append(Finding(kind, f"{what} {name}",
                            "unreferenced: no index record names it (left by a re-save, a quarantine drop or a "
                            "crash; `kvshelf gc` reclaims it)"))

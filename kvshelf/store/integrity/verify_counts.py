@@ -36,7 +36,7 @@ from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
 from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
 from ..restore.chunks import open_chunk
-from ..objects.local import open_object
+from ..objects.protocol import open_object
 from ..objects.pack import read_trailer
 from ..results import Finding
 from ..index.protocol import meta_int

@@ -36,7 +36,7 @@ import msgspec
 import xxhash
 
 from ...errors import file_error
-from ..objects.local import ensure_dir
+from ..base.syncs import ensure_dir
 from ..index.schema import Lease
 
 _HEAD = struct.Struct("<QQ")

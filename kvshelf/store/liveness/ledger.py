@@ -25,6 +25,7 @@ from ..prefix import records
 from ..index import schema as mf
 from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
 from ..index.protocol import meta_int, set_meta_int
+from ..objects.pack import is_pack
 
 
 class MissingChunks(Exception):
@@ -67,7 +68,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
         raw = chunk_records[h]
         if raw is None:
             where, offset, length, encoding, size = placed[h]
-            if not keys.is_pack(where):  # a v1 blob file found by rebuild_index
+            if not is_pack(where):  # a v1 blob file found by rebuild_index
                 where, offset = "", 0
             meta = ChunkMeta(1, ref.nbytes, length, encoding, now, where, offset)
             total += length
@@ -79,7 +80,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
             m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
             where, offset, length, encoding, size = placed[h]
             left = keys.location(h, m)[0]
-            if keys.is_pack(left):
+            if is_pack(left):
                 _bump_pack(index, txn, left, chunks=-1, nbytes=-m.stored_bytes)
             if tables.pack_meta(txn, where) is None:
                 _bump_pack(index, txn, where, size=size)
@@ -144,7 +145,7 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
             bad_chunks.clear(txn, h)  # the mark names a copy no record points at any more
             total -= m.stored_bytes
             where = keys.location(h, m)[0]
-            if keys.is_pack(where):
+            if is_pack(where):
                 _bump_pack(index, txn, where, chunks=-1, nbytes=-m.stored_bytes)
             candidates.append(where)
         else:
@@ -168,7 +169,7 @@ def move_chunk(index, txn, hash_: str, pack: str, offset: int, length: int, enco
     old = keys.location(hash_, m)[0]
     if old == pack and m.offset == offset:
         return []
-    if keys.is_pack(old):
+    if is_pack(old):
         _bump_pack(index, txn, old, chunks=-1, nbytes=-m.stored_bytes)
     if tables.pack_meta(txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
@@ -199,7 +200,7 @@ def move_manifest(index, txn, sid: bytes, pack: str, pack_size: int) -> list[str
 def object_live(index, txn, name: str) -> bool:
     """Whether an object is still needed by the index: a pack with live chunks or a live manifest, a v1 blob whose
     chunk record still points at it, a v1 manifest file of an indexed snapshot."""
-    if keys.is_pack(name):
+    if is_pack(name):
         m = tables.pack_meta(txn, name)
         return m is not None and (m.live_chunks > 0 or m.manifests > 0)
     legacy = keys.parse_legacy_blob(name)
@@ -219,7 +220,7 @@ def object_live(index, txn, name: str) -> bool:
 
 
 def forget_pack(index, txn, name: str) -> None:
-    if keys.is_pack(name):
+    if is_pack(name):
         txn.delete("packs", name.encode())
 
 

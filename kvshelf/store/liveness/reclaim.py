@@ -17,6 +17,7 @@ from ..index import keys
 from . import ledger
 from ..index.tables import quarantined_objects
 from ..objects.protocol import capability
+from ..objects.pack import is_pack
 from .lease_files import Unknown
 from .object_locks import LeasedObjects, prober
 
@@ -65,7 +66,7 @@ class Reclaimer:
         for name in dead:
             self.ctx.bytes.delete(name)
         with self.ctx.lock:
-            self._forget.update(n for n in dead if keys.is_pack(n))
+            self._forget.update(n for n in dead if is_pack(n))
 
     def unlink_in(self, txn, names: Sequence[str]) -> None:
         """Inside a write transaction (under the writer lock): unlink the dead, unleased objects among ``names`` and

@@ -13,11 +13,12 @@ from collections.abc import Sequence
 import msgspec
 
 from ...errors import KvShelfError
-from .. import seams
+from ..base import seams
 from ..context import StoreContext
 from ..index import keys, tables
 from . import ledger
 from ..objects.protocol import put_unsynced
+from ..objects.pack import tomb as tomb_name
 from .reclaim import Reclaimer
 
 Dropped = tuple[bytes, list[str], bytes]  # (snapshot id, objects freed, tombstone)
@@ -47,7 +48,7 @@ class Removal:
         seams.BEFORE_UNLINK()
         self.reclaimer.reclaim(freed)
         try:
-            put_unsynced(self.ctx.bytes, keys.tomb(dropped.hex(), quarantined=quarantined), [tomb])
+            put_unsynced(self.ctx.bytes, tomb_name(dropped.hex(), quarantined=quarantined), [tomb])
         except (KvShelfError, OSError):  # e.g. a full disk: the removal itself is committed; only a rebuild of a
             pass                         # lost index could bring the snapshot back
 

@@ -8,3 +8,9 @@ chunk file format with the one byte shuffle of the compressed form (``chunkfile.
 May import: ``kvshelf.errors``, ``kvshelf.codecs`` (dtype tables), ``store.seams``/``syncs``/``tally``. Never the
 index (objects do not know what references them), the façade or another room.
 """
+
+from .local import LocalByteStore
+from .memory import MemoryByteStore
+from .protocol import ByteStore, ObjectMissing, capability, open_object
+
+__all__ = ["ByteStore", "LocalByteStore", "MemoryByteStore", "ObjectMissing", "capability", "open_object"]

@@ -23,27 +23,14 @@ import uuid
 from collections.abc import Iterator, Sequence
 
 from ...errors import CorruptData, StoreFull
-from .. import seams as _faults
-from .. import syncs
+from ..base import seams as _faults
+from ..base import syncs
+from ..base.syncs import ensure_dir
 from .protocol import Buffer, ObjectMissing, capability, check_name
 
 DIR_MODE, FILE_MODE = 0o700, 0o600
 IO_MAX = 0x7FFFF000  # write(2)/read(2) move at most this many bytes per call
 IOV_MAX = 1024
-
-
-def ensure_dir(path: str) -> None:
-    """Create ``path`` (and parents) 0700, making the new entry durable in its parent."""
-    if not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        if parent and parent != path:
-            ensure_dir(parent)
-        try:
-            os.mkdir(path, DIR_MODE)
-        except FileExistsError:
-            return
-        os.chmod(path, DIR_MODE)
-        syncs.fsync_dir(parent)
 
 
 WRITEBACK_BYTES = 4 << 20  # written bytes after which a streamed put starts their writeback (start_writeback)
@@ -367,36 +354,4 @@ def _unlink(path: str) -> None:
         pass
 
 
-def open_object(store, name: str):
-    """A reader over one object of any ByteStore: the local fast path, or ranged reads through the protocol."""
-    if capability(store, "opens_readers"):
-        return store.open_reader(name)
-    return _ProtocolReader(store, name)
-
-
-class _ProtocolReader:
-    def __init__(self, store, name: str):
-        self.store, self.name = store, name
-        if not store.exists(name):
-            raise ObjectMissing(f"object {name!r} does not exist")
-
-    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
-        self.store.read_into(self.name, offset, buffers)
-
-    def size(self) -> int:
-        n = self.store.size(self.name)
-        if n is None:
-            raise ObjectMissing(f"object {self.name!r} does not exist")
-        return n
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
-__all__ = ["LocalByteStore", "LocalReader", "ensure_dir", "open_object", "pread_all", "pwrite_all"]
+__all__ = ["LocalByteStore", "LocalReader", "pread_all", "pwrite_all"]

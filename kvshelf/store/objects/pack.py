@@ -41,6 +41,11 @@ def new_pack_name(snapshot_id: str = "", rewrite: bool = False) -> str:
     return f"{PACK_DIR}{uuid.uuid4().hex}.pack"
 
 
+def tomb(sid_hex: str, quarantined: bool = False) -> str:
+    """The object name of a removed snapshot's tombstone (``integrity/tombs.py``)."""
+    return f"{TOMB_DIR}{sid_hex}{'.quarantined' if quarantined else ''}"
+
+
 def is_pack(name: str) -> bool:
     return name.startswith(PACK_DIR) and name.endswith(".pack")
 
@@ -98,4 +103,4 @@ def read_trailer(reader, where: str) -> PackContents:
         raise CorruptData(f"pack {where}: its trailer does not decode ({exc})") from None
 
 
-__all__ = ["PACK_DIR", "PACK_MAGIC", "PackBuilder", "TOMB_DIR", "is_pack", "new_pack_name", "read_trailer", "PackContents"]
+__all__ = ["PACK_DIR", "PACK_MAGIC", "PackBuilder", "TOMB_DIR", "is_pack", "new_pack_name", "tomb", "read_trailer", "PackContents"]

@@ -111,5 +111,37 @@ def put_unsynced(store: ByteStore, name: str, buffers: Sequence[Buffer]) -> int:
 
 
 
-__all__ = ["BackendUnavailable", "Buffer", "ByteStore", "CAPABILITIES", "ObjectMissing", "capability", "check_name",
+def open_object(store, name: str):
+    """A reader over one object of any ByteStore: the local fast path, or ranged reads through the protocol."""
+    if capability(store, "opens_readers"):
+        return store.open_reader(name)
+    return _ProtocolReader(store, name)
+
+
+class _ProtocolReader:
+    def __init__(self, store, name: str):
+        self.store, self.name = store, name
+        if not store.exists(name):
+            raise ObjectMissing(f"object {name!r} does not exist")
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        self.store.read_into(self.name, offset, buffers)
+
+    def size(self) -> int:
+        n = self.store.size(self.name)
+        if n is None:
+            raise ObjectMissing(f"object {self.name!r} does not exist")
+        return n
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+__all__ = ["BackendUnavailable", "Buffer", "ByteStore", "CAPABILITIES", "ObjectMissing", "capability", "check_name", "open_object",
            "put_unsynced"]

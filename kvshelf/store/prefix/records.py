@@ -37,7 +37,7 @@ from ..index import schema as mf
 from ..index.keys import lineage_id
 from ..index.schema import Manifest
 from .hashing import BLOCK_TOKENS, boundaries_after, common_prefix
-from ..tally import ThreadTally
+from ..base.tally import ThreadTally
 
 _EMPTY = np.zeros(0, dtype="<i8")
 Record = tuple[bytes, bytes]  # (boundary hash, continuation + lineage id)

@@ -9,6 +9,7 @@ records), ``index`` (the shared prefix index), ``local`` (the one module that re
 
 from .breaker import CircuitBreaker
 from .bytestore import RedisByteStore
-from .client import DEFAULT_PREFIX, RemoteConfigError, connect
+from .client import DEFAULT_PREFIX, RemoteConfigError, check_prefix, connect, redact
 
-__all__ = ["CircuitBreaker", "RedisByteStore", "DEFAULT_PREFIX", "RemoteConfigError", "connect"]
+__all__ = ["CircuitBreaker", "RedisByteStore", "DEFAULT_PREFIX", "RemoteConfigError", "check_prefix", "connect",
+           "redact"]

@@ -15,7 +15,7 @@ import queue
 import threading
 
 from ...errors import CorruptData, KvShelfError
-from .. import seams
+from ..base import seams
 from . import direct, local
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, StoreFull
-from .. import seams
+from ..base import seams
 from ..context import StoreContext
 from ..index import schema as mf
 from ..objects.protocol import BackendUnavailable

@@ -9,12 +9,12 @@ called corrupt once the index, read again, still places the chunk there; otherwi
 from __future__ import annotations
 
 from ...errors import CorruptData
-from .. import seams
+from ..base import seams
 from ..index import keys, tables
 from ..index.protocol import IndexStore
 from ..index.schema import ChunkMeta
 from ..objects.chunkfile import ChunkReader
-from ..objects.local import open_object
+from ..objects.protocol import open_object
 from ..objects.protocol import ByteStore, ObjectMissing
 
 

@@ -25,12 +25,12 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import CorruptData
-from .. import seams
+from ..base import seams
 from . import hugepages
 from ..objects.protocol import ObjectMissing
 from ..objects.chunkfile import ChunkReader, storage_dtype
 from .destinations import as_stored, owned_zeros, slot_index
-from ..objects.local import open_object
+from ..objects.protocol import open_object
 from ..index.schema import ChunkRef
 from .piece_reads import ChunkHash, PieceJob, fill_chunks
 from .virtualfile import VirtualFile

@@ -39,6 +39,11 @@ class Snapshots:
         id_key = self.ctx.id_key
         return keys.session_key(id_key, namespace_key(id_key, namespace), session_id)
 
+    def scoped_session_key(self, session_id: str, namespace: str) -> bytes:
+        """``session_key`` for a call that needs an identity (an identity-blind handle refuses)."""
+        self.ctx.check_scoped("a session call")
+        return self.session_key(session_id, namespace)
+
     def manifest(self, snapshot_id: str) -> Manifest:
         """A snapshot's manifest by id (any identity)."""
         snapshot_id = inputs.check_snapshot_id(snapshot_id)

@@ -26,8 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptData, InvalidCacheState, SnapshotNotFound, WrongArgumentType
-from . import inputs
+from ...errors import CorruptData, InvalidCacheState, SnapshotNotFound, WrongArgumentType
+from .. import inputs
 
 NAMESPACE_PREFIX = "__generation_checkpoint__:"
 KEY_VERSION = 1
@@ -93,9 +93,9 @@ def _parse(session_id: str, snapshot_id: str) -> _Entry | None:
 
 
 class GenerationCheckpoints:
-    """The checkpoints of every continuation key in one store (stateless: made per call by the store's forwarders).
+    """The checkpoints of every continuation key in one store (stateless; built once per handle by the façade).
 
-    ``store`` is used through its public calls only: ``save`` / ``save_async``, ``sessions``, ``manifest``,
+    ``store`` is used through its public calls only: ``save`` / ``save_async``, ``sessions``, ``admin.manifest``,
     ``restore_snapshot``, ``delete``.
     """
 
@@ -181,7 +181,7 @@ class GenerationCheckpoints:
                          key=lambda e: -e.generated)
         for e in entries:
             try:
-                manifest = self.store.manifest(e.snapshot_id)
+                manifest = self.store.admin.manifest(e.snapshot_id)
                 tokens = list(manifest.tokens)
                 if len(tokens) != e.prompt_length + e.generated or tokens[:len(prompt)] != prompt:
                     continue

@@ -24,7 +24,7 @@ import errno
 import os
 from dataclasses import dataclass
 
-from ..errors import StoreReadOnly
+from ...errors import StoreReadOnly
 
 # what an open, a save or maintenance writes in a store directory: all must be writable for a writing handle
 _WRITTEN = ("", "index", "index/data.mdb", "index/lock.mdb", "locks", "locks/save.lock", "locks/open.lock",

@@ -41,8 +41,22 @@ def note_commit() -> None:
     _count("index_commit")
 
 
+def ensure_dir(path: str) -> None:
+    """Create ``path`` (and parents) 0700, making the new entry durable in its parent."""
+    if not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        if parent and parent != path:
+            ensure_dir(parent)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            return
+        os.chmod(path, 0o700)
+        fsync_dir(parent)
+
+
 def total(sink: dict[str, int]) -> int:
     return sum(sink.values())
 
 
-__all__ = ["counting", "fsync", "fsync_dir", "note_commit", "total", "TOTALS"]
+__all__ = ["counting", "ensure_dir", "fsync", "fsync_dir", "note_commit", "total", "TOTALS"]
