@@ -4,6 +4,7 @@
 ``default_provider.for_entry(entry).load(entry, arrays)`` gives the cache back, bit-exact.
 """
 
+from ..latent_legos.contracts import edit_epoch  # what the store may ask a live cache: whether it changed
 from .checksum import array_bytes, checksum
 from .codec import Codec, CodecProvider
 from .header import (
@@ -35,6 +36,7 @@ __all__ = [
     "array_bytes",
     "checksum",
     "decode_entry",
+    "edit_epoch",
     "decode_header",
     "decode_header_json",
     "default_provider",

@@ -124,7 +124,7 @@ class _Demo:
     """The demo's state between steps: the model, the open store, the live (never stopped) caches, the table."""
 
     def __init__(self, store, out: Callable[[str], object]):
-        from kvshelf.testing.synthetic_model import SyntheticMLAModel
+        from ..latent_legos import SyntheticMLAModel  # the public path (forwarded lazily from kvshelf.testing)
 
         self.store, self.out = store, out
         self.model = SyntheticMLAModel(**MODEL)

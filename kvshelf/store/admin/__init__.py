@@ -2,11 +2,15 @@
 hold and index replacement.
 
 Belongs here: ``surface.py`` (``StoreAdmin``: the tools' calls, ``store.admin``), ``index_swap.py`` (``IndexSwap``:
-the exclusive hold and index replacement) and ``repack.py``. Each call states how it stays
+the exclusive hold and index replacement) and ``repack.py``; the package also names what ``kvshelf.tools``
+uses of the rooms beyond ``store.admin`` (chunk re-encoding pieces, ``RemoteAdmin``), so the tools import no room's
+module. Each call states how it stays
 invisible to live readers (leases honoured, one write transaction per swap, the old copy unlinked only by reclaim).
 
-May import: every other room of the store, never the façade. ``kvshelf.tools`` calls nothing else of the store.
-"""
+May import (the room contract in pyproject.toml, checked in CI): what lies below it — ``store.remote``,
+``store.integrity``, ``store.restore``, ``store.save``, ``store.space``, ``store.liveness``, ``store.prefix``,
+``store.index``, ``store.objects``, ``store.context``, ``store.identity``, ``store.inputs``, ``store.results``,
+``store.base``; ``kvshelf.codecs``; and ``kvshelf.errors``. Never a room above it, nor the façade."""
 
 # What kvshelf.tools uses of the store beyond ``Store``/``store.admin``: named here, so the tools import no room's
 # module and a room can move its internals without breaking them.

@@ -4,5 +4,6 @@ counted per thread, and ``ensure_dir``), per-thread work tallies (``tally.py``) 
 Why a room of its own: the lowest rooms (``index``, ``objects``) need these, and nothing here may import any other
 part of the store, so every room can import it without a circle.
 
-May import: the standard library only. Imported by every room.
-"""
+May import (the room contract in pyproject.toml): the standard library only; it is the lowest layer.
+Imported by every
+room."""

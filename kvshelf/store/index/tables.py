@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from . import schema as mf
+from .keys import CHECKPOINT_MARK
 from .schema import ChunkMeta, Manifest, PackMeta, Summary
 
 
@@ -51,4 +52,17 @@ def quarantined_objects(index, txn) -> set[str]:
     return out
 
 
-__all__ = ["chunk_meta", "manifest", "pack_meta", "quarantined_objects", "summary"]
+def orphan_checkpoint(txn, key: bytes) -> bool:
+    """Whether the ``sessions`` key ``key`` is a prefix checkpoint's whose session is not indexed in ``txn`` (the one
+    test, used by the checkpoint's commit, ``rebuild_index`` and ``verify``)."""
+    key = bytes(key)
+    at = key.find(CHECKPOINT_MARK.encode(), 32)
+    return at >= 0 and txn.get("sessions", key[:at]) is None
+
+
+def orphan_checkpoints(txn) -> list[bytes]:
+    """Snapshot ids of indexed prefix checkpoints whose session is not indexed (``rebuild_index`` drops them)."""
+    return [bytes(sid) for key, sid in txn.range("sessions") if orphan_checkpoint(txn, key)]
+
+
+__all__ = ["orphan_checkpoint", "orphan_checkpoints", "chunk_meta", "manifest", "pack_meta", "quarantined_objects", "summary"]

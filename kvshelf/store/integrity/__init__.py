@@ -9,6 +9,7 @@ copies, drop what has none, reclaim (``repair.py``) —, tombstones (``tombs.py`
 Collaborators: ``Quarantine``, ``Verifier``, ``Gc``, ``Rebuild``, ``Repair`` (given admin's repack as a callable); tombstones and v1 sealing are functions of the
 index and byte store they are given.
 
-May import: ``store.context``, ``store.index``, ``store.objects``, ``store.prefix``, ``store.liveness``,
-``store.space``, ``store.restore.chunks`` (one chunk by hash, for the deep check). Never the façade.
-"""
+May import (the room contract in pyproject.toml, checked in CI): what lies below it — ``store.restore``,
+``store.save``, ``store.space``, ``store.liveness``, ``store.prefix``, ``store.index``, ``store.objects``,
+``store.context``, ``store.identity``, ``store.inputs``, ``store.results``, ``store.base``; and ``kvshelf.errors``.
+Never a room above it, nor the façade."""

@@ -13,6 +13,7 @@ import msgspec
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError
 from ..context import StoreContext
+from ..index import tables
 from ..index import keys
 from ..liveness import ledger
 from ..index import schema as mf
@@ -22,7 +23,6 @@ from ..index.schema import Manifest
 from ..objects.pack import TOMB_DIR, is_pack, read_trailer
 from ..results import Finding
 from ..index.keys import parent_of
-from ..save.checkpoints import Checkpoints
 
 
 class Rebuild:
@@ -126,7 +126,7 @@ def _checkpoint_of_dead(m: Manifest, dead_until: dict[bytes, float]) -> bool:
 def _drop_orphan_checkpoints(index) -> None:
     """Checkpoints whose session was not brought back (never saved, or removed) are not indexed either."""
     def drop(txn):
-        for sid in Checkpoints.orphans(txn):
+        for sid in tables.orphan_checkpoints(txn):
             ledger.drop(index, txn, sid)
 
     index.write(drop)

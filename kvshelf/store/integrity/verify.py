@@ -19,12 +19,12 @@ from ..prefix import records
 from . import verify_counts as verifying
 from ..index import schema as mf
 from ..objects.protocol import ObjectMissing
+from ..index import tables
 from ..index.tables import quarantined_objects
 from ..objects.protocol import open_object
 from ..index.schema import Manifest, Summary
 from ..objects.pack import read_trailer
 from ..results import Finding
-from ..save.checkpoints import Checkpoints
 from ..context import StoreContext
 from ..liveness.reclaim import Reclaimer
 from ..liveness.save_gate import SaveGate
@@ -116,7 +116,7 @@ def _verify(v: Verifier, deep: bool, out: list[Finding], mark_bad: bool = True) 
         for key, sid in rows:
             if txn.get("manifests", sid) is None:
                 out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {sid.hex()}"))
-            elif Checkpoints.orphaned(txn, key):
+            elif tables.orphan_checkpoint(txn, key):
                 owner = (keys.parent_of(keys.session_of_key(key)) or ("?",))[0]
                 out.append(Finding("orphan-checkpoint", f"snapshot {sid.hex()} (checkpoint of session {owner!r})",
                                    "its session is not indexed, so no removal of the session will take it along; "

@@ -1,13 +1,14 @@
 """The objects: where the store's immutable bytes live (packs of chunks, v1 blobs, tombstones).
 
-Belongs here: the byte-store protocol (``protocol.py``) and its local-directory and memory implementations
-(``local.py``, ``memory.py``), packs (``pack.py``: chunks back to back, the manifest in a checksummed trailer), the
+Belongs here: the byte-store protocol (``protocol.py``, with ``open_object``: a reader over any byte store) and its local-directory and memory implementations
+(``local.py``, ``memory.py``), packs (``pack.py``: chunks back to back, the manifest in a checksummed trailer; object names of packs and
+tombstones), the
 chunk file format with the one byte shuffle of the compressed form (``chunkfile.py``) and the GIL-free content hash
 (``runhash.py``).
 
-May import: ``kvshelf.errors``, ``kvshelf.codecs`` (dtype tables), ``store.seams``/``syncs``/``tally``. Never the
-index (objects do not know what references them), the façade or another room.
-"""
+May import (the room contract in pyproject.toml, checked in CI): what lies below it — ``store.context``,
+``store.identity``, ``store.inputs``, ``store.results``, ``store.base``; ``kvshelf.codecs`` (dtype tables); and
+``kvshelf.errors``. Never a room above it, nor the façade."""
 
 from .local import LocalByteStore
 from .memory import MemoryByteStore

@@ -1,9 +1,12 @@
 """The save path: capture live caches, cut them into chunks, write the new ones as one pack, index it in one commit.
 
-Belongs here: the saver (``saver.py``: ``Saver``), cutting tensors into chunk windows (``chunking.py``), reusing the hashes
+Belongs here: the save calls as users make them (``session_saves.py``: ``SessionSaves``: checked, written,
+published), prefix checkpoints (``checkpoints.py``: states along a stored session, docs/CHECKPOINTS.md), the saver
+(``saver.py``: ``Saver``), cutting tensors into chunk windows (``chunking.py``), reusing the hashes
 of windows a cache proves unchanged (``hash_reuse.py``) and the background writer behind ``save_async``
 (``background.py``).
 
-May import: ``store.context``, ``store.index``, ``store.objects``, ``store.prefix`` (token arrays), ``store.liveness`` (the save gate,
-reclaim), ``store.space`` (the budget), ``kvshelf.codecs``. Never the façade.
-"""
+May import (the room contract in pyproject.toml, checked in CI): what lies below it — ``store.space``,
+``store.liveness``, ``store.prefix``, ``store.index``, ``store.objects``, ``store.context``, ``store.identity``,
+``store.inputs``, ``store.results``, ``store.base``; ``kvshelf.codecs``; and ``kvshelf.errors``. Never a room above
+it, nor the façade."""

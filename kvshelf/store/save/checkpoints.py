@@ -39,6 +39,7 @@ import numpy as np
 
 from ...errors import InvalidCacheState, SnapshotNotFound
 from ..index import keys
+from ..index import tables
 from ..index.keys import CHECKPOINT_MARK, checkpoint_id, is_checkpoint
 from ..liveness import ledger
 from ..index import schema as mf
@@ -167,24 +168,12 @@ class Checkpoints:
             txn.delete("quarantine", key)
         return len(found)
 
-    @staticmethod
-    def orphaned(txn, key: bytes) -> bool:
-        """Whether the ``sessions`` key ``key`` is a checkpoint's whose session is not indexed in ``txn``."""
-        key = bytes(key)
-        at = key.find(_MARK_BYTES, 32)
-        return at >= 0 and txn.get("sessions", key[:at]) is None
-
     @classmethod
     def owner_gone(cls, txn, manifest: mf.Manifest) -> bool:
         """Whether ``manifest`` is a checkpoint whose session is not indexed, read in the transaction that would
         commit it: the check before the save cannot see a delete (or eviction) that commits while the checkpoint's
         pack is written, and a checkpoint committed after its session went would be an orphan no removal follows."""
-        return is_checkpoint(manifest.session_id) and cls.orphaned(txn, keys.manifest_keys(manifest)[2])
-
-    @classmethod
-    def orphans(cls, txn) -> list[bytes]:
-        """Snapshot ids of indexed checkpoints whose session is not indexed (``rebuild_index`` drops them)."""
-        return [bytes(sid) for key, sid in txn.range("sessions") if cls.orphaned(txn, key)]
+        return is_checkpoint(manifest.session_id) and tables.orphan_checkpoint(txn, keys.manifest_keys(manifest)[2])
 
 
 __all__ = ["CheckpointInfo", "Checkpoints"]

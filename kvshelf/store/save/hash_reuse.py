@@ -33,7 +33,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ...latent_legos.contracts import edit_epoch
+from ...codecs import edit_epoch
 from ..context import StoreContext
 from ..identity import namespace_key
 from ..index import keys
