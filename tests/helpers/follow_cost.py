@@ -47,7 +47,13 @@ def _imports(name: str, path: str, mods: dict[str, str]) -> set[str]:
         if target:
             out.add(target)  # the module itself; its parents' __init__ are not counted (what a reader opens)
 
+    skip = set()  # imports under ``if TYPE_CHECKING:`` are annotations, not arrows (import-linter agrees)
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for n in ast.walk(node))
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("kvshelf"):
