@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ...errors import InvalidCacheState
 from ..formats import AffineFormat, TurboFormat
-from . import turboquant as tq
+from . import turboquant
 from .affine import AffineEncoding, _check_input, _check_planes, _empty_planes
 
 
@@ -42,16 +42,16 @@ class TurboKeyEncoding:
     planes: int = 3
 
     def __post_init__(self) -> None:
-        if self.bits not in tq.KEY_BITS:
-            raise InvalidCacheState(f"TurboQuant key bits must be one of {tq.KEY_BITS} (got {self.bits!r})")
-        if self.width <= 0 or self.width % tq.BLOCK:
+        if self.bits not in turboquant.KEY_BITS:
+            raise InvalidCacheState(f"TurboQuant key bits must be one of {turboquant.KEY_BITS} (got {self.bits!r})")
+        if self.width <= 0 or self.width % turboquant.BLOCK:
             raise InvalidCacheState(
-                f"latent state width {self.width} has no TurboQuant key encoding (must be a multiple of {tq.BLOCK})"
+                f"latent state width {self.width} has no TurboQuant key encoding (must be a multiple of {turboquant.BLOCK})"
             )
 
     def plane_widths(self) -> tuple[int, int, int]:
-        groups = self.width // tq.BLOCK
-        return (tq.packed_dim(self.width, self.bits), groups, groups)
+        groups = self.width // turboquant.BLOCK
+        return (turboquant.packed_dim(self.width, self.bits), groups, groups)
 
     def plane_dtypes(self) -> tuple[mx.Dtype, mx.Dtype, mx.Dtype]:
         return (mx.int8 if self.bits == 8 else mx.uint8, mx.float16, mx.float16)
@@ -60,9 +60,9 @@ class TurboKeyEncoding:
         _check_input(x, self.width)
         if x.shape[1] == 0:
             return _empty_planes(x.shape[0], self.plane_widths(), self.plane_dtypes())
-        indices, scales, zeros = tq.encode_keys(x, self.bits)
+        indices, scales, zeros = turboquant.encode_keys(x, self.bits)
         if self.bits < 8:
-            indices = tq.pack_bits(indices, self.bits)
+            indices = turboquant.pack_bits(indices, self.bits)
         return [indices, scales, zeros]
 
     def decode(self, planes: list[mx.array]) -> mx.array:
@@ -70,8 +70,8 @@ class TurboKeyEncoding:
         if indices.shape[1] == 0:
             return mx.zeros((indices.shape[0], 0, self.width), dtype=mx.float32)
         if self.bits < 8:
-            indices = tq.unpack_bits(indices, self.bits, self.width)
-        return tq.decode_keys(indices, scales, zeros).astype(mx.float32)
+            indices = turboquant.unpack_bits(indices, self.bits, self.width)
+        return turboquant.decode_keys(indices, scales, zeros).astype(mx.float32)
 
 
 def family_encoding(fmt: AffineFormat | TurboFormat, width: int) -> FamilyEncoding:

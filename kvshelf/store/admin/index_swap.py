@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from ...errors import InvalidCacheState, StoreBusy, file_error
 from ..context import StoreContext
 from ..index.protocol import DUP_TABLES, PLAIN_TABLES, capability
-from ..liveness import open_lock as openlock
+from ..liveness import open_lock
 from ..liveness.save_gate import SaveGate
 from ..liveness.transactions import Transactions
 
@@ -38,7 +38,7 @@ class IndexSwap:
             self.txns.flush_uses()
         index = ctx.index
         handles = index.users if capability(index, "lmdb_directory") else 1
-        if openlock.users(ctx.lock_key) > 1 or handles > 1:
+        if open_lock.users(ctx.lock_key) > 1 or handles > 1:
             raise StoreBusy(f"other store handles in this process have {ctx.root} open")
         try:
             gate = self.gate.hold(exclusive=True, timeout=timeout)
@@ -46,7 +46,7 @@ class IndexSwap:
         except StoreBusy:
             raise StoreBusy(f"saves kept the store at {ctx.root} busy for {timeout:.0f}s") from None
         try:
-            with index.writer_lock(), openlock.exclusive(ctx.lock_key):
+            with index.writer_lock(), open_lock.exclusive(ctx.lock_key):
                 yield
         finally:
             gate.__exit__(None, None, None)
@@ -55,7 +55,7 @@ class IndexSwap:
         """Inside ``exclusive()``: close the LMDB environment, run ``install(index_dir)``, then open it again."""
         ctx = self.ctx
         ctx.check_open()
-        if not openlock.is_exclusive(ctx.lock_key):
+        if not open_lock.is_exclusive(ctx.lock_key):
             raise StoreBusy("replace_index needs the store held exclusively (use it inside store.exclusive())")
         index = ctx.index
         if not capability(index, "lmdb_directory"):
@@ -74,14 +74,14 @@ class IndexSwap:
         if capability(self.ctx.index, "lmdb_directory"):
             self.replace_index(lambda path: shutil.rmtree(path, ignore_errors=True))
             return
-        if not openlock.is_exclusive(self.ctx.lock_key):
+        if not open_lock.is_exclusive(self.ctx.lock_key):
             raise StoreBusy("empty_index needs the store held exclusively (use it inside store.exclusive())")
         self.ctx.index.write(lambda txn: [txn.clear(name) for name in (*PLAIN_TABLES, *DUP_TABLES)])
 
     def copy_index(self, target: str) -> None:
         """Inside ``exclusive()``: write a compacting copy of the index into directory ``target`` (tools swap it in
         with ``replace_index``)."""
-        if not openlock.is_exclusive(self.ctx.lock_key):
+        if not open_lock.is_exclusive(self.ctx.lock_key):
             raise StoreBusy("copy_index needs the store held exclusively (use it inside store.exclusive())")
         index = self.ctx.index
         if not capability(index, "lmdb_directory"):

@@ -13,7 +13,7 @@ from ...errors import CorruptData
 from ..context import StoreContext
 from ..index import keys
 from ..liveness import ledger
-from ..index import schema as mf
+from ..index import schema
 from ..objects.protocol import open_object
 from ..index.schema import ChunkMeta, Summary
 from ..liveness.reclaim import Reclaimer
@@ -54,14 +54,14 @@ def repack(admin, ctx: StoreContext, gate: SaveGate, txns: Transactions, reclaim
                     moved, moved_bytes, left = moved + n, moved_bytes + nb, left + gone
                     batch, size = [], 0
             with ctx.index.read() as txn:
-                summaries = [(bytes(k), mf.decode(v, Summary, "summary"))
+                summaries = [(bytes(k), schema.decode(v, Summary, "summary"))
                              for k, v in txn.range("summaries")]
             for sid, s in summaries:
                 if (s.pack and s.pack not in sparse) or (not s.pack and not v1):
                     continue
                 raw = admin.manifest(sid.hex())
                 pack = new_pack_name(sid.hex(), rewrite=True)
-                psize = ctx.bytes.put(pack, PackBuilder().finish(mf.encode(raw)))
+                psize = ctx.bytes.put(pack, PackBuilder().finish(schema.encode(raw)))
                 gone = txns.write(lambda txn, sid=sid, pack=pack, psize=psize: ledger.move_manifest(
                     ctx.index, txn, sid, pack, psize))
                 if gone:
@@ -94,7 +94,7 @@ def _move_batch(admin, ctx: StoreContext, txns: Transactions, reclaimer: Reclaim
             raw = txn.get("chunks", bytes.fromhex(h))
             if raw is None or h in leased:
                 continue
-            now = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+            now = schema.decode(raw, ChunkMeta, f"chunk record {h}")
             if (now.pack, now.offset, now.encoding) != before[h]:
                 continue  # moved or re-encoded meanwhile: leave it
             gone += ledger.move_chunk(ctx.index, txn, h, pack, off, length, enc, size)

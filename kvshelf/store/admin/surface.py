@@ -17,7 +17,7 @@ from ...errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShel
 from ..context import StoreContext
 from ..index import keys, tables
 from ..liveness import ledger
-from ..index import schema as mf
+from ..index import schema
 from ..index.protocol import meta_int
 from ..index.schema import ChunkRef, ChunkMeta, Manifest, PackMeta, Summary
 from ..integrity.gc import Gc
@@ -69,7 +69,7 @@ class StoreAdmin:
         reports it)."""
         for sid, raw in self.ctx.index.scan("manifests"):
             try:
-                yield mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+                yield schema.decode(raw, Manifest, f"manifest {sid.hex()}")
             except (CorruptData, IncompatibleFormat):
                 if not skip_damaged:
                     raise
@@ -82,7 +82,7 @@ class StoreAdmin:
         """Every chunk record, streamed in batched read transactions (``skip_damaged``: as ``iter_manifests``)."""
         for key, raw in self.ctx.index.scan("chunks"):
             try:
-                yield key.hex(), mf.decode(raw, ChunkMeta, f"chunk record {key.hex()}")
+                yield key.hex(), schema.decode(raw, ChunkMeta, f"chunk record {key.hex()}")
             except CorruptData:
                 if not skip_damaged:
                     raise
@@ -92,7 +92,7 @@ class StoreAdmin:
         with self.ctx.index.read() as txn:
             rows = [(bytes(k).decode(), bytes(v)) for k, v in txn.range("packs")]
         for name, raw in rows:
-            m = mf.decode(raw, PackMeta, f"pack record {name}")
+            m = schema.decode(raw, PackMeta, f"pack record {name}")
             if m.live_chunks or m.manifests:  # emptied ones are unlinked (their records forgotten later)
                 yield name, m
 
@@ -133,7 +133,7 @@ class StoreAdmin:
     def summaries(self) -> dict[str, Summary]:
         """Every indexed snapshot's summary record, all identities: snapshot id -> ``Summary``."""
         self.ctx.check_open()
-        return {k.hex(): mf.decode(raw, Summary, f"summary {k.hex()}") for k, raw in self.ctx.index.scan("summaries")}
+        return {k.hex(): schema.decode(raw, Summary, f"summary {k.hex()}") for k, raw in self.ctx.index.scan("summaries")}
 
     def stats(self) -> dict[str, Any]:
         """Counts and bytes: this identity's snapshots, the whole store's chunks, this handle's counters (and the
@@ -144,7 +144,7 @@ class StoreAdmin:
             total = meta_int(txn, b"total_bytes")
             n_chunks = txn.count("chunks")
             n_packs = sum(1 for _k, v in txn.range("packs")
-                          if (lambda m: m.live_chunks or m.manifests)(mf.decode(v, PackMeta, "pack record")))
+                          if (lambda m: m.live_chunks or m.manifests)(schema.decode(v, PackMeta, "pack record")))
             n_snapshots_all = txn.count("manifests")
             own = own_bytes = 0
             if ctx.id_key is not None:
@@ -319,15 +319,15 @@ class StoreAdmin:
         with ctx.removers.removing():  # the swap frees the old chunks: hold it to their unlink (removers.py)
             with self.gate.hold():
                 pack = new_pack_name(snapshot_id, rewrite=True)
-                size = ctx.bytes.put(pack, PackBuilder().finish(mf.encode(new)))
+                size = ctx.bytes.put(pack, PackBuilder().finish(schema.encode(new)))
                 with ctx.lock:
                     placed = dict(self._placed)
 
                 def swap(txn):
                     current = txn.get("manifests", sid)
                     if current is None or txn.get("sessions", skey) != sid or (
-                            expected is not None and mf.unseal(bytes(current), "manifest") != mf.unseal(
-                                mf.encode(expected), "manifest")):
+                            expected is not None and schema.unseal(bytes(current), "manifest") != schema.unseal(
+                                schema.encode(expected), "manifest")):
                         return None
                     return ledger.commit(ctx.index, txn, new, pack, size, placed, replaces=sid)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import msgspec
 
 from . import keys
-from . import schema as mf
+from . import schema
 from .schema import ChunkMeta
 
 TABLE = "bad_chunks"
@@ -51,7 +51,7 @@ def mark(txn, hash_: str, where: tuple, reason: str) -> bool:
     raw = txn.get("chunks", key)
     if raw is None:
         return False
-    meta = mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
+    meta = schema.decode(raw, ChunkMeta, f"chunk record {hash_}")
     obj, offset, _length = keys.location(hash_, meta)
     if (obj, offset) != (where[0], where[1]):
         return False  # repointed at another copy since the read: that copy was not found bad
@@ -82,7 +82,7 @@ def uses_bad(txn, sid: bytes, length: int) -> bool:
     raw = txn.get("manifests", sid)
     if raw is None:
         return False
-    m = mf.decode(raw, mf.Manifest, f"manifest {sid.hex()}")
+    m = schema.decode(raw, schema.Manifest, f"manifest {sid.hex()}")
     return any(txn.get(TABLE, bytes.fromhex(r.hash)) is not None
                for r in [*m.own, *(c for c in m.chunks if c.start < length)])
 

@@ -31,7 +31,7 @@ import lmdb
 
 from ...errors import CorruptData, StoreBusy
 from . import keys
-from . import lmdb_pages as lmdbpages, lmdb_walk_memo as walkmemo
+from . import lmdb_pages, lmdb_walk_memo
 
 MAGIC = 0xBEEFC0DE
 P_META = 0x08
@@ -81,19 +81,19 @@ def check_data_file(index_dir: str) -> int:
     try:
         if os.fstat(fd).st_size == 0:
             return 0  # created but never initialised (a crash between create and first commit): LMDB formats it
-        if walkmemo.remembered(index_dir, walkmemo.key_of(fd, _metas(fd))):
+        if lmdb_walk_memo.remembered(index_dir, lmdb_walk_memo.key_of(fd, _metas(fd))):
             return 0  # walked, and not written since
-        memo = walkmemo.Pending(index_dir)
+        memo = lmdb_walk_memo.Pending(index_dir)
         for walks in range(1, WALKS + 1):
             raw = _metas(fd)
-            before = walkmemo.key_of(fd, raw)
+            before = lmdb_walk_memo.key_of(fd, raw)
             try:
                 _judge(fd, raw, path)
             except CorruptData:
                 if _metas(fd) == raw:
                     raise  # the file held still: the damage is in it
                 continue
-            memo.keep(before, walkmemo.key_of(fd, _metas(fd)))
+            memo.keep(before, lmdb_walk_memo.key_of(fd, _metas(fd)))
             return walks
         return WALKS
     finally:
@@ -114,11 +114,11 @@ def _judge(fd: int, raw: tuple[bytes, bytes], path: str) -> None:
     at = max(range(len(metas)), key=lambda i: metas[i][2])
     psize, last_pg, _txnid = metas[at]
     # the file may end before page last_pg (pages allocated and freed unwritten): only live pages must be in it
-    walk = lmdbpages.Walk(lambda pgno, count: os.pread(fd, count * psize, pgno * psize), psize, last_pg + 1,
+    walk = lmdb_pages.Walk(lambda pgno, count: os.pread(fd, count * psize, pgno * psize), psize, last_pg + 1,
                           size // psize)
     try:
-        walk.run(lmdbpages.Db(raw[at], 40), lmdbpages.Db(raw[at], 88))
-    except lmdbpages.PageDamage as exc:
+        walk.run(lmdb_pages.Db(raw[at], 40), lmdb_pages.Db(raw[at], 88))
+    except lmdb_pages.PageDamage as exc:
         raise CorruptData(f"the index file {path} is damaged: {exc}; {_REPAIR}") from None
 
 

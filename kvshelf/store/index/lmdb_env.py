@@ -32,7 +32,7 @@ from typing import TypeVar
 import lmdb
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, StoreBusy, StoreFull
-from . import lmdb_check as lmdbcheck
+from . import lmdb_check
 from ..base import syncs
 from .protocol import DUP_TABLES, PLAIN_TABLES, Batching, IndexTxn
 from .legacy_view import LegacyView
@@ -58,7 +58,7 @@ class _Shared:
     """One LMDB environment per directory and process (LMDB forbids opening it twice), shared by Store handles."""
 
     def __init__(self, path: str, map_size: int, read_only: bool = False):
-        lmdbcheck.check_data_file(path)  # a truncated data.mdb would SIGBUS once mapped
+        lmdb_check.check_data_file(path)  # a truncated data.mdb would SIGBUS once mapped
         # read-only (store/access.py): the map opens read-only; LMDB's reader slot needs a writable lock.mdb, and
         # without one the reader runs unregistered (lock=False; access.py says what that gives up)
         lock = not read_only or os.access(os.path.join(path, "lock.mdb"), os.W_OK)
@@ -67,15 +67,15 @@ class _Shared:
                                  metasync=True, readahead=False, mode=0o600, max_readers=256, max_spare_txns=4,
                                  readonly=read_only, create=not read_only)
         except lmdb.Error as exc:
-            if lmdbcheck.is_damage(exc):
-                raise lmdbcheck.translate(exc, path) from exc
+            if lmdb_check.is_damage(exc):
+                raise lmdb_check.translate(exc, path) from exc
             raise KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}") from exc
         try:
             self.db = {name: db for name in (*PLAIN_TABLES, *DUP_TABLES)
                        if (db := self._open_db(name, name in DUP_TABLES, read_only)) is not None}
         except lmdb.Error as exc:
             self.env.close()
-            raise (lmdbcheck.translate(exc, path) if lmdbcheck.is_damage(exc) else
+            raise (lmdb_check.translate(exc, path) if lmdb_check.is_damage(exc) else
                    KvShelfError(f"could not open the index at {path}: {type(exc).__name__}: {exc}")) from exc
         self.missing = tuple(name for name in (*PLAIN_TABLES, *DUP_TABLES) if name not in self.db)
         self.legacy = None  # a read-only handle's in-memory tables (legacy_view.py), made by the first Index
@@ -212,8 +212,8 @@ class Index(Batching):
         return self._error(exc) if isinstance(exc, lmdb.Error) else None
 
     def _error(self, exc: lmdb.Error) -> KvShelfError:
-        if lmdbcheck.is_damage(exc):
-            return lmdbcheck.translate(exc, self.path)
+        if lmdb_check.is_damage(exc):
+            return lmdb_check.translate(exc, self.path)
         if isinstance(exc, lmdb.ReadersFullError):
             return StoreBusy(f"the index at {self.path} has no free reader slot ({exc})")
         return KvShelfError(f"the index at {self.path} failed: {type(exc).__name__}: {exc}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from . import schema as mf
+from . import schema
 from .keys import CHECKPOINT_MARK
 from .schema import ChunkMeta, Manifest, PackMeta, Summary
 
@@ -19,25 +19,25 @@ from .schema import ChunkMeta, Manifest, PackMeta, Summary
 def manifest(txn, sid: bytes) -> Manifest | None:
     """The snapshot's manifest record (None: not indexed; ``CorruptData`` naming it when damaged)."""
     raw = txn.get("manifests", sid)
-    return None if raw is None else mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()}")
+    return None if raw is None else schema.decode(raw, Manifest, f"manifest {bytes(sid).hex()}")
 
 
 def summary(txn, sid: bytes) -> Summary | None:
     """The snapshot's summary record (None: not indexed)."""
     raw = txn.get("summaries", sid)
-    return None if raw is None else mf.decode(raw, Summary, f"summary {bytes(sid).hex()}")
+    return None if raw is None else schema.decode(raw, Summary, f"summary {bytes(sid).hex()}")
 
 
 def chunk_meta(txn, hash_: str) -> ChunkMeta | None:
     """The chunk's record: refcount, bytes, encoding, last use, location (None: not indexed)."""
     raw = txn.get("chunks", bytes.fromhex(hash_))
-    return None if raw is None else mf.decode(raw, ChunkMeta, f"chunk record {hash_}")
+    return None if raw is None else schema.decode(raw, ChunkMeta, f"chunk record {hash_}")
 
 
 def pack_meta(txn, pack: str) -> PackMeta | None:
     """The pack's record: live chunks and bytes, size, manifests held (None: not indexed)."""
     raw = txn.get("packs", pack.encode())
-    return None if raw is None else mf.decode(raw, PackMeta, f"pack record {pack}")
+    return None if raw is None else schema.decode(raw, PackMeta, f"pack record {pack}")
 
 
 def quarantined_objects(index, txn) -> set[str]:

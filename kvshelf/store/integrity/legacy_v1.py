@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from ...errors import IncompatibleFormat, KvShelfError
 from ..index import keys
-from ..index import schema as mf
+from ..index import schema
 from ..objects.protocol import ObjectMissing, put_unsynced
 from ..index.schema import Manifest, Summary
 
@@ -77,21 +77,21 @@ def seal_v1_manifests(index, byte_store) -> int:
 
 def _seal_one(index, byte_store, name: str) -> bool:
     raw = read_object(byte_store, name)
-    if raw is None or mf.is_sealed(raw):
+    if raw is None or schema.is_sealed(raw):
         return False  # gone meanwhile, or sealed already (a failing checksum is rebuild's and verify's to report)
     sid_hex = sid_of(name)
     try:
-        on_disk = mf.decode(raw, Manifest, name)
+        on_disk = schema.decode(raw, Manifest, name)
         sid = bytes.fromhex(sid_hex)
         with index.read() as txn:
             record, summary = txn.get("manifests", sid), txn.get("summaries", sid)
-        if record is None or summary is None or mf.decode(summary, Summary, f"summary {sid_hex}").pack:
+        if record is None or summary is None or schema.decode(summary, Summary, f"summary {sid_hex}").pack:
             return False  # not indexed, or its manifest lives in a pack now: the file is dead (gc's)
-        if mf.decode(record, Manifest, f"manifest {sid_hex}") != on_disk or on_disk.snapshot_id != sid_hex:
+        if schema.decode(record, Manifest, f"manifest {sid_hex}") != on_disk or on_disk.snapshot_id != sid_hex:
             return False  # the two copies disagree: neither is trusted into a seal
     except (KvShelfError, IncompatibleFormat, ValueError):
         return False
-    byte_store.put(name, [mf.encode(on_disk)])  # durable: tmp, fsync, rename, directory fsync
+    byte_store.put(name, [schema.encode(on_disk)])  # durable: tmp, fsync, rename, directory fsync
     return True
 
 

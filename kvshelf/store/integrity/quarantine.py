@@ -12,7 +12,7 @@ from ...errors import KvShelfError
 from .. import inputs
 from ..context import StoreContext
 from ..index import bad_chunks, keys
-from ..index import schema as mf
+from ..index import schema
 from ..index.schema import Manifest
 from ..liveness.removal import Removal
 from ..liveness.transactions import Transactions
@@ -45,17 +45,17 @@ class Quarantine:
             raw = txn.get("summaries", sid)
             if raw is None:
                 return None
-            s = mf.decode(raw, mf.Summary, "summary")
+            s = schema.decode(raw, schema.Summary, "summary")
             mraw = txn.get("manifests", sid)
             objects = {s.pack} if s.pack else set()
             try:
-                m = mf.decode(mraw, Manifest, "manifest") if mraw is not None else None
+                m = schema.decode(mraw, Manifest, "manifest") if mraw is not None else None
             except KvShelfError:
                 m = None
             for ref in (m.all_chunks if m is not None else ()):
                 meta_raw = txn.get("chunks", bytes.fromhex(ref.hash))
                 try:
-                    meta = mf.decode(meta_raw, mf.ChunkMeta, "chunk record") if meta_raw is not None else None
+                    meta = schema.decode(meta_raw, schema.ChunkMeta, "chunk record") if meta_raw is not None else None
                 except KvShelfError:
                     meta = None
                 if meta is not None:

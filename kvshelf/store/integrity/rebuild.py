@@ -16,7 +16,7 @@ from ..context import StoreContext
 from ..index import tables
 from ..index import keys
 from ..liveness import ledger
-from ..index import schema as mf
+from ..index import schema
 from ..objects.protocol import ObjectMissing
 from ..objects.protocol import open_object
 from ..index.schema import Manifest
@@ -90,7 +90,7 @@ def _reindex(index, byte_store, skipped: list[Finding]) -> int:
             except (KvShelfError, OSError) as exc:
                 skipped.append(Finding("rebuild-skipped-manifest", name, f"unreadable: {exc}"))
                 continue
-            if not mf.is_sealed(buf):  # no checksum: a flipped token would be indexed as a true one
+            if not schema.is_sealed(buf):  # no checksum: a flipped token would be indexed as a true one
                 skipped.append(_unsealed(name, bytes(buf)))
                 continue
             _consider(found, bytes(buf), 0, "", tombs, skipped, what=name)
@@ -135,7 +135,7 @@ def _drop_orphan_checkpoints(index) -> None:
 def _unsealed(name: str, raw: bytes) -> Finding:
     """Why a v1 manifest file was left out: it carries no checksum (the sessions it names are only a hint)."""
     try:
-        m = mf.decode(raw, Manifest, name)
+        m = schema.decode(raw, Manifest, name)
         who, where = (m.session_id,), f"{name} (snapshot {m.snapshot_id}, session {m.session_id!r})"
     except (CorruptData, IncompatibleFormat):
         who, where = (), name
@@ -147,7 +147,7 @@ def _consider(found: dict, raw: bytes, written_ns: int, pack: str, tombs: set[st
               what: str = "") -> None:
     what = what or pack
     try:
-        m = mf.decode(raw, Manifest, f"manifest in {what}")
+        m = schema.decode(raw, Manifest, f"manifest in {what}")
     except (CorruptData, IncompatibleFormat) as exc:
         skipped.append(Finding("rebuild-skipped-manifest", what, f"not indexed: {exc}"))
         return

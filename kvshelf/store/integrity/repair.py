@@ -32,7 +32,7 @@ from typing import Any
 from ...errors import CorruptData, IncompatibleFormat
 from ..context import StoreContext
 from ..index import bad_chunks
-from ..index import schema as mf
+from ..index import schema
 from ..index.schema import ChunkRef, Manifest
 from ..liveness.removal import Removal
 from ..liveness.transactions import Transactions
@@ -112,7 +112,7 @@ class Repair:
             return out, refs
         for sid, raw in self.ctx.index.scan("manifests"):
             try:
-                m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+                m = schema.decode(raw, Manifest, f"manifest {sid.hex()}")
             except (CorruptData, IncompatibleFormat):
                 continue
             hit = {r.hash for r in m.all_chunks} & set(damaged)

@@ -25,7 +25,7 @@ import msgspec
 
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError
 from ..index import keys
-from ..index import schema as mf
+from ..index import schema
 from ..objects.protocol import ObjectMissing
 from ..objects.protocol import open_object
 from ..index.schema import Manifest
@@ -66,7 +66,7 @@ def _dead_manifest_session(byte_store, name: str) -> bytes | None:
                 return _NO_MANIFEST
         else:
             raw = _read(byte_store, name)
-        return keys.manifest_keys(mf.decode(raw, Manifest, f"manifest in {name}"))[2]
+        return keys.manifest_keys(schema.decode(raw, Manifest, f"manifest in {name}"))[2]
     except (CorruptData, IncompatibleFormat, ObjectMissing, KvShelfError, OSError):
         return None
 

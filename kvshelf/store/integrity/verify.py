@@ -16,8 +16,8 @@ from ..base import seams
 from ..index import keys
 from ..liveness import ledger
 from ..prefix import records
-from . import verify_counts as verifying
-from ..index import schema as mf
+from . import verify_counts
+from ..index import schema
 from ..objects.protocol import ObjectMissing
 from ..index import tables
 from ..index.tables import quarantined_objects
@@ -100,8 +100,8 @@ def _verify(v: Verifier, deep: bool, out: list[Finding], mark_bad: bool = True) 
     ctx = v.ctx
     residue = orphans(ctx.index, ctx.bytes, v.reclaimer.leased_objects())  # listed first, confirmed last
     _quarantine_findings(ctx, out)
-    tally = verifying.Tally(verifying.partitions(ctx.index))
-    for txn, rows in ctx.index.batches("manifests", verifying.VERIFY_BATCH):
+    tally = verify_counts.Tally(verify_counts.partitions(ctx.index))
+    for txn, rows in ctx.index.batches("manifests", verify_counts.VERIFY_BATCH):
         tally.txn_ids.add(txn.id())
         tally.manifests += len(rows)
         suspects = []
@@ -112,7 +112,7 @@ def _verify(v: Verifier, deep: bool, out: list[Finding], mark_bad: bool = True) 
         for sid, found in suspects:  # after the batch's transaction: again from a fresh read of the snapshot
             out.extend(_recheck_manifest(ctx, sid, deep, found))
         seams.AFTER_BATCH()  # a test may make another process commit exactly here
-    for txn, rows in ctx.index.batches("sessions", verifying.VERIFY_BATCH):
+    for txn, rows in ctx.index.batches("sessions", verify_counts.VERIFY_BATCH):
         for key, sid in rows:
             if txn.get("manifests", sid) is None:
                 out.append(Finding("dangling-session", keys.session_of_key(key), f"-> {sid.hex()}"))
@@ -121,13 +121,13 @@ def _verify(v: Verifier, deep: bool, out: list[Finding], mark_bad: bool = True) 
                 out.append(Finding("orphan-checkpoint", f"snapshot {sid.hex()} (checkpoint of session {owner!r})",
                                    "its session is not indexed, so no removal of the session will take it along; "
                                    "`kvshelf repair` drops it", (owner,)))
-    for txn, rows in ctx.index.batches("heads", verifying.VERIFY_BATCH):  # one head per session, each indexed
+    for txn, rows in ctx.index.batches("heads", verify_counts.VERIFY_BATCH):  # one head per session, each indexed
         tally.head_records += len(rows)
         for lineage, sid in rows:
             if txn.get("manifests", sid) is None:
                 out.append(Finding("prefix-drift", "prefix heads",
                                    f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
-    verifying.check_counts(ctx, deep, tally, out, mark_bad)
+    verify_counts.check_counts(ctx, deep, tally, out, mark_bad)
     for name, kind in _confirmed_orphans(v, residue):
         what = "manifest" if kind == "orphan-manifest" else "pack" if is_pack(name) else "blob"
         out.append(Finding(kind, f"{what} {name}",
@@ -178,10 +178,10 @@ def _check_manifest(ctx: StoreContext, txn, sid: bytes, raw: bytes, deep: bool, 
         return [Finding("bad-manifest", f"manifest record under key {sid.hex()!r}", f"its key is {len(sid)} bytes, "
                         f"not a 16-byte snapshot id (damaged)")]
     try:
-        m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+        m = schema.decode(raw, Manifest, f"manifest {sid.hex()}")
     except (CorruptData, IncompatibleFormat) as exc:
         try:
-            who = (mf.decode(txn.get("summaries", sid) or b"", Summary, "summary").session_id,)
+            who = (schema.decode(txn.get("summaries", sid) or b"", Summary, "summary").session_id,)
         except CorruptData:
             who = ()
         return [Finding("bad-manifest", f"snapshot {sid.hex()}" + (f" (session {who[0]!r})" if who else ""),
@@ -192,7 +192,7 @@ def _check_manifest(ctx: StoreContext, txn, sid: bytes, raw: bytes, deep: bool, 
     if raw is None:
         return [Finding("missing-summary", where, "no summary record", (m.session_id,))]
     try:
-        s = mf.decode(raw, Summary, "summary")
+        s = schema.decode(raw, Summary, "summary")
     except CorruptData as exc:
         return [Finding("bad-summary", where, str(exc), (m.session_id,))]
     if (s.id_key, s.ns_key, s.session_id, s.length, s.nbytes) != (idk, nsk, m.session_id, m.length, m.nbytes):
@@ -200,7 +200,7 @@ def _check_manifest(ctx: StoreContext, txn, sid: bytes, raw: bytes, deep: bool, 
     tokens = np.asarray(m.tokens, "<i8")
     toks = txn.get("tokens", sid)
     try:
-        same = toks is not None and np.array_equal(mf.tokens_of(toks, "tokens record"), tokens)
+        same = toks is not None and np.array_equal(schema.tokens_of(toks, "tokens record"), tokens)
     except CorruptData:
         same = False
     if not same:
@@ -228,13 +228,13 @@ def _check_manifest(ctx: StoreContext, txn, sid: bytes, raw: bytes, deep: bool, 
     else:
         # an index not yet sealed (a v1 store only ever opened read-only since) is not damage: the owner's next
         # open seals its files (legacy_v1.py); only a file left unsealed by that pass is one rebuild would skip
-        if not s.pack and not mf.is_sealed(on_disk) and txn.get("meta", SEALED_KEY) is not None:
+        if not s.pack and not schema.is_sealed(on_disk) and txn.get("meta", SEALED_KEY) is not None:
             out.append(Finding("unsealed-manifest-file", where, "its v1 manifest file carries no checksum (it "
                                                                 "disagreed with the index when the store was "
                                                                 "sealed): rebuild_index would leave it out"))
         if deep:
             try:
-                same = mf.decode(on_disk, Manifest, "manifest on disk") == m
+                same = schema.decode(on_disk, Manifest, "manifest on disk") == m
             except (CorruptData, IncompatibleFormat):
                 same = False
             if not same:

@@ -32,7 +32,7 @@ from ...errors import CorruptData, IncompatibleFormat, KvShelfError
 from ..context import StoreContext
 from ..index import bad_chunks, keys
 from ..prefix import records
-from ..index import schema as mf
+from ..index import schema
 from ..objects.protocol import ObjectMissing
 from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
 from ..restore.chunks import open_chunk
@@ -100,8 +100,8 @@ def _count_refs(refs: Counter, m: Manifest, p: int, parts: int) -> None:
 def _indexed(txn, index, sid: bytes, raw: bytes) -> tuple[Manifest, Summary] | None:
     """(manifest, summary) of a record the counts include: it decodes and has a decodable summary."""
     try:
-        m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
-        s = mf.decode(txn.get("summaries", sid) or b"", Summary, "summary")
+        m = schema.decode(raw, Manifest, f"manifest {sid.hex()}")
+        s = schema.decode(txn.get("summaries", sid) or b"", Summary, "summary")
     except (CorruptData, IncompatibleFormat):
         return None
     return m, s
@@ -166,7 +166,7 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
         for key, raw in index.scan("chunks", VERIFY_BATCH, start=start, stop=stop, ids=tally.txn_ids):
             n = refs.pop(key, 0)
             try:
-                meta = mf.decode(raw, ChunkMeta, "chunk record")
+                meta = schema.decode(raw, ChunkMeta, "chunk record")
             except CorruptData as exc:
                 if _still_bad(index, "chunks", key, ChunkMeta):
                     out.append(Finding("bad-chunk-record", f"blob {key.hex()}", str(exc)))
@@ -192,7 +192,7 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
         name = name.decode("utf-8", "replace")
         want = [*live.pop(name, [0, 0]), tally.manifests_in.pop(name, 0)]
         try:
-            pm = mf.decode(raw, PackMeta, f"pack record {name}")
+            pm = schema.decode(raw, PackMeta, f"pack record {name}")
         except CorruptData as exc:
             if _still_bad(index, "packs", name.encode(), PackMeta):
                 out.append(Finding("bad-pack-record", f"pack {name}", str(exc)))
@@ -240,7 +240,7 @@ def _trailer_users(ctx, damaged: dict[str, str]) -> list[Finding]:
     in_pack: dict[str, str] = {}
     for key, raw in ctx.index.scan("chunks", VERIFY_BATCH):
         try:
-            meta = mf.decode(raw, ChunkMeta, "chunk record")
+            meta = schema.decode(raw, ChunkMeta, "chunk record")
         except CorruptData:
             continue
         if meta.pack in damaged:
@@ -260,7 +260,7 @@ def sessions_using(ctx, hashes: set[str]) -> defaultdict[str, set[str]]:
         return users
     for sid, raw in ctx.index.scan("manifests", VERIFY_BATCH):
         try:
-            m = mf.decode(raw, Manifest, f"manifest {sid.hex()}")
+            m = schema.decode(raw, Manifest, f"manifest {sid.hex()}")
         except (CorruptData, IncompatibleFormat):
             continue
         for r in m.all_chunks:
@@ -276,7 +276,7 @@ def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
     if raw is None:
         return False
     try:
-        mf.decode(raw, kind, "record")
+        schema.decode(raw, kind, "record")
     except CorruptData:
         return True
     return False
@@ -322,7 +322,7 @@ def _recheck_object(ctx, hb: bytes, deep: bool) -> tuple[Finding, tuple] | None:
     with ctx.index.read() as txn:
         raw = txn.get("chunks", hb)
     try:
-        meta = None if raw is None else mf.decode(raw, ChunkMeta, "chunk")
+        meta = None if raw is None else schema.decode(raw, ChunkMeta, "chunk")
     except CorruptData:
         return None  # damaged since: the record check reports it
     found = None if meta is None else _object_problem(ctx, hb.hex(), meta, deep)
@@ -371,7 +371,7 @@ def _recount(ctx, c: _Candidates) -> list[Finding]:
         for hb in c.chunks:
             raw = txn.get("chunks", hb)
             try:
-                meta = None if raw is None else mf.decode(raw, ChunkMeta, "chunk record")
+                meta = None if raw is None else schema.decode(raw, ChunkMeta, "chunk record")
             except CorruptData:
                 continue  # reported as a bad record
             if (f := _refcount_finding(hb, None if meta is None else meta.refs, refs[hb])) is not None:
@@ -380,7 +380,7 @@ def _recount(ctx, c: _Candidates) -> list[Finding]:
         if c.packs or c.totals:
             for _key, raw in txn.range("chunks"):
                 try:
-                    meta = mf.decode(raw, ChunkMeta, "chunk record")
+                    meta = schema.decode(raw, ChunkMeta, "chunk record")
                 except CorruptData:
                     continue
                 chunk_sum += meta.stored_bytes
@@ -390,7 +390,7 @@ def _recount(ctx, c: _Candidates) -> list[Finding]:
         for name in c.packs:
             raw = txn.get("packs", name.encode())
             try:
-                pm = None if raw is None else mf.decode(raw, PackMeta, f"pack record {name}")
+                pm = None if raw is None else schema.decode(raw, PackMeta, f"pack record {name}")
             except CorruptData:
                 continue
             if (f := _pack_finding(name, pm, [*live[name], manifests_in[name]])) is not None:

@@ -22,7 +22,7 @@ from msgspec.structs import replace
 from ...errors import CorruptData
 from ..index import bad_chunks, keys, tables
 from ..prefix import records
-from ..index import schema as mf
+from ..index import schema
 from ..index.schema import ChunkMeta, Manifest, PackMeta, Summary
 from ..index.protocol import meta_int, set_meta_int
 from ..objects.pack import is_pack
@@ -42,7 +42,7 @@ Placed = dict[str, tuple[str, int, int, str, int]]  # hash -> (pack, offset, len
 def _bump_pack(index, txn, pack: str, chunks: int = 0, nbytes: int = 0, manifests: int = 0,
                size: int | None = None) -> None:
     m = tables.pack_meta(txn, pack) or PackMeta(0, 0, size or 0, 0)
-    txn.put("packs", pack.encode(), mf.encode(replace(m, live_chunks=m.live_chunks + chunks,
+    txn.put("packs", pack.encode(), schema.encode(replace(m, live_chunks=m.live_chunks + chunks,
                                                       live_bytes=m.live_bytes + nbytes, manifests=m.manifests + manifests,
                                                       size=size if size is not None else m.size)))
 
@@ -77,7 +77,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
                     _bump_pack(index, txn, where, size=size)
                 _bump_pack(index, txn, where, chunks=1, nbytes=length)
         elif h in bad:  # the fresh copy this save wrote takes the name back: every snapshot using it is healed
-            m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+            m = schema.decode(raw, ChunkMeta, f"chunk record {h}")
             where, offset, length, encoding, size = placed[h]
             left = keys.location(h, m)[0]
             if is_pack(left):
@@ -90,9 +90,9 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
             bad_chunks.clear(txn, h)
             healed.append(left)
         else:
-            m = mf.decode(raw, ChunkMeta, f"chunk record {h}")
+            m = schema.decode(raw, ChunkMeta, f"chunk record {h}")
             meta = replace(m, refs=m.refs + 1, last_used_ns=now)
-        txn.put("chunks", bytes.fromhex(h), mf.encode(meta))
+        txn.put("chunks", bytes.fromhex(h), schema.encode(meta))
     set_meta_int(txn, b"total_bytes", total)
     if pack:
         _bump_pack(index, txn, pack, manifests=1)
@@ -105,9 +105,9 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
     summary = Summary(idk, nsk, manifest.session_id, manifest.namespace, manifest.length,
                       manifest.minimum_reusable_offset, manifest.trimmable, manifest.nbytes, manifest.created_at, now,
                       pack)
-    txn.put("manifests", sid, mf.encode(manifest))
-    txn.put("summaries", sid, mf.encode(summary))
-    txn.put("tokens", sid, mf.seal_tokens(tokens))
+    txn.put("manifests", sid, schema.encode(manifest))
+    txn.put("summaries", sid, schema.encode(summary))
+    txn.put("tokens", sid, schema.seal_tokens(tokens))
     txn.put("sessions", skey, sid)
     txn.put("lru", keys.lru_key(idk, now, sid), b"")
     txn.delete("quarantine", skey)
@@ -149,7 +149,7 @@ def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
                 _bump_pack(index, txn, where, chunks=-1, nbytes=-m.stored_bytes)
             candidates.append(where)
         else:
-            txn.put("chunks", key, mf.encode(replace(m, refs=m.refs - 1)))
+            txn.put("chunks", key, schema.encode(replace(m, refs=m.refs - 1)))
     set_meta_int(txn, b"total_bytes", total)
     if summary.pack:
         _bump_pack(index, txn, summary.pack, manifests=-1)
@@ -176,7 +176,7 @@ def move_chunk(index, txn, hash_: str, pack: str, offset: int, length: int, enco
     _bump_pack(index, txn, pack, chunks=1, nbytes=length)
     total = meta_int(txn, b"total_bytes") - m.stored_bytes + length
     set_meta_int(txn, b"total_bytes", total)
-    txn.put("chunks", key, mf.encode(replace(m, stored_bytes=length, encoding=encoding, pack=pack, offset=offset)))
+    txn.put("chunks", key, schema.encode(replace(m, stored_bytes=length, encoding=encoding, pack=pack, offset=offset)))
     return [old]
 
 
@@ -193,7 +193,7 @@ def move_manifest(index, txn, sid: bytes, pack: str, pack_size: int) -> list[str
     if tables.pack_meta(txn, pack) is None:
         _bump_pack(index, txn, pack, size=pack_size)
     _bump_pack(index, txn, pack, manifests=1)
-    txn.put("summaries", sid, mf.encode(replace(s, pack=pack)))
+    txn.put("summaries", sid, schema.encode(replace(s, pack=pack)))
     return [old]
 
 

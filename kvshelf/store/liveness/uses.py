@@ -15,7 +15,7 @@ import msgspec
 
 from ..context import StoreContext
 from ..index import keys, tables
-from ..index import schema as mf
+from ..index import schema
 
 TOUCH_FLUSH_SECONDS = 2.0
 
@@ -90,11 +90,11 @@ class UseBook:
             return
         txn.delete("lru", keys.lru_key(s.id_key, s.last_used_ns, sid))
         txn.put("lru", keys.lru_key(s.id_key, now, sid), b"")
-        txn.put("summaries", sid, mf.encode(msgspec.structs.replace(s, last_used_ns=now)))
+        txn.put("summaries", sid, schema.encode(msgspec.structs.replace(s, last_used_ns=now)))
         for h in hashes:
             m = tables.chunk_meta(txn, h)
             if m is not None:
-                txn.put("chunks", bytes.fromhex(h), mf.encode(msgspec.structs.replace(m, last_used_ns=now)))
+                txn.put("chunks", bytes.fromhex(h), schema.encode(msgspec.structs.replace(m, last_used_ns=now)))
 
 
 __all__ = ["TOUCH_FLUSH_SECONDS", "UseBook"]

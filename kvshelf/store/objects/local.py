@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 
 from ...errors import CorruptData, StoreFull
-from ..base import seams as _faults
+from ..base import seams
 from ..base import syncs
 from ..base.syncs import ensure_dir
 from .protocol import Buffer, ObjectMissing, capability, check_name
@@ -198,7 +198,7 @@ class LocalByteStore:
         total = sum(v.nbytes for v in views)
 
         def write(fd: int, final: str, done: list[int]) -> None:
-            _faults._inject_faults(final, total)
+            seams._inject_faults(final, total)
             _write_started(fd, views, 0, durable, 0)
             done[0] = total
 
@@ -222,7 +222,7 @@ class LocalByteStore:
                     for part in parts:
                         views = _views(part)
                         n = sum(v.nbytes for v in views)
-                        _faults._inject_faults(final, n)
+                        seams._inject_faults(final, n)
                         if pending is not None:
                             pending.result()
                         pending = writer.submit(write_part, views, done[0], done[0] + n)

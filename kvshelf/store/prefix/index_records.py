@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ..index import schema as mf, tables
+from ..index import schema, tables
 from ..index.protocol import IndexTxn
 from ..index.schema import Summary
 from .source import Bounds
@@ -60,7 +60,7 @@ class IndexRecords:
         for sid in sids:
             raw = self.txn.get("tokens", sid)
             what = f"tokens record of snapshot {sid.hex()} (session {self._sessions.get(sid)!r})"
-            out.append(None if raw is None else mf.tokens_of(raw, what))
+            out.append(None if raw is None else schema.tokens_of(raw, what))
         return out
 
     def recency(self, sid: bytes, summary: Summary) -> int:

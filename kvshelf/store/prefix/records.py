@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import CorruptData, IncompatibleFormat
-from ..index import schema as mf
+from ..index import schema
 from ..index.keys import lineage_id
 from ..index.schema import Manifest
 from .hashing import BLOCK_TOKENS, boundaries_after, common_prefix
@@ -83,14 +83,14 @@ def snapshot_tokens(txn, sid: bytes) -> np.ndarray | None:
     raw = txn.get("tokens", sid)
     if raw is not None:
         try:
-            return mf.tokens_of(raw, f"tokens record of snapshot {sid.hex()}")
+            return schema.tokens_of(raw, f"tokens record of snapshot {sid.hex()}")
         except CorruptData:
             pass
     raw = txn.get("manifests", sid)
     if raw is None:
         return None
     try:
-        return np.asarray(mf.decode(raw, Manifest, f"manifest {sid.hex()}").tokens, dtype="<i8")
+        return np.asarray(schema.decode(raw, Manifest, f"manifest {sid.hex()}").tokens, dtype="<i8")
     except (CorruptData, IncompatibleFormat):
         return None
 

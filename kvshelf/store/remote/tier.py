@@ -31,7 +31,7 @@ from typing import Any
 from ...errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, StoreFull
 from ..base import seams
 from ..context import StoreContext
-from ..index import schema as mf
+from ..index import schema
 from ..objects.protocol import BackendUnavailable
 from ..identity import namespace_key
 from ..prefix.search import LazyTokens, PrefixSearch
@@ -220,7 +220,7 @@ class RemoteTier:
             self._drop_ops(pipe, nsk, old, old_tokens)
         pipe.set(self.keys.summary(nsk, sid), encode_summary(summary))
         pipe.set(self.keys.tokens(nsk, sid), encode_tokens(tokens))
-        pipe.set(self.keys.manifest(nsk, sid), seal(mf.encode(manifest)))
+        pipe.set(self.keys.manifest(nsk, sid), seal(schema.encode(manifest)))
         for key, member in boundary_members(nsk, tokens, sid, self.keys):
             pipe.zadd(key, {member: 0})
         pipe.hset(sess, manifest.session_id, manifest.snapshot_id)
@@ -348,7 +348,7 @@ class RemoteTier:
         raw = self.client.get(self.keys.manifest(nsk, sid))
         if raw is None:
             raise _Missing(f"remote manifest {sid.hex()} is gone")
-        return mf.decode(unseal(raw, f"manifest {sid.hex()}"), Manifest, f"remote manifest {sid.hex()}")
+        return schema.decode(unseal(raw, f"manifest {sid.hex()}"), Manifest, f"remote manifest {sid.hex()}")
 
     def good_copy(self, hash_: str) -> local.RemoteChunk | None:
         """The tier's verified copy of one chunk (``repair``'s source when a local copy failed its hash), or None;

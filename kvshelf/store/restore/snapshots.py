@@ -14,7 +14,7 @@ from .. import inputs
 from ..context import StoreContext
 from ..identity import namespace_key
 from ..index import keys, tables
-from ..index import schema as mf
+from ..index import schema
 from ..index.schema import Manifest
 from ..results import SessionInfo
 
@@ -77,7 +77,7 @@ class Snapshots:
         if raw is None:  # one read transaction: a session pointing nowhere is a damaged record, not a race
             raise CorruptData(f"{where} points to snapshot {bytes(sid).hex()}, which is not indexed "
                               f"(a damaged index record: run `kvshelf verify`)")
-        m = mf.decode(raw, Manifest, f"manifest {bytes(sid).hex()} of {where}")
+        m = schema.decode(raw, Manifest, f"manifest {bytes(sid).hex()} of {where}")
         if (m.session_id, m.namespace) != (session_id, namespace) or keys.identity_key_of(m) != self.ctx.id_key:
             raise CorruptData(f"{where} points to snapshot {m.snapshot_id} of session {m.session_id!r} "
                               f"(namespace {m.namespace!r}): a damaged index record, refused")

@@ -42,7 +42,7 @@ from ..index import keys
 from ..index import tables
 from ..index.keys import CHECKPOINT_MARK, checkpoint_id, is_checkpoint
 from ..liveness import ledger
-from ..index import schema as mf
+from ..index import schema
 from ..prefix.hashing import tokens_array
 
 _MARK_BYTES = CHECKPOINT_MARK.encode()
@@ -135,16 +135,16 @@ class Checkpoints:
                 raw = txn.get("summaries", sid)
                 if raw is None:
                     continue
-                s = mf.decode(raw, mf.Summary, f"summary {sid.hex()}")
+                s = schema.decode(raw, schema.Summary, f"summary {sid.hex()}")
                 out.append(CheckpointInfo(s.length, sid.hex(), s.nbytes, s.created_at))
         return out
 
     # --- removal --------------------------------------------------------------------------------------------------
-    def forget(self, txn, summary: mf.Summary) -> list[str]:
+    def forget(self, txn, summary: schema.Summary) -> list[str]:
         """``Removal``'s follower: a session's checkpoints go with its snapshot; returns the objects they freed."""
         return self.drop_along(txn, summary, lambda sid: ledger.drop(self._index(), txn, sid))
 
-    def drop_along(self, txn, summary: mf.Summary, drop: Callable[[bytes], list[str]]) -> list[str]:
+    def drop_along(self, txn, summary: schema.Summary, drop: Callable[[bytes], list[str]]) -> list[str]:
         """In the write transaction removing ``summary``'s snapshot: when it is its session's current snapshot (not
         a checkpoint, not an older one), drop every checkpoint of the session with ``drop(sid)`` (``ledger.drop``);
         returns the objects they freed."""
@@ -169,7 +169,7 @@ class Checkpoints:
         return len(found)
 
     @classmethod
-    def owner_gone(cls, txn, manifest: mf.Manifest) -> bool:
+    def owner_gone(cls, txn, manifest: schema.Manifest) -> bool:
         """Whether ``manifest`` is a checkpoint whose session is not indexed, read in the transaction that would
         commit it: the check before the save cannot see a delete (or eviction) that commits while the checkpoint's
         pack is written, and a checkpoint committed after its session went would be an orphan no removal follows."""

@@ -27,8 +27,8 @@ from ...errors import InvalidCacheState, KvShelfError, SnapshotNotFound, StoreFu
 from ..context import StoreContext
 from ..index import bad_chunks
 from ..liveness import ledger
-from ..index import schema as mf
-from . import hash_reuse as unchanged
+from ..index import schema
+from . import hash_reuse
 from ..objects.chunkfile import raw_buffers
 from .checkpoints import Checkpoints
 from .chunking import ChunkPlan, plan_chunks
@@ -53,7 +53,7 @@ class Capture:
     entries: list
     arrays: list[list[mx.array]]
     nbytes: int
-    marks: tuple = ()  # unchanged.LayerMark per layer: which hashes the next write may reuse
+    marks: tuple = ()  # hash_reuse.LayerMark per layer: which hashes the next write may reuse
 
 
 def capture(provider, session_id: str, tokens, caches, namespace: str) -> Capture:
@@ -64,7 +64,7 @@ def capture(provider, session_id: str, tokens, caches, namespace: str) -> Captur
         raise InvalidCacheState("caches must be a non-empty sequence of caches (one per layer)")
     entries, arrays, before = [], [], []
     for i, cache in enumerate(caches):
-        before.append(unchanged.epoch_before(cache))
+        before.append(hash_reuse.epoch_before(cache))
         entry, arrs = provider.snapshot(cache, checksums=False, length=len(toks))  # chunks are hashed
         if entry.offset != len(toks):
             raise InvalidCacheState(f"cache {i} holds {entry.offset} positions but {len(toks)} tokens were given")
@@ -72,7 +72,7 @@ def capture(provider, session_id: str, tokens, caches, namespace: str) -> Captur
         arrays.append(list(arrs))
     mx.eval([a for row in arrays for a in row])
     nbytes = sum(a.nbytes for row in arrays for a in row)
-    marks = tuple(unchanged.mark(c, b, e) for c, b, e in zip(caches, before, entries))
+    marks = tuple(hash_reuse.mark(c, b, e) for c, b, e in zip(caches, before, entries))
     return Capture(session_id, namespace, toks, entries, arrays, nbytes, marks)
 
 
@@ -103,7 +103,7 @@ def _manifest(ctx: StoreContext, cap: Capture, sid: str, plans: list[ChunkPlan],
 
 
 def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[ChunkPlan], sid: str, hashes: list[str],
-                 hasher: unchanged.ChunkHasher):
+                 hasher: hash_reuse.ChunkHasher):
     """The save's pack written while its chunks are hashed: chunk k+1 is hashed (and checked against the index)
     while chunk k is being written (``put_stream``). Returns (manifest, pack, size, placed)."""
     builder = PackBuilder()
@@ -126,7 +126,7 @@ def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[ChunkPlan], sid: s
                 builder.add(h, frame, keep=False)
                 yield frame
         done["m"] = _manifest(ctx, cap, sid, plans, hashes)
-        yield builder.trailer(mf.encode(done["m"]))
+        yield builder.trailer(schema.encode(done["m"]))
 
     name = new_pack_name(sid)
     size = ctx.bytes.put_stream(name, parts())
@@ -146,7 +146,7 @@ class Saver:
 
     def __init__(self, ctx: StoreContext, gate: SaveGate, txns: Transactions, reclaimer: Reclaimer, budget: Budget):
         self.ctx, self.gate, self.txns, self.reclaimer, self.budget = ctx, gate, txns, reclaimer, budget
-        self.book = unchanged.UnchangedBook()  # each session's last save here: hashes a grown save may reuse
+        self.book = hash_reuse.UnchangedBook()  # each session's last save here: hashes a grown save may reuse
 
     def capture(self, session_id: str, tokens, caches, namespace: str) -> Capture:
         return capture(self.ctx.provider, session_id, tokens, caches, namespace)
@@ -158,7 +158,7 @@ class Saver:
         sid = uuid.uuid4().hex
         stream = ctx.max_bytes is None and capability(ctx.bytes, "supports_streaming")
         hashes: list[str] = []
-        hasher = unchanged.ChunkHasher(self.book, ctx, cap)
+        hasher = hash_reuse.ChunkHasher(self.book, ctx, cap)
         if not stream:  # hash first: a budget must refuse a snapshot before anything is written
             with ctx.index.read() as txn:
                 hasher.bind(txn)
@@ -190,7 +190,7 @@ class Saver:
                 for _attempt in range(5):  # the first pack carries the manifest; a retry's only what it re-writes
                     if pack is None or todo:
                         name, size, more = self.write_pack([(r, by_hash[r.hash].pieces) for r in todo],
-                                                          mf.encode(manifest) if pack is None else b"",
+                                                          schema.encode(manifest) if pack is None else b"",
                                                           name=new_pack_name(sid if pack is None else ""))
                         packs.append(name)
                         if pack is None:

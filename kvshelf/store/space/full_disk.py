@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ...errors import KvShelfError, SnapshotNotFound, StoreBusy, StoreFull
 from ..context import StoreContext
-from ..index import schema as mf
+from ..index import schema
 from ..liveness.removal import Removal
 from ..liveness.transactions import Transactions
 from . import reserve
@@ -37,7 +37,7 @@ class FullDisk:
         try:
             for _key, raw in ctx.index.scan("summaries"):
                 try:
-                    self._longest = max(self._longest, mf.decode(raw, mf.Summary, "summary").length)
+                    self._longest = max(self._longest, schema.decode(raw, schema.Summary, "summary").length)
                 except KvShelfError:
                     continue
         except KvShelfError:
