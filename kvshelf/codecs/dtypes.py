@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import InvalidCacheState
 
-# name -> (mlx dtype, safetensors code, little-endian numpy dtype holding the same bytes); store/blobfile.py uses it too
+# name -> (mlx dtype, safetensors code, little-endian numpy dtype holding the same bytes); store/objects/chunkfile.py uses it too
 _TABLE: dict[str, tuple[mx.Dtype, str, np.dtype]] = {
     "bool": (mx.bool_, "BOOL", np.dtype("?")),
     "uint8": (mx.uint8, "U8", np.dtype("u1")),

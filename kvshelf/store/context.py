@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KvShelfError
+from .results import renamed
 
 if TYPE_CHECKING:  # types only: a collaborator that needs the context for a type reaches no LMDB, lock or file code
     from ..codecs import CodecProvider
@@ -41,9 +42,9 @@ class Counters:
     no key can be added or removed. Like the dict it replaces, it is not locked: counts of concurrent calls are
     best effort."""
 
-    blobs_read: int = 0
+    chunks_read: int = 0
     bytes_read: int = 0
-    blobs_written: int = 0
+    chunks_written: int = 0
     bytes_written: int = 0
     bytes_reused: int = 0
     lookups: int = 0
@@ -57,10 +58,15 @@ class Counters:
     chunks_hash_reused: int = 0
     bytes_hash_reused: int = 0
 
+    blobs_read = renamed("blobs_read", "chunks_read")  # deprecated names, one release (docs/API.md, "Renamed")
+    blobs_written = renamed("blobs_written", "chunks_written")
+
     def keys(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self)]
 
     def __getitem__(self, name: str) -> int:
+        if name in _RENAMED:
+            return getattr(self, name)  # warns
         if name not in _NAMES:
             raise KeyError(name)
         return getattr(self, name)
@@ -90,6 +96,7 @@ class Counters:
 
 
 _NAMES = frozenset(f.name for f in dataclasses.fields(Counters))
+_RENAMED = frozenset({"blobs_read", "blobs_written"})
 
 
 @dataclass

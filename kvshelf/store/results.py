@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def renamed(old: str, new: str) -> property:
+    """A field's name before the store said "chunk" for one thing: deprecated, kept for one release (it warns and
+    reads the new field). docs/API.md lists every such name under "Renamed"."""
+
+    def read(self):
+        warnings.warn(f"{type(self).__name__}.{old} is deprecated: use {new}", DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(read, doc=f"Deprecated name of ``{new}``.")
 
 
 @dataclass(frozen=True)
@@ -17,9 +29,12 @@ class SnapshotInfo:
     bytes_reused: int
     minimum_reusable_offset: int
     namespace: str = ""
-    blobs_written: int = 0
-    blobs_reused: int = 0
+    chunks_written: int = 0
+    chunks_reused: int = 0
     seconds: float = 0.0
+
+    blobs_written = renamed("blobs_written", "chunks_written")
+    blobs_reused = renamed("blobs_reused", "chunks_reused")
 
     @property
     def id(self) -> str:
@@ -72,7 +87,7 @@ class SessionInfo:
 
 @dataclass(frozen=True)
 class Finding:
-    """One inconsistency ``verify`` found: ``kind`` (e.g. ``missing-blob``), where, and what is wrong."""
+    """One inconsistency ``verify`` found: ``kind`` (e.g. ``missing-chunk``), where, and what is wrong."""
 
     kind: str
     where: str
@@ -85,7 +100,7 @@ class GcReport:
     """What ``gc`` removed (or, with ``dry_run``, would remove)."""
 
     dry_run: bool
-    orphan_blobs: list[str] = field(default_factory=list)
+    orphan_objects: list[str] = field(default_factory=list)
     orphan_manifests: list[str] = field(default_factory=list)
     tmp_files: list[str] = field(default_factory=list)
     expired_leases: int = 0
@@ -93,8 +108,10 @@ class GcReport:
     skipped: str = ""
     tombstones: list[str] = field(default_factory=list)  # tomb/<sid> files no manifest on disk needs any more
 
+    orphan_blobs = renamed("orphan_blobs", "orphan_objects")
 
-__all__ = ["SnapshotInfo", "Restored", "PrefixHit", "RestoredBatch", "SessionInfo", "Finding", "GcReport"]
+
+__all__ = ["renamed", "SnapshotInfo", "Restored", "PrefixHit", "RestoredBatch", "SessionInfo", "Finding", "GcReport"]
 
 
 @dataclass(frozen=True)

@@ -188,8 +188,8 @@ def show(store: Store, target: str, **filters: str | None) -> dict[str, Any]:
     return doc
 
 
-def blob_totals(store: Store) -> dict[str, int]:
-    """Payload and on-disk bytes of every indexed blob, and how many are compressed."""
+def chunk_totals(store: Store) -> dict[str, int]:
+    """Payload and on-disk bytes of every indexed chunk, and how many are compressed."""
     payload = stored = zstd = count = 0
     for _h, meta in store.admin.iter_chunks():
         count += 1
@@ -200,18 +200,18 @@ def blob_totals(store: Store) -> dict[str, int]:
 
 
 def orphans(store: Store) -> dict[str, int]:
-    """Blob and manifest files no index record references (leased blobs of live readers excluded)."""
+    """Object and manifest files no index record references (leased chunks of live readers excluded)."""
     found = store.admin.orphans()
-    blobs = [size for _name, kind, size in found if kind == "orphan-blob"]
+    objects = [size for _name, kind, size in found if kind == "orphan-object"]
     files = [name for name, kind, _size in found if kind == "orphan-manifest"]
-    return {"orphan_count": len(blobs), "orphan_bytes": sum(blobs), "orphan_manifests": len(files)}
+    return {"orphan_count": len(objects), "orphan_bytes": sum(objects), "orphan_manifests": len(files)}
 
 
 def stats(store: Store, max_bytes: int | None = None) -> dict[str, Any]:
     """Totals over the whole store: deduplication ratio = bytes the snapshots reference / distinct payload bytes;
     compression ratio = distinct payload bytes / bytes on disk."""
     ms = list(store.admin.iter_manifests())
-    totals = blob_totals(store)
+    totals = chunk_totals(store)
     logical = sum(m.nbytes for m in ms)
     identities = Counter((m.model_id, m.config_fingerprint, m.tokenizer_hash) for m in ms)
     doc: dict[str, Any] = {
@@ -243,7 +243,7 @@ def _snapshot_in(where: str) -> str:
 
 
 def _affected(store: Store, where: str) -> list[tuple[str, str]]:
-    """(session, snapshot) pairs a finding's ``where`` touches: the snapshot it names or the users of a blob."""
+    """(session, snapshot) pairs a finding's ``where`` touches: the snapshot it names or the users of a chunk."""
     match = re.search(r"snapshot ([0-9a-f]{32})", where)
     if match:
         try:
@@ -251,7 +251,7 @@ def _affected(store: Store, where: str) -> list[tuple[str, str]]:
             return [(m.session_id, m.snapshot_id)]
         except (SnapshotNotFound, CorruptData, IncompatibleFormat):
             return [("", match.group(1))]
-    match = re.search(r"blob ([0-9a-f]{32})", where)
+    match = re.search(r"chunk ([0-9a-f]{32})", where)
     if match:
         users = [(m.session_id, m.snapshot_id) for m in store.admin.iter_manifests(skip_damaged=True)
                  if any(r.hash == match.group(1) for r in m.all_chunks)]
@@ -295,12 +295,12 @@ def _header_findings(store: Store) -> list[dict[str, Any]]:
 
 
 def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = lambda _n=1: None) -> dict[str, Any]:
-    """The store's own index/blob checks plus header checks, each problem with the session it affects."""
+    """The store's own index/chunk checks plus header checks, each problem with the session it affects."""
     problems = _header_findings(store)
     progress(1)
     for f in store.verify(deep=deep):
         pairs = [(s, _snapshot_in(f.where)) for s in f.sessions]
-        if f.sessions and not _snapshot_in(f.where) and "blob " in f.where:  # a chunk: name each user's snapshot too
+        if f.sessions and not _snapshot_in(f.where) and "chunk " in f.where:  # a chunk: name each user's snapshot too
             pairs = [p for p in _affected(store, f.where) if p[0] in f.sessions] or pairs
         for session, snapshot in (pairs or _affected(store, f.where)):
             problems.append({"kind": f.kind, "where": f.where, "detail": f.detail, "session_id": session or None,
@@ -312,10 +312,12 @@ def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = l
 
 def gc(store: Store, dry_run: bool = False) -> dict[str, Any]:
     report = store.gc(dry_run=dry_run)
-    return {"dry_run": report.dry_run, "blobs": len(report.orphan_blobs), "bytes": report.bytes,
-            "orphan_blobs": report.orphan_blobs, "orphan_manifests": report.orphan_manifests,
+    return {"dry_run": report.dry_run, "objects": len(report.orphan_objects), "bytes": report.bytes,
+            "orphan_objects": report.orphan_objects, "orphan_manifests": report.orphan_manifests,
             "tmp_files": report.tmp_files, "expired_leases": report.expired_leases, "skipped": report.skipped,
-            "tombstones": report.tombstones}
+            "tombstones": report.tombstones,
+            # deprecated keys, kept for one release (docs/API.md, "Renamed"): the same values
+            "blobs": len(report.orphan_objects), "orphan_blobs": report.orphan_objects}
 
 
 def repair(store: Store, dry_run: bool = False, remote: str | None = None,
@@ -363,10 +365,10 @@ def remote_gc(remote: str, prefix: str | None = None, dry_run: bool = False, wai
 
 
 def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Rebuild the index from the blob directory (offline: ``StoreBusy`` while another process has the store open)."""
+    """Rebuild the index from the packs (offline: ``StoreBusy`` while another process has the store open)."""
     path = require_path(path, "store path")
     if not any((Path(path) / d).is_dir() for d in ("packs", "blobs")):
-        raise StoreMissing(f"no kvshelf pack or blob directory at {Path(path)}")
+        raise StoreMissing(f"no kvshelf packs or v1 chunk directory at {Path(path)}")
     started = time.perf_counter()
     set_aside = None
     try:
@@ -381,7 +383,7 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
             count = store.rebuild_index()
         except StoreBusy as exc:
             raise StoreBusy(f"{exc}; rebuild-index is an offline repair: stop the other users first") from None
-        totals = blob_totals(store)
+        totals = chunk_totals(store)
         skipped = [{"kind": f.kind, "where": f.where, "detail": f.detail, "sessions": list(f.sessions)}
                    for f in store.admin.rebuild_report()]
     return {"snapshots": count, **totals, "skipped": skipped, "damaged_index_kept_at": set_aside,
@@ -390,4 +392,4 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 __all__ = ["repair", "quarantine_ls", "quarantine_drop",
            "open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
-           "resolve", "format_of", "orphans", "blob_totals", "StoreMissing"]
+           "resolve", "format_of", "orphans", "chunk_totals", "StoreMissing"]

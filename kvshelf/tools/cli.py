@@ -186,7 +186,7 @@ def cmd_gc(args: argparse.Namespace, pr: Printer) -> int:
 
     def human(console) -> None:
         verb = "would remove" if args.dry_run else "removed"
-        console.print(f"{verb} {doc['blobs']} blob(s), {human_bytes(doc['bytes'])}")
+        console.print(f"{verb} {doc['objects']} object(s), {human_bytes(doc['bytes'])}")
 
     pr.emit(doc, human)
     return OK

@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=None, metavar="BYTES",
                    help="the serving processes' byte budget, to report budget use against")
     _remote_options(p)
-    p = add("verify", "Check headers and manifests against the blobs; exit 1 if anything is wrong.")
+    p = add("verify", "Check headers and manifests against the chunks; exit 1 if anything is wrong.")
     p.add_argument("--deep", action="store_true", help="also re-hash every chunk")
-    p = add("gc", "Remove orphan blobs and unreferenced chunks.")
+    p = add("gc", "Remove orphan chunks and unreferenced chunks.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     _remote_options(p)
     p = add("repair", "Heal damaged chunks from a good copy (another pack, the shared tier), drop what cannot be read "
@@ -134,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", default=None, help="session id (default: each file's name without suffix)")
     p.add_argument("--tokens", type=_tokens, default=None, metavar="IDS",
                    help="token ids an mlx-lm file encodes when it carries none: 1,2,3 or @ids.json (a JSON list)")
-    p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new blobs (default 256)")
+    p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new chunks (default 256)")
     _identity_options(p, required_note="expected identity; a file made under another is refused")
-    add("rebuild-index", "Rebuild the LMDB index from the blob directory alone.")
+    add("rebuild-index", "Rebuild the LMDB index from the packs alone.")
     p = add("watch", "Ingest every portable snapshot file dropped into INBOX; done/ and failed/ hold the results.")
     p.add_argument("inbox", type=Path, metavar="INBOX")
     p.add_argument("--compact-every", type=_duration, default=None, metavar="DURATION",
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a file must hold still this long before it is read (default 1s)")
     p.add_argument("--exit-when-idle", type=_duration, default=None, metavar="DURATION",
                    help="stop after nothing arrived for this long (for batch jobs and tests)")
-    p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new blobs (default 256)")
+    p.add_argument("--chunk-tokens", type=int, default=256, metavar="N", help="chunk length for new chunks (default 256)")
     _identity_options(p, required_note="expected identity; files made under another go to failed/")
     p = add("pin", "Pin a session: the budget and the LRU never evict it (until unpin or its TTL lapses).")
     p.add_argument("session", help="session id")

@@ -2,9 +2,9 @@
 
 Steps, in order (each reported with its count and bytes before/after; ``dry_run`` computes the plan only):
 
-1. ``orphans``    remove crash residue (unindexed blobs, manifest files, dead tmp files) — ``Store.gc``.
+1. ``orphans``    remove crash residue (unindexed packs and v1 chunk files, manifest files, dead tmp files) — ``Store.gc``.
 2. ``densify``    paged snapshots whose pools hold blocks no page uses get a dense block table (``densify.py``).
-3. ``merge``      runs of undersized chunks of one snapshot that no other snapshot shares become one blob.
+3. ``merge``      runs of undersized chunks of one snapshot that no other snapshot shares become one chunk.
 4. ``recompress`` raw chunks not used for ``cold_after`` seconds are stored as zstd (at ``level``) over byte-shuffled
                   float planes (``Store.rewrite_chunk``: same content hash, the reader handles both); a chunk that does
                   not shrink goes back to raw. Hot chunks stay raw for zero-copy restores.
@@ -14,20 +14,20 @@ Steps, in order (each reported with its count and bytes before/after; ``dry_run`
                   manifest: ``admin.reclaimable_packs``) are rewritten into fresh packs (same bytes, same hashes; the
                   emptied objects go once no reader leases them). An all-live pack is never rewritten, so a second
                   compact changes nothing.
-6. ``release``    blobs that steps 2-3 replaced are removed, at least ``grace`` seconds after the last swap.
+6. ``release``    chunks that steps 2-3 replaced are removed, at least ``grace`` seconds after the last swap.
 7. ``index``      the LMDB file is rewritten by a compacting copy and swapped in atomically — only while this handle
                   holds the store alone (``Store.exclusive``: the open lock says no other process has it open);
                   otherwise skipped with the reason.
 
-Safe beside serving processes: a snapshot is rewritten by ``Store.replace_snapshot`` — new blobs written under the
+Safe beside serving processes: a snapshot is rewritten by ``Store.replace_snapshot`` — new chunks written under the
 save gate, then one LMDB transaction swaps the manifest (same snapshot id) after re-checking that the snapshot is
 still its session's latest and unchanged (a save that won the race keeps its snapshot; the rewrite is skipped and
-its blobs unlinked). Snapshots a live reader holds (leases) are skipped; the old blobs are leased across the swap, so
-a reader that fetched the old manifest just before it still finds every blob it names, and they are only unlinked by
+its chunks unlinked). Snapshots a live reader holds (leases) are skipped; the old chunks are leased across the swap, so
+a reader that fetched the old manifest just before it still finds every chunk it names, and they are only unlinked by
 the ``gc`` of step 5, ``grace`` seconds later. Only the store's public surface is used.
 
 This module is the plan (which snapshots and chunks each step takes, in what order, around which leases, and the
-report); how one snapshot is rewritten at the blob level (dense tables, merged chunks, zstd estimates) is
+report); how one snapshot is rewritten at the chunk level (dense tables, merged chunks, zstd estimates) is
 ``rewriting.py``.
 """
 
@@ -64,7 +64,7 @@ class CompactionStep:
 
 @dataclass
 class CompactionReport:
-    """What compaction did (or, with ``dry_run``, would do). Bytes are on-disk bytes of blobs + index."""
+    """What compaction did (or, with ``dry_run``, would do). Bytes are on-disk bytes of chunks + index."""
 
     dry_run: bool
     steps: list[CompactionStep]
@@ -126,8 +126,8 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
 
     # 1. orphans
     gc = store.gc(dry_run=dry_run)
-    steps.append(CompactionStep("orphans", len(gc.orphan_blobs) + len(gc.orphan_manifests), gc.bytes, 0,
-                                gc.orphan_blobs, note=gc.skipped))
+    steps.append(CompactionStep("orphans", len(gc.orphan_objects) + len(gc.orphan_manifests), gc.bytes, 0,
+                                gc.orphan_objects, note=gc.skipped))
 
     # 2. dense block tables
     step = CompactionStep("densify")
@@ -225,7 +225,7 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
         target.items.append(h)
     steps.append(hot)
 
-    # 5. repack: v1 chunk blobs and packs whose live ratio fell under MIN_LIVE_RATIO into fresh packs
+    # 5. repack: v1 chunk files and packs whose live ratio fell under MIN_LIVE_RATIO into fresh packs
     steps.append(_repack(store, dry_run))
 
     # 6. release what steps 2-3 replaced
@@ -236,8 +236,8 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
         if wait > 0:
             time.sleep(wait)
         released = store.gc(dry_run=False)
-        step.count, step.bytes_before = len(released.orphan_blobs), released.bytes
-        step.items = released.orphan_blobs
+        step.count, step.bytes_before = len(released.orphan_objects), released.bytes
+        step.items = released.orphan_objects
         step.note = released.skipped
 
     # 7. the index file

@@ -1,8 +1,8 @@
-"""Compaction's rewriting: a snapshot's arrays read from its blobs, new blobs built and swapped in.
+"""Compaction's rewriting: a snapshot's arrays read from its chunks, new chunks built and swapped in.
 
 Why its own file: ``compaction.py`` had grown past the size limit holding two concerns, *which* snapshots and chunks
 each step takes (the plan, the order, leases, dry-run accounting, the report) and *how* a snapshot is rewritten at the
-blob level (dense block tables, merged chunks, zstd estimates). The plan lives in ``compaction.py``; everything here
+chunk level (dense block tables, merged chunks, zstd estimates). The plan lives in ``compaction.py``; everything here
 works on one snapshot or chunk it is handed and changes the store only through ``Store.replace_snapshot`` (``swap``).
 """
 
@@ -23,9 +23,9 @@ from .densify import densify, dropped_blocks
 ZSTD_LEVEL = 3  # what the store's .kvz writer uses by default
 
 
-# --- reading and writing snapshots at the blob level ------------------------------------------------------------------
+# --- reading and writing snapshots at the chunk level ------------------------------------------------------------------
 def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
-    """Every array of a snapshot, read and verified from its blobs (no codec, no cache object)."""
+    """Every array of a snapshot, read and verified from its chunks (no codec, no cache object)."""
     dest = Destinations(list(manifest.entries))
     for ref in manifest.all_chunks:
         with store.admin.open_chunk(ref.hash, verify=True) as reader:
@@ -34,7 +34,7 @@ def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
 
 
 def swap(store: Store, old: Manifest, new: Manifest, todo: list[tuple[ChunkRef, list[Piece]]]) -> None:
-    """Write the new blobs and swap the manifest (``Store.replace_snapshot``: save gate held, old blobs leased across
+    """Write the new chunks and swap the manifest (``Store.replace_snapshot``: save gate held, old chunks leased across
     the swap and left for a later ``gc``). A snapshot replaced or removed meanwhile raises ``Lost``."""
     if not store.admin.replace_snapshot(old, new, todo):
         raise Lost(f"snapshot {old.snapshot_id} of session {old.session_id!r} was saved again, removed or rewritten "
@@ -47,7 +47,7 @@ class Lost(KvShelfError):
 
 # --- step 2: dense block tables -------------------------------------------------------------------------------------
 def densify_one(store: Store, m: Manifest, dry_run: bool) -> tuple[int, int]:
-    """(bytes before, after) of the snapshot's untokened blobs."""
+    """(bytes before, after) of the snapshot's untokened chunks."""
     before = sum(r.nbytes for r in m.own)
     if dry_run:
         after = 0
@@ -150,7 +150,7 @@ def estimate_zstd(store: Store, hash_: str, level: int = ZSTD_LEVEL) -> int:
 
 
 def raw_overhead(store: Store, hash_: str) -> int:
-    """The bytes of a blob's safetensors framing (its raw file = framing + payload), for ``--dry-run``."""
+    """The bytes of a chunk's safetensors framing (its raw file = framing + payload), for ``--dry-run``."""
     with store.admin.open_chunk(hash_, verify=False) as reader:
         return reader.data_start - reader.base - (len(KVZ_MAGIC) if reader.compressed else 0)
 

@@ -39,7 +39,7 @@ def test_repair_heals_a_damaged_chunk_from_the_tier_the_handle_uses(tmp_path, re
 def test_cli_repair_remote_heals_an_offline_store(tmp_path, redis_server) -> None:
     root, toks, h = _damaged(tmp_path, redis_server.url)
     doc = run_json("verify", "--deep", "--store", str(root), expect_rc=1)
-    assert [(p["kind"], p["session_id"]) for p in doc["problems"]] == [("corrupt-blob", "s")]
+    assert [(p["kind"], p["session_id"]) for p in doc["problems"]] == [("corrupt-chunk", "s")]
     without = run_json("repair", "--dry-run", "--store", str(root))
     assert without["healed"] == [] and [r["session_id"] for r in without["lost"]] == ["s"]
     dry = run_json("repair", "--dry-run", "--remote", redis_server.url, "--store", str(root))

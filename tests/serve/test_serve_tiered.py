@@ -173,9 +173,9 @@ def test_a_disk_prefix_shorter_than_min_disk_tokens_is_not_read(llama, store):
     writer = tiered(store)
     writer.insert_cache(KEY, T[:8], filled(llama, T[:8]))
     writer.flush(timeout=60)
-    reads = store.counters["blobs_read"]
+    reads = store.counters["chunks_read"]
     assert tiered(store).fetch_nearest_cache(KEY, T) == (None, T)
-    assert store.counters["blobs_read"] == reads
+    assert store.counters["chunks_read"] == reads
     cache, rest = tiered(store, min_disk_tokens=8).fetch_nearest_cache(KEY, T)
     assert cache[0].offset == 8 and rest == T[8:]
 

@@ -37,7 +37,7 @@ def test_lookup_reads_no_blobs_it_answers_with_the_blob_directory_unreadable(tmp
             os.chmod(blobs, 0o700)
         assert (hit.session_id, hit.length, hit.snapshot_length) == ("a", 23, 40)
         assert miss is None
-        assert store.counters["blobs_read"] == before["blobs_read"]
+        assert store.counters["chunks_read"] == before["chunks_read"]
         assert store.verify(deep=True) == []
 
 
@@ -59,7 +59,7 @@ def test_each_identity_field_alone_isolates_a_snapshot(tmp_path, field):
             foreign.restore("a")
         with pytest.raises(SnapshotNotFound):
             foreign.delete("a")
-        assert foreign.gc(dry_run=False).orphan_blobs == []
+        assert foreign.gc(dry_run=False).orphan_objects == []
     with open_test_store(tmp_path / "s") as store:
         same_caches(store.restore("a").caches, session(MLA, (20,)))
         assert store.verify(deep=True) == []
@@ -96,8 +96,8 @@ def test_a_miss_costs_one_index_probe(tmp_path, monkeypatch):
         cold = token_ids(8192, seed=999)
         monkeypatch.setattr(IndexRecords, "counts", counts)
         monkeypatch.setattr(lookup_module.LazyTokens, "head", head)
-        blobs_before = store.counters["blobs_read"]
+        blobs_before = store.counters["chunks_read"]
         assert store.lookup(cold) is None
         assert probes == [boundary_hash(namespace_key(store.id_key, ""), tokens_array(cold[:1]), 1)]
         assert max(converted) <= 256
-        assert store.counters["blobs_read"] == blobs_before
+        assert store.counters["chunks_read"] == blobs_before

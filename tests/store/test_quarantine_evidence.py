@@ -29,7 +29,7 @@ def test_quarantined_snapshot_keeps_its_bytes_and_stays_a_finding_until_dropped(
         except CorruptData:
             pass
         assert (root / pack).exists()  # quarantine unlinked nothing
-        assert store.gc(dry_run=False).orphan_blobs == [] and (root / pack).exists()  # nor does gc
+        assert store.gc(dry_run=False).orphan_objects == [] and (root / pack).exists()  # nor does gc
         store.delete("b")
         store.gc(dry_run=False)
         assert (root / pack).exists()
@@ -40,7 +40,7 @@ def test_quarantined_snapshot_keeps_its_bytes_and_stays_a_finding_until_dropped(
     with open_store(root, identity=MODEL, chunk_tokens=16) as store:
         assert store.drop_quarantined(a.snapshot_id) and not store.drop_quarantined(a.snapshot_id)
         report = store.gc(dry_run=False)
-        assert pack in report.orphan_blobs and not (root / pack).exists()
+        assert pack in report.orphan_objects and not (root / pack).exists()
         assert store.verify(deep=True) == []
     run_json("verify", "--deep", "--store", str(root))
 

@@ -37,7 +37,7 @@ def test_the_store_on_every_byte_store(tmp_path, backend, index):
         assert store.restore_prefix(shared + [1]).length == 40
         store.delete("a")
         assert store.verify(deep=True) == []
-        assert store.gc(dry_run=False).orphan_blobs == []
+        assert store.gc(dry_run=False).orphan_objects == []
         assert (root / "index").exists() == (index == "lmdb")  # a memory index leaves no file behind
     if index == "lmdb":
         for name in ("data.mdb", "lock.mdb"):

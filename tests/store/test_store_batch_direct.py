@@ -126,7 +126,7 @@ def test_mla_batch_builds_no_per_row_arrays(tmp_path, monkeypatch):
         batch = store.restore_batch(["x", "y", "x"])
         assert store.counters["batch_layers_direct"] - before["batch_layers_direct"] == LAYERS
         assert store.counters["batch_layers_fallback"] == before["batch_layers_fallback"]
-        assert store.counters["blobs_read"] - before["blobs_read"] == 4 + 3 + 4
+        assert store.counters["chunks_read"] - before["chunks_read"] == 4 + 3 + 4
         for got, ref in zip(batch.caches, want):
             assert describe(got) == describe(ref)
             assert [tuple(a.shape) for a in got.state] == [(3, 30, w) for w in case.geometry().widths]

@@ -93,5 +93,5 @@ def test_one_position_overwritten_below_the_stored_length_is_saved(tmp_path):
             c.trim(16)
             c.update_and_fetch(mx.array(bumped).view(mx.float16), values)
         info = store.save("s", token_ids(16), caches)
-        assert info.blobs_written == 1  # only the chunk holding position 5 is new
+        assert info.chunks_written == 1  # only the chunk holding position 5 is new
         assert state_bits(store.restore("s").caches) == state_bits(caches)

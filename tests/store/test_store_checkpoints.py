@@ -110,7 +110,7 @@ def test_a_session_deleted_while_its_checkpoint_is_written_leaves_no_orphan(tmp_
         assert deleted == [True]
         assert store.stats()["snapshots"] == 0 and store.list_checkpoints("a") == []
         assert store.verify(deep=True) == []
-        assert store.gc(dry_run=True).orphan_blobs == []  # the refused checkpoint's pack was reclaimed at once
+        assert store.gc(dry_run=True).orphan_objects == []  # the refused checkpoint's pack was reclaimed at once
 
 
 def test_verify_reports_an_orphan_checkpoint_and_repair_drops_it(tmp_path) -> None:
@@ -200,7 +200,7 @@ def test_a_quarantined_checkpoint_goes_alone_and_delete_of_its_session_drops_the
         assert store.stats()["quarantined_sessions"] == 1
         store.delete("a")
         assert store.stats()["quarantined_sessions"] == 0 and store.stats()["snapshots"] == 0
-        assert store.gc(dry_run=False).orphan_blobs  # the evidence the quarantine kept, reclaimable once dropped
+        assert store.gc(dry_run=False).orphan_objects  # the evidence the quarantine kept, reclaimable once dropped
         assert store.verify(deep=True) == []
 
 

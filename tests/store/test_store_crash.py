@@ -65,7 +65,7 @@ def blob_files(store_dir: Path) -> set[str]:
     return {f"packs/{p.name}" for p in (store_dir / "packs").glob("*.pack") if p.is_file()}
 
 
-RESIDUE = {"orphan-blob", "orphan-manifest"}  # what a kill may leave behind; gc's to reclaim, not a fault
+RESIDUE = {"orphan-object", "orphan-manifest"}  # what a kill may leave behind; gc's to reclaim, not a fault
 
 
 def problems_of(findings) -> list:
@@ -80,7 +80,7 @@ def check_store(
     with sw.open_test_store(store_dir) as store:
         found = store.verify(deep=True)
         assert problems_of(found) == []
-        orphans = sorted(f.where.split()[-1] for f in found if f.kind == "orphan-blob")
+        orphans = sorted(f.where.split()[-1] for f in found if f.kind == "orphan-object")
         stray_manifests = sorted(f.where.split()[-1] for f in found if f.kind == "orphan-manifest")
         ids = sw.session_ids(store)
         missing = sorted(set(committed) - set(ids))
@@ -105,11 +105,11 @@ def check_store(
         before = blob_files(store_dir)
         report = store.gc(dry_run=False)
         after = blob_files(store_dir)
-        assert sorted(report.orphan_blobs) == orphans
+        assert sorted(report.orphan_objects) == orphans
         assert sorted(report.orphan_manifests) == stray_manifests
         assert sorted(before - after) == orphans
         again = store.gc(dry_run=True)
-        assert (again.orphan_blobs, again.orphan_manifests, again.tmp_files) == ([], [], []), f"gc left {again}"
+        assert (again.orphan_objects, again.orphan_manifests, again.tmp_files) == ([], [], []), f"gc left {again}"
         assert store.verify() == []  # blobs were re-hashed above; gc only removed unreferenced ones
         check(ids)
         for session in ids[:: max(1, len(ids) // 3)]:  # the prefix index serves what survived, cut anywhere

@@ -244,7 +244,7 @@ def test_a_reader_on_a_full_disk_keeps_its_objects_from_another_process(tmpfs) -
             assert done.returncode == 0, done.stderr[-2000:]
             assert own.exists(), "a reader's locked pack was unlinked by another process's delete + gc"
             assert own.read_bytes() == before  # every byte the reader located is still there to read
-        assert store.gc(dry_run=False).orphan_blobs or not own.exists()
+        assert store.gc(dry_run=False).orphan_objects or not own.exists()
         assert not own.exists()
         check(store, {"f1-keep": 300})
     ballast.unlink()

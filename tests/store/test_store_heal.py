@@ -43,10 +43,10 @@ def test_a_resave_heals_every_session_that_used_the_damaged_copy(tmp_path) -> No
         except CorruptData:
             pass
         kinds = {(f.kind, f.where): f.sessions for f in store.verify()}
-        assert kinds[("bad-chunk", f"blob {bad}")] == ("b", "c")  # reported with the sessions it affects
+        assert kinds[("bad-chunk", f"chunk {bad}")] == ("b", "c")  # reported with the sessions it affects
         assert store.lookup(list(range(N)) + [7]) is None  # b and c would fail their restore: a miss, not a hit
         info = store.save("a", list(range(N)), make_caches("mla", N, 1))
-        assert info.blobs_written == 1 and info.bytes_written > 0  # a fresh copy of the bad chunk, nothing more
+        assert info.chunks_written == 1 and info.bytes_written > 0  # a fresh copy of the bad chunk, nothing more
         for s in "abc":
             assert _bits(store.restore(s).caches) == want
         assert store.lookup(list(range(N)) + [7]).length == N  # healed: a hit again
@@ -63,7 +63,7 @@ def test_a_save_never_dedupes_onto_a_bad_copy_across_handles(tmp_path) -> None:
             pass
     with open_store(root, identity=MODEL, chunk_tokens=16) as again:  # a restart: the mark is in the index
         info = again.save("d", list(range(N)), make_caches("mla", N, 1))
-        assert info.blobs_written == 1
+        assert info.chunks_written == 1
         assert _bits(again.restore("a").caches) == _bits(make_caches("mla", N, 1))
         assert [f.kind for f in again.verify(deep=True)] == ["quarantined"]
 
@@ -179,7 +179,7 @@ def test_repair_heals_a_damaged_chunk_from_its_copy_in_another_pack(tmp_path) ->
         assert store.admin.bad_chunks() == [] and store.verify(deep=True) == []
         for s in "bc":
             assert _bits(store.restore(s).caches) == _bits(make_caches("mla", N, 1))
-        assert store.save("a", list(range(N)), make_caches("mla", N, 1)).blobs_written == 0  # the healed copy dedupes
+        assert store.save("a", list(range(N)), make_caches("mla", N, 1)).chunks_written == 0  # the healed copy dedupes
 
 
 def test_repair_without_a_good_copy_anywhere_reports_the_loss_not_a_heal(tmp_path) -> None:
@@ -220,12 +220,12 @@ def test_deep_verify_marks_what_fails_its_hash_so_the_next_save_heals_it(tmp_pat
     store, bad = _three_sharing(root)
     with store:
         found = {(f.kind, f.where): f for f in store.verify(deep=True)}
-        f = found[("corrupt-blob", f"blob {bad}")]
+        f = found[("corrupt-chunk", f"chunk {bad}")]
         assert f.sessions == ("a", "b", "c") and "marked bad" in f.detail
         assert [m["hash"] for m in store.admin.bad_chunks()] == [bad]
         assert store.lookup(list(range(N)) + [7]) is None  # no snapshot needing it is offered
         info = store.save("d", list(range(N)), make_caches("mla", N, 1))
-        assert info.blobs_written == 1  # the fresh copy, and only it
+        assert info.chunks_written == 1  # the fresh copy, and only it
         for s in "abcd":
             assert _bits(store.restore(s).caches) == _bits(make_caches("mla", N, 1))
         assert store.verify(deep=True) == []

@@ -40,11 +40,11 @@ def test_restore_prefix_reads_only_the_chunks_covering_the_prefix(tmp_path):
         before = dict(store.counters)
         r = store.restore_prefix(tokens[:20] + [1])
         assert r.length == 20
-        assert store.counters["blobs_read"] - before["blobs_read"] == 2  # [0, 16) and [16, 32)
+        assert store.counters["chunks_read"] - before["chunks_read"] == 2  # [0, 16) and [16, 32)
         assert store.counters["bytes_read"] - before["bytes_read"] == 32 * PER_TOKEN
         before = dict(store.counters)
         store.restore("a")
-        assert store.counters["blobs_read"] - before["blobs_read"] == 7
+        assert store.counters["chunks_read"] - before["chunks_read"] == 7
         assert store.counters["bytes_read"] - before["bytes_read"] == 100 * PER_TOKEN
         assert store.verify(deep=True) == []
 
@@ -57,10 +57,10 @@ def test_saving_a_grown_session_writes_only_new_chunks(tmp_path):
         grown = session(MLA, (40, 40))
         second = store.save("a", tokens, grown)
         assert (second.bytes_written, second.bytes_reused) == (48 * PER_TOKEN, 32 * PER_TOKEN)
-        assert (second.blobs_written, second.blobs_reused) == (3, 2)
+        assert (second.chunks_written, second.chunks_reused) == (3, 2)
         again = store.save("b", tokens, session(MLA, (40, 40)))
         assert (again.bytes_written, again.bytes_reused) == (0, 80 * PER_TOKEN)
-        assert len(store.sessions()) == 2 and store.stats()["blobs"] == 5  # the old partial chunk was freed
+        assert len(store.sessions()) == 2 and store.stats()["chunks"] == 5  # the old partial chunk was freed
         live = {store.admin.chunk_location(h)[0] for h, _m in store.admin.iter_chunks()}
         assert len(live) == 2 and {p.name for p in packs_on_disk(tmp_path / "s")} >= {n.split("/")[1] for n in live}
         same_caches(store.restore("a").caches, session(MLA, (40, 40)))
@@ -76,7 +76,7 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
         bad = store.admin.manifest(a.snapshot_id).chunks[-1]  # a's own last chunk
         flip_chunk_byte(store, bad.hash)
         assert [f.kind for f in store.verify(deep=False)] == []
-        assert [(f.kind, f.where) for f in store.verify(deep=True)] == [("corrupt-blob", f"blob {bad.hash}")]
+        assert [(f.kind, f.where) for f in store.verify(deep=True)] == [("corrupt-chunk", f"chunk {bad.hash}")]
         with pytest.raises(CorruptData, match=rf"session 'a' .*chunk {bad.hash} covering tokens \[96, 100\)"):
             store.restore("a")
         with pytest.raises(CorruptData, match="quarantined"):
@@ -89,7 +89,7 @@ def test_corrupt_chunk_raises_names_it_and_quarantines_only_that_snapshot(tmp_pa
         # issue 12: the quarantined snapshot stays a finding naming its session, and its bytes stay as evidence
         assert [(f.kind, f.sessions) for f in store.verify(deep=True)] == [("quarantined", ("a",))]
         assert os.path.exists(chunk_file(store, bad.hash)[0]) if store.admin.chunk_info(bad.hash) else True
-        assert store.gc(dry_run=False).orphan_blobs == []  # gc keeps the evidence while the record exists
+        assert store.gc(dry_run=False).orphan_objects == []  # gc keeps the evidence while the record exists
         assert store.drop_quarantined(a.snapshot_id)  # the operator's decision
         store.gc(dry_run=False)
         assert store.verify(deep=True) == []  # the bad chunk was a's alone: reclaimed by gc after the drop
@@ -204,7 +204,7 @@ def test_leased_snapshot_is_not_evicted_and_keeps_its_chunks(tmp_path):
             assert all(os.path.exists(f) for f in files)
         # the reader is done: what died meanwhile is left for gc (a release never unlinks), which reclaims it
         report = store.gc(dry_run=False)
-        assert report.orphan_blobs and not any(os.path.exists(f) for f in files)
+        assert report.orphan_objects and not any(os.path.exists(f) for f in files)
         assert store.verify(deep=True) == []
 
 
@@ -250,16 +250,16 @@ def test_gc_dry_run_reports_and_removes_nothing(tmp_path):
         (root / "blobs" / "manifests").mkdir(mode=0o700, parents=True)
         (root / "blobs" / "manifests" / f"{'cd' * 16}.msgpack").write_bytes(b"\x80")  # a v1 writer's residue
         kinds = sorted(f.kind for f in store.verify())
-        assert kinds == ["orphan-blob", "orphan-manifest"]
+        assert kinds == ["orphan-manifest", "orphan-object"]
         dry = store.gc(dry_run=True)
-        assert (dry.orphan_blobs, dry.orphan_manifests, dry.tmp_files) == ([orphan], ["cd" * 16],
+        assert (dry.orphan_objects, dry.orphan_manifests, dry.tmp_files) == ([orphan], ["cd" * 16],
                                                                            ["999999999-dead.tmp"])
         assert dry.bytes == os.path.getsize(src)
         assert (root / orphan).exists() and (root / "tmp" / "999999999-dead.tmp").exists()
         done = store.gc(dry_run=False)
-        assert done.orphan_blobs == [orphan] and not (root / orphan).exists()
+        assert done.orphan_objects == [orphan] and not (root / orphan).exists()
         assert not (root / "tmp" / "999999999-dead.tmp").exists()
-        assert store.gc(dry_run=True).orphan_blobs == []
+        assert store.gc(dry_run=True).orphan_objects == []
         same_caches(store.restore("a").caches, mla(40))
         assert store.verify(deep=True) == []
 

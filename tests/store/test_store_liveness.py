@@ -65,7 +65,7 @@ def test_a_readers_lease_lives_exactly_as_long_as_its_process(tmp_path, namespac
             assert store.admin.leased_hashes()  # the other namespace's lease is seen
             store.delete("a")
             report = store.gc(dry_run=False)
-            assert report.expired_leases == 0 and report.orphan_blobs == []
+            assert report.expired_leases == 0 and report.orphan_objects == []
             assert all((root / name).exists() for name in packs)  # a live reader's chunks stay
             os.killpg(holder.pid, signal.SIGKILL)  # no cleanup runs: only the kernel drops its lock
             holder.wait(30)
@@ -75,7 +75,7 @@ def test_a_readers_lease_lives_exactly_as_long_as_its_process(tmp_path, namespac
             assert store.admin.leased_hashes() == set()
             report = store.gc(dry_run=False)
             assert report.expired_leases == 1  # its lease file, reaped
-            assert sorted(report.orphan_blobs) == sorted(packs)
+            assert sorted(report.orphan_objects) == sorted(packs)
             assert not any((root / name).exists() for name in packs)
             assert not list((root / "leases").glob("*.lease"))
             assert store.verify(deep=True) == []

@@ -62,7 +62,7 @@ def test_a_writers_tmp_file_lives_exactly_as_long_as_its_process(tmp_path, names
         with open_test_store(root, chunk_tokens=16) as store:
             report = store.gc(dry_run=False)
             assert report.tmp_files == [] and tmp[0].exists()  # a live writer's file is never reaped
-            assert report.skipped or report.orphan_blobs == []  # its save gate keeps the sweep off
+            assert report.skipped or report.orphan_objects == []  # its save gate keeps the sweep off
             os.killpg(writer.pid, signal.SIGKILL)  # no cleanup runs: only the kernel drops its lock
             writer.wait(30)
             deadline = time.monotonic() + 30  # unshare's forked child dies just after unshare itself

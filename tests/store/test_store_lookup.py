@@ -148,7 +148,7 @@ def test_identity_and_namespace_isolation(tmp_path):
         with pytest.raises(SnapshotNotFound):
             foreign.delete("a")
         foreign.save("mine", tokens[:8], session(MLA, (8,)))  # over its budget: evicts nothing of IDENTITY
-        assert foreign.gc(dry_run=False).orphan_blobs == []
+        assert foreign.gc(dry_run=False).orphan_objects == []
         assert foreign.verify(deep=True) == []
     with open_test_store(tmp_path / "s") as store:
         assert {s.session_id for s in store.sessions()} == {"a", "t"}

@@ -104,7 +104,7 @@ class StoreModel(RuleBasedStateMachine):
     @rule()
     def gc(self):
         report = self.store.gc(dry_run=False)
-        assert report.orphan_blobs == [] and report.orphan_manifests == []
+        assert report.orphan_objects == [] and report.orphan_manifests == []
 
     @rule()
     def reopen(self):

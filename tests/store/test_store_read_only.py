@@ -287,7 +287,7 @@ def test_a_damaged_store_opened_read_only_is_reported_and_left_as_it_is(template
     proc = _run(AS_NOBODY, ["-m", "kvshelf.tools.cli", "verify", "--deep", "--json", "--store", str(store)])
     assert proc.returncode == 1, proc.stderr
     problems = json.loads(proc.stdout)["problems"]
-    assert {(p["kind"], p["session_id"]) for p in problems} >= {("corrupt-blob", "s-mla")}
+    assert {(p["kind"], p["session_id"]) for p in problems} >= {("corrupt-chunk", "s-mla")}
     assert not any("marked bad" in p["detail"] for p in problems)
     proc = _run(AS_NOBODY, ["-m", "kvshelf.tools.cli", "repair", "--dry-run", "--json", "--store", str(store)])
     assert proc.returncode == 0 and "s-mla" in {r["session_id"] for r in json.loads(proc.stdout)["lost"]}, proc

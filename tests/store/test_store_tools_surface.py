@@ -114,7 +114,7 @@ def test_compaction_skips_a_snapshot_saved_again_during_its_rewrite(store_dir) -
         assert densify.count == 0 and len(densify.skipped) == 1
         assert densify.skipped[0].startswith(sid) and "saved again" in densify.skipped[0]
         assert store.verify(deep=True) == []
-        assert store.gc(dry_run=True).orphan_blobs == []  # the rewrite's own blobs were unlinked
+        assert store.gc(dry_run=True).orphan_objects == []  # the rewrite's own blobs were unlinked
     with open_store(store_dir, identity=MODEL, chunk_tokens=32) as store:
         r = store.restore("s-paged-f32")
         assert r.tokens == newer and _bits(r.caches) == _bits(make_caches("paged-f32", 75, 43))

@@ -118,7 +118,7 @@ def test_grown_session_hashes_only_the_new_chunk(tmp_path, kind):
         d = delta(saved, counts(store))
         assert d["chunks_hashed"] == 1 and d["chunks_hash_reused"] == 16
         assert d["bytes_hashed"] * 16 == d["bytes_hash_reused"]  # one chunk's bytes vs sixteen
-        assert info.blobs_written == 1
+        assert info.chunks_written == 1
         check_saved(store, info, expected)
 
 

@@ -42,7 +42,7 @@ def test_v1_store_takes_new_saves_beside_old_ones(v1_store):
     with open_store(v1_store, identity=IDENTITY, chunk_tokens=EXPECTED["chunk_tokens"]) as store:
         old = store.restore("share-b")
         info = store.save("share-c", old.tokens, old.caches)
-        assert info.blobs_reused > 0  # the same content hashes as the v1 chunks: deduplicated against them
+        assert info.chunks_reused > 0  # the same content hashes as the v1 chunks: deduplicated against them
         again = store.restore("share-c")
         assert [state_checksum(c) for c in again.caches] == EXPECTED["sessions"]["share-b"]["checksums"]
         check_all(store)

@@ -117,7 +117,7 @@ def test_an_unsealed_v1_manifest_is_never_indexed_and_is_reported(v1_store):
         assert hit is None or hit.session_id != VICTIM
         check_sessions(store, [n for n in EXPECTED["sessions"] if n != VICTIM])
         # what only the left-out snapshot used is residue now (for gc), nothing else is wrong
-        assert {f.kind for f in store.verify(deep=True)} == {"orphan-blob", "orphan-manifest"}
+        assert {f.kind for f in store.verify(deep=True)} == {"orphan-object", "orphan-manifest"}
 
 
 def test_a_v1_manifest_disagreeing_with_the_index_stays_unsealed_and_verify_says_so(v1_store):

@@ -72,7 +72,7 @@ def test_tiny_batches_and_partitions_find_exactly_the_crafted_drift(tmp_path, ti
 
         store.index.write(bump)
         found = store.verify()
-        assert [(f.kind, f.where) for f in found] == [("refcount-drift", f"blob {victim}")]
+        assert [(f.kind, f.where) for f in found] == [("refcount-drift", f"chunk {victim}")]
         assert f"refcount {meta.refs + 2}, referenced by {meta.refs}" in found[0].detail
 
 
@@ -153,7 +153,7 @@ def test_verify_invents_nothing_while_another_process_saves_and_deletes(tmp_path
                 meta.refs + 2, meta.nbytes, meta.stored_bytes, meta.encoding, meta.last_used_ns, meta.pack,
                 meta.offset))))
             found = store.verify()
-            assert [(f.kind, f.where) for f in found] == [("refcount-drift", f"blob {victim}")]
+            assert [(f.kind, f.where) for f in found] == [("refcount-drift", f"chunk {victim}")]
             assert proc.poll() is None, proc.stderr.read()
     finally:
         stop.write_text("")

@@ -206,14 +206,14 @@ def test_sigterm_while_a_file_is_in_hand_finishes_it(tmp_path) -> None:
         assert r.tokens == tokens_for(n, seed)
         assert same_reads(r.caches, make_caches("mla", n, seed, layers=24))
         assert s.verify(deep=True) == []
-        assert s.gc(dry_run=True).orphan_blobs == []
+        assert s.gc(dry_run=True).orphan_objects == []
     assert not (store / "tmp").exists() or list((store / "tmp").iterdir()) == []
 
 
 def test_human_output_of_gc_rebuild_index_and_watch(store_copy, tmp_path) -> None:
     """The subcommands whose human (non --json) output no other test reads."""
     dry = run_cli("gc", "--dry-run", "--store", str(store_copy))
-    assert dry.returncode == 0 and dry.stdout.strip() == "would remove 0 blob(s), 0 B", dry.stdout
+    assert dry.returncode == 0 and dry.stdout.strip() == "would remove 0 object(s), 0 B", dry.stdout
     rebuilt = run_cli("rebuild-index", "--store", str(store_copy))
     assert rebuilt.returncode == 0 and "rebuilt index" in rebuilt.stdout, rebuilt.stdout
     inbox = tmp_path / "inbox"

@@ -122,11 +122,11 @@ def test_orphans_make_stats_and_verify_exit_1_until_gc(fresh_store) -> None:
     stats = run_json("stats", "--store", str(fresh_store), expect_rc=1)
     assert stats["orphan_count"] == 1
     found = run_json("verify", "--store", str(fresh_store), expect_rc=1)
-    assert [p["kind"] for p in found["problems"]] == ["orphan-blob"]
+    assert [p["kind"] for p in found["problems"]] == ["orphan-object"]
     dry = run_json("gc", "--dry-run", "--store", str(fresh_store))
-    assert dry["blobs"] == 1 and dry["dry_run"] and orphan.exists()
+    assert dry["objects"] == 1 and dry["dry_run"] and orphan.exists()
     done = run_json("gc", "--store", str(fresh_store))
-    assert done["blobs"] == 1 and done["bytes"] == victim.stat().st_size and not orphan.exists()
+    assert done["objects"] == 1 and done["bytes"] == victim.stat().st_size and not orphan.exists()
     clean = run_cli("verify", "--store", str(fresh_store))
     assert clean.returncode == 0 and "no problems found" in clean.stdout
 
@@ -146,7 +146,7 @@ def test_verify_deep_rehashes_and_names_the_sessions(fresh_store) -> None:
     shallow = run_json("verify", "--store", str(fresh_store))
     assert shallow["problems"] == []
     deep = run_json("verify", "--deep", "--store", str(fresh_store), expect_rc=1)
-    assert [(p["kind"], p["session_id"]) for p in deep["problems"]] == [("corrupt-blob", "s-turbo")]
+    assert [(p["kind"], p["session_id"]) for p in deep["problems"]] == [("corrupt-chunk", "s-turbo")]
     human = run_cli("verify", "--deep", "--store", str(fresh_store))
     # the first deep verify marked the copy bad (the next save writes a fresh one): reported as such from then on
     assert human.returncode == 1 and "s-turbo" in human.stdout and "bad-chunk" in human.stdout

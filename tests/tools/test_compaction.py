@@ -62,7 +62,7 @@ def test_compaction_is_lossless_for_every_kind_and_reports_its_savings(store_dir
     with open_admin(store_dir) as store:
         paged = [m for m in store.admin.iter_manifests() if not all(is_dense(e) for e in m.entries)]
         assert sorted(m.session_id for m in paged) == ["s-paged-affine", "s-paged-f32"]
-        n_blobs = store.stats()["blobs"]  # chunks
+        n_blobs = store.stats()["chunks"]  # chunks
         report = compact(store, cold_after=0.0, grace=0.2)
     assert not report.dry_run and report.skipped_leased == 0, [(s.name, s.skipped, s.note) for s in report.steps]
     assert report.step("densify").count == 2
@@ -75,7 +75,7 @@ def test_compaction_is_lossless_for_every_kind_and_reports_its_savings(store_dir
     assert observe(store_dir) == before
     with open_admin(store_dir) as store:
         assert all(is_dense(e) for m in store.admin.iter_manifests() for e in m.entries)
-        assert store.stats()["blobs"] < n_blobs
+        assert store.stats()["chunks"] < n_blobs
         assert {meta.encoding for _h, meta in store.admin.iter_chunks()} >= {"zstd"}
         assert store.verify(deep=True) == []
     # a second run finds nothing left to do and changes nothing

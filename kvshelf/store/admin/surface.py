@@ -105,7 +105,7 @@ class StoreAdmin:
         return name, offset, length if length is not None else (self.ctx.bytes.size(name) or 0)
 
     def stored_objects(self) -> Iterator[tuple[str, int]]:
-        """(name, size) of every object in the byte store the store owns: packs, v1 blobs and manifest files."""
+        """(name, size) of every object in the byte store the store owns: packs, v1 chunk files and manifest files."""
         for prefix in ("packs/", "blobs/"):
             for name in self.ctx.bytes.names(prefix):
                 size = self.ctx.bytes.size(name)
@@ -114,7 +114,7 @@ class StoreAdmin:
 
     def orphans(self) -> list[tuple[str, str, int]]:
         """(name, kind, bytes) of crash residue: objects the index does not need and no live reader holds — kind
-        ``orphan-blob`` (a pack or a v1 blob; name: pack object name or v1 hash) or ``orphan-manifest``."""
+        ``orphan-object`` (a pack or a v1 chunk file; name: pack object name or v1 hash) or ``orphan-manifest``."""
         self.ctx.check_open()
         return self.sweeper.orphans()
 
@@ -158,7 +158,7 @@ class StoreAdmin:
             n_quarantined = txn.count("quarantine")
         doc = {"root": ctx.root, "model_id": None if ctx.identity is None else ctx.identity.model_id,
                "snapshots": own, "snapshot_bytes": own_bytes, "snapshots_all_identities": n_snapshots_all,
-               "blobs": n_chunks, "packs": n_packs, "stored_bytes": total, "max_bytes": ctx.max_bytes,
+               "chunks": n_chunks, "blobs": n_chunks, "packs": n_packs, "stored_bytes": total, "max_bytes": ctx.max_bytes,
                "quarantined_sessions": n_quarantined, "pending_bytes": self.writer.pending_bytes,
                "pinned_bytes": self.pins.pinned_bytes(), **ctx.counters}
         return {**doc, "remote": ctx.tier.stats()} if ctx.tier is not None else doc
@@ -169,7 +169,7 @@ class StoreAdmin:
         return self.verifier.verify(deep)
 
     def gc(self, dry_run: bool = True):
-        """Remove crash residue: unreferenced packs, blobs and manifest files, dead tmp and lease files."""
+        """Remove crash residue: unreferenced packs, v1 chunk files and manifest files, dead tmp and lease files."""
         if not dry_run:
             self.ctx.check_writable("gc")
         self.ctx.check_open()
@@ -231,7 +231,7 @@ class StoreAdmin:
             if ref.hash in seen or self.chunk_info(ref.hash) is not None:
                 continue
             if (got := content_hash(pieces)) != ref.hash:
-                raise CorruptData(f"blob pieces hash to {got}, not to the name {ref.hash}")
+                raise CorruptData(f"chunk pieces hash to {got}, not to the name {ref.hash}")
             new.append((ref, pieces))
             seen.add(ref.hash)
         if new:
@@ -289,7 +289,7 @@ class StoreAdmin:
         return out
 
     def repack(self, min_live_ratio: float = 0.5, packs=None, v1: bool | None = None) -> dict[str, int]:
-        """Move every v1 chunk blob, and every chunk of a pack whose live bytes fell under ``min_live_ratio`` of
+        """Move every v1 chunk file, and every chunk of a pack whose live bytes fell under ``min_live_ratio`` of
         its size, into new packs (same hashes, same encodings); the emptied objects go when unleased. Returns counts
         (chunks moved, bytes moved, objects emptied). Snapshots' manifests in emptied packs move too. ``packs``:
         exactly these packs instead (``repair`` rewrites a damaged trailer's pack so); ``v1``: move v1 files too

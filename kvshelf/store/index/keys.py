@@ -6,7 +6,7 @@ Index keys (raw bytes; ``sid`` = 16-byte snapshot id, ``idk``/``nsk`` = 16-byte 
 sid → record; ``prefix`` boundary hash → continuation + lineage id (dupsort); ``heads`` lineage id → sid of the
 session's current snapshot (``records.py`` says why records name the session, not the snapshot).
 
-Objects: ``packs/<uuid>.pack`` (layout v2), ``blobs/<hh>/<hash>.safetensors|.kvz`` (v1 chunk blobs),
+Objects: ``packs/<uuid>.pack`` (layout v2), ``blobs/<hh>/<hash>.safetensors|.kvz`` (v1 chunk files),
 ``blobs/manifests/<sid>.msgpack`` (v1 manifest files; ``.quarantined`` once hidden), ``tomb/<sid>`` (a dropped
 snapshot whose pack outlives it: ``rebuild_index`` must not bring it back).
 """
@@ -75,7 +75,7 @@ def manifest_keys(manifest: Manifest) -> tuple[bytes, bytes, bytes]:
     return idk, nsk, session_key(idk, nsk, manifest.session_id)
 
 
-def legacy_blob(hash_: str, encoding: str) -> str:
+def legacy_chunk_file(hash_: str, encoding: str) -> str:
     return f"blobs/{hash_[:2]}/{hash_}.{LEGACY_EXT[encoding]}"
 
 
@@ -84,14 +84,14 @@ def legacy_manifest(sid_hex: str, quarantined: bool = False) -> str:
 
 
 def location(hash_: str, meta: ChunkMeta) -> tuple[str, int, int | None]:
-    """(object, offset, length) of a chunk: inside its pack, or a whole v1 blob file (length: the file's)."""
+    """(object, offset, length) of a chunk: inside its pack, or a whole v1 chunk file file (length: the file's)."""
     if meta.pack:
         return meta.pack, meta.offset, meta.stored_bytes
-    return legacy_blob(hash_, meta.encoding), 0, None
+    return legacy_chunk_file(hash_, meta.encoding), 0, None
 
 
-def parse_legacy_blob(name: str) -> tuple[str, str] | None:
-    """(hash, encoding) of a v1 blob object name, else None."""
+def parse_legacy_chunk_file(name: str) -> tuple[str, str] | None:
+    """(hash, encoding) of a v1 chunk file object name, else None."""
     parts = name.split("/")
     if len(parts) != 3 or parts[0] != "blobs" or len(parts[1]) != 2:
         return None
@@ -131,6 +131,6 @@ def open_lock_path(root: str) -> str:
     return os.path.join(root, "locks", "open.lock")
 
 __all__ = ["CHECKPOINT_MARK", "after_prefix", "be64", "checkpoint_id", "identity_key_of", "is_checkpoint",
-           "legacy_blob", "legacy_manifest", "lineage_id", "location", "lru_key", "lru_sid", "manifest_keys",
-           "open_lock_path", "parent_of", "parse_legacy_blob", "session_key", "session_of_key", "summary_session_key",
+           "legacy_chunk_file", "legacy_manifest", "lineage_id", "location", "lru_key", "lru_sid", "manifest_keys",
+           "open_lock_path", "parent_of", "parse_legacy_chunk_file", "session_key", "session_of_key", "summary_session_key",
            ]

@@ -13,7 +13,7 @@ sessions       idk + nsk + session id (utf-8)              sid of the session's 
 prefix         16-byte boundary hash (dupsort)             continuation (128 bytes) + lineage id of every session
                                                            whose current snapshot holds that boundary
 heads          lineage id (``keys.lineage_id``, 16 bytes)  sid of that session's current snapshot
-chunks         16-byte blob hash                           ``ChunkMeta`` (refcount, sizes, encoding, last use)
+chunks         16-byte chunk hash                           ``ChunkMeta`` (refcount, sizes, encoding, last use)
 lru            idk + be64 last-used ns + sid               empty (eviction order per identity)
 packs          pack object name (utf-8)                    ``PackMeta`` (live chunks / bytes, size, manifests)
 quarantine     idk + nsk + session id                      sid hex + reason (msgpack)

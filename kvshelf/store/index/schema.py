@@ -88,7 +88,7 @@ class Summary(Struct, frozen=True, array_like=True):
 
 class ChunkMeta(Struct, frozen=True, array_like=True):
     """Per chunk: how many manifests reference it, payload bytes, bytes on disk, encoding, last use, and where it
-    lies: ``stored_bytes`` at ``offset`` in ``pack`` ("": a v1 blob file ``blobs/<hh>/<hash>.<ext>``)."""
+    lies: ``stored_bytes`` at ``offset`` in ``pack`` ("": a v1 chunk file file ``blobs/<hh>/<hash>.<ext>``)."""
 
     refs: int
     nbytes: int
@@ -110,7 +110,7 @@ class PackMeta(Struct, frozen=True, array_like=True):
 
 
 class Lease(Struct, frozen=True, array_like=True):
-    """A reader's claim: these chunks, and the objects (packs, v1 blobs) they lie in, must not be unlinked or
+    """A reader's claim: these chunks, and the objects (packs, v1 chunk files) they lie in, must not be unlinked or
     rewritten before ``expires`` while the lease file holding it is locked (``leases.py``; ``pid`` is information)."""
 
     pid: int

@@ -33,9 +33,9 @@ def orphans(index: IndexStore, byte_store: ByteStore, leased: set[str]) -> list[
                 if name in leased or ledger.object_live(index, txn, name):
                     continue
                 if is_pack(name):
-                    found.append((name, "orphan-blob"))
-                elif keys.parse_legacy_blob(name) is not None:
-                    found.append((keys.parse_legacy_blob(name)[0], "orphan-blob"))
+                    found.append((name, "orphan-object"))
+                elif keys.parse_legacy_chunk_file(name) is not None:
+                    found.append((keys.parse_legacy_chunk_file(name)[0], "orphan-object"))
                 elif name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
                     found.append((name[len(keys.LEGACY_MANIFESTS):-len(".msgpack")], "orphan-manifest"))
     return found
@@ -46,8 +46,8 @@ def object_of(byte_store: ByteStore, name: str, kind: str) -> str | None:
         return name
     if kind == "orphan-manifest":
         return keys.legacy_manifest(name)
-    return next((keys.legacy_blob(name, e) for e in ("raw", "zstd") if byte_store.exists(keys.legacy_blob(name, e))),
-                None)
+    return next((keys.legacy_chunk_file(name, e) for e in ("raw", "zstd")
+                 if byte_store.exists(keys.legacy_chunk_file(name, e))), None)
 
 
 class Gc:
@@ -89,33 +89,33 @@ class Gc:
             leased = self.reclaimer.leased_objects()
 
             def sweep(txn):
-                blobs, manifests, nbytes = [], [], 0
+                orphaned, manifests, nbytes = [], [], 0
                 kept = leased | quarantined_objects(index, txn)
                 for name, kind, obj, size in candidates:
                     if obj in kept or ledger.object_live(index, txn, obj):
                         continue  # committed, leased or quarantined since the listing
-                    (manifests if kind == "orphan-manifest" else blobs).append(name)
+                    (manifests if kind == "orphan-manifest" else orphaned).append(name)
                     nbytes += size
                     if not dry_run:
                         objects.delete(obj)
                         ledger.forget_pack(index, txn, obj)
-                return blobs, manifests, nbytes
+                return orphaned, manifests, nbytes
 
             if dry_run:
                 with index.read() as txn:
-                    blobs, manifests, nbytes = sweep(txn)
+                    orphaned, manifests, nbytes = sweep(txn)
             else:
                 try:
-                    blobs, manifests, nbytes = self.txns.write(sweep)
+                    orphaned, manifests, nbytes = self.txns.write(sweep)
                 except StoreFull:
                     if not reserve.release(ctx.root):
                         raise
-                    blobs, manifests, nbytes = self.txns.write(sweep)
+                    orphaned, manifests, nbytes = self.txns.write(sweep)
         finally:
             gate.__exit__(None, None, None)
         if not dry_run:
             reserve.ensure(ctx.root)  # space was freed: hold some back again
-        return self._with_tombs(GcReport(dry_run, blobs, manifests, tmp, expired, nbytes))
+        return self._with_tombs(GcReport(dry_run, orphaned, manifests, tmp, expired, nbytes))
 
     def _with_tombs(self, report: GcReport) -> GcReport:
         """The tombstones no surviving manifest needs, removed after the objects they guarded (``tombs.py``)."""

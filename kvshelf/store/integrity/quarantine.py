@@ -28,7 +28,7 @@ class Quarantine:
         """Hide a snapshot for good: removed from the index, the session recorded in ``quarantine`` (so restoring
         it says why), a ``tomb/<id>.quarantined`` file keeps the reason (a v1 manifest file is renamed).
 
-        Nothing is unlinked: the objects the snapshot used (its pack, the packs or v1 blobs of its chunks) are named
+        Nothing is unlinked: the objects the snapshot used (its pack, the packs or v1 chunk files of its chunks) are named
         in the quarantine record and kept as evidence — ``verify`` reports the snapshot and ``gc`` skips them —
         until an operator drops the record (``drop_quarantined``, or ``delete`` of the session).
 

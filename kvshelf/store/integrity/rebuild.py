@@ -2,7 +2,7 @@
 
 Why a room of its own: it is the one path that trusts the byte store over the index, so what it may believe is
 spelled out here: a manifest is indexed only when its checksum holds (a pack trailer, or a v1 file sealed by
-``legacy_v1.py``), its chunks are all present in some readable pack or blob, and no tombstone says its session was
+``legacy_v1.py``), its chunks are all present in some readable pack or v1 chunk file, and no tombstone says its session was
 removed at or after it (``tombs.py``); every object or manifest left out becomes a ``Finding`` in ``skipped``.
 """
 
@@ -80,7 +80,7 @@ def _reindex(index, byte_store, skipped: list[Finding]) -> int:
         if contents.manifest:
             _consider(found, contents.manifest, contents.written_ns, name, tombs, skipped)
     for name in sorted(byte_store.names("blobs/")):
-        legacy = keys.parse_legacy_blob(name)
+        legacy = keys.parse_legacy_chunk_file(name)
         if legacy is not None:
             located.setdefault(legacy[0], (name, 0, byte_store.size(name) or 0, legacy[1], 0))
         elif name.startswith(keys.LEGACY_MANIFESTS) and name.endswith(".msgpack"):
@@ -100,7 +100,7 @@ def _reindex(index, byte_store, skipped: list[Finding]) -> int:
         missing = [r.hash for r in m.all_chunks if r.hash not in located]
         if missing:
             skipped.append(Finding("rebuild-skipped-snapshot", where, f"{len(missing)} of its chunks are in no "
-                                   f"readable pack or blob (first: {missing[0]})", (m.session_id,)))
+                                   f"readable pack or v1 chunk file (first: {missing[0]})", (m.session_id,)))
             continue
         if m.created_at <= dead_until.get(keys.manifest_keys(m)[2], float("-inf")):
             continue  # its session was deleted, evicted or quarantined at or after this snapshot (not a loss)

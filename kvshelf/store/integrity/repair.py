@@ -6,7 +6,7 @@ repair is the one call that *decides*. It works from the findings of a deep veri
 can show:
 
 * a chunk whose copy failed its hash (a ``bad_chunks`` mark, ``index/bad_chunks.py``, or a deep verify's
-  ``corrupt-blob`` / ``missing-blob``) and that no save has healed: if a good copy exists — another pack, or the
+  ``corrupt-chunk`` / ``missing-chunk``) and that no save has healed: if a good copy exists — another pack, or the
   shared tier (``good_copies.py``) — it is verified and the chunk record repointed at it, healing every snapshot
   using it (reported as healed, with where the copy came from); otherwise every snapshot using it cannot be
   restored, so each is dropped (reported as lost, with its session); the chunk record and its mark go with the
@@ -42,7 +42,7 @@ from .good_copies import GoodCopies
 from .quarantine import Quarantine
 from .verify import Verifier
 
-_DAMAGED = ("bad-chunk", "corrupt-blob", "missing-blob")
+_DAMAGED = ("bad-chunk", "corrupt-chunk", "missing-chunk")
 
 
 class Repair:
@@ -69,8 +69,8 @@ class Repair:
         if not dry_run:
             self.ctx.check_writable("repair")
         findings = self.verifier.verify(deep=True, mark_bad=not dry_run)
-        damaged = {f.where[len("blob "):]: f.sessions for f in findings
-                   if f.kind in _DAMAGED and f.where.startswith("blob ")}
+        damaged = {f.where[len("chunk "):]: f.sessions for f in findings
+                   if f.kind in _DAMAGED and f.where.startswith("chunk ")}
         users, refs = self._users(damaged)
         healed = []
         for h, copy in self.copies.find(damaged, remote).items():
@@ -100,7 +100,7 @@ class Repair:
                                  for w, ss in quarantined],
             bad_chunks=sorted(damaged), healed=healed, dropped_checkpoints=orphans, rewritten_trailers=trailers,
             reclaimed_bytes=sweep.bytes,
-            reclaimed_objects=len(sweep.orphan_blobs) + len(sweep.orphan_manifests),
+            reclaimed_objects=len(sweep.orphan_objects) + len(sweep.orphan_manifests),
             remaining=[f"{f.kind}: {f.where}: {f.detail}" for f in after])
 
     def _users(self, damaged) -> tuple[list[tuple[str, str, str, set[str]]], dict[str, ChunkRef]]:

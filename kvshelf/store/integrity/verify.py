@@ -129,7 +129,7 @@ def _verify(v: Verifier, deep: bool, out: list[Finding], mark_bad: bool = True) 
                                    f"head {lineage.hex()} names no indexed snapshot ({sid.hex()})"))
     verify_counts.check_counts(ctx, deep, tally, out, mark_bad)
     for name, kind in _confirmed_orphans(v, residue):
-        what = "manifest" if kind == "orphan-manifest" else "pack" if is_pack(name) else "blob"
+        what = "manifest" if kind == "orphan-manifest" else "pack" if is_pack(name) else "v1 chunk file"
         out.append(Finding(kind, f"{what} {name}",
                            "unreferenced: no index record names it (left by a re-save, a quarantine drop or a "
                            "crash; `kvshelf gc` reclaims it)"))

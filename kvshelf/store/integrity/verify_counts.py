@@ -10,7 +10,7 @@ run) and costs memory proportional to the store. Now:
   are split into ``ceil(C / COUNT_LIMIT)`` key ranges (by their first four bytes) and each range takes one pass over
   the manifests, so the counter never holds more than about ``COUNT_LIMIT`` hashes (~100 bytes each); the chunk
   records of a range are compared as they stream by (``refs.pop``), never kept. Per-pack live counts are one small
-  record per pack (O(packs) ≤ O(chunks + snapshots)). Candidates and the sessions named in blob findings are
+  record per pack (O(packs) ≤ O(chunks + snapshots)). Candidates and the sessions named in chunk findings are
   bounded by the findings. Nothing holds a record per manifest or per chunk of the whole store.
 * **Concurrency.** Per-record checks (a manifest against its summary, tokens, session, LRU and prefix records; a
   session pointer against its manifest) run inside their batch's transaction, a consistent snapshot; what they read
@@ -110,11 +110,11 @@ def _indexed(txn, index, sid: bytes, raw: bytes) -> tuple[Manifest, Summary] | N
 def _refcount_finding(hb: bytes, refs: int | None, n: int) -> Finding | None:
     h = hb.hex()
     if refs is None:  # no record: a finding only while some snapshot still references it
-        return Finding("refcount-drift", f"blob {h}", f"referenced by {n} snapshots but has no record") if n else None
+        return Finding("refcount-drift", f"chunk {h}", f"referenced by {n} snapshots but has no record") if n else None
     if n == 0:
-        return Finding("refcount-drift", f"blob {h}", f"refcount {refs} but no snapshot references it")
+        return Finding("refcount-drift", f"chunk {h}", f"refcount {refs} but no snapshot references it")
     if refs != n:
-        return Finding("refcount-drift", f"blob {h}", f"refcount {refs}, referenced by {n}")
+        return Finding("refcount-drift", f"chunk {h}", f"refcount {refs}, referenced by {n}")
     return None
 
 
@@ -149,7 +149,7 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
     ``mark_bad``: mark each chunk copy found missing or failing its hash (``_marked``)."""
     index, parts, c = ctx.index, tally.parts, _Candidates()
     live: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
-    chunk_sum, blob_findings = 0, []
+    chunk_sum, chunk_findings = 0, []
     with index.read() as txn:
         marks = {m.hash: m for m in bad_chunks.scan(txn)}
     damaged: dict[str, str] = {}  # packs whose chunks are live but whose trailer does not read: rebuild loses them
@@ -169,7 +169,7 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
                 meta = schema.decode(raw, ChunkMeta, "chunk record")
             except CorruptData as exc:
                 if _still_bad(index, "chunks", key, ChunkMeta):
-                    out.append(Finding("bad-chunk-record", f"blob {key.hex()}", str(exc)))
+                    out.append(Finding("bad-chunk-record", f"chunk {key.hex()}", str(exc)))
                 continue
             if _refcount_finding(key, meta.refs, n) is not None:
                 c.chunks[key] = (meta.refs, n)
@@ -179,13 +179,13 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
             chunk_sum += meta.stored_bytes
             mark = marks.get(key.hex())
             if mark is not None and (mark.pack, mark.offset) == keys.location(key.hex(), meta)[:2]:
-                blob_findings.append(_bad_chunk_finding(mark))
+                chunk_findings.append(_bad_chunk_finding(mark))
                 continue
             found = _object_problem(ctx, key.hex(), meta, deep)
             if found is not None:
                 found = _recheck_object(ctx, key, deep)  # the chunk may have moved or gone meanwhile
             if found is not None:
-                blob_findings.append(_marked(ctx, key.hex(), *found) if mark_bad else found[0])
+                chunk_findings.append(_marked(ctx, key.hex(), *found) if mark_bad else found[0])
         for hb, n in refs.items():  # referenced, but no record in this range
             c.chunks[hb] = (None, n)
     for name, raw in index.scan("packs", VERIFY_BATCH, ids=tally.txn_ids):
@@ -215,7 +215,7 @@ def check_counts(ctx: StoreContext, deep: bool, tally: Tally, out: list[Finding]
         found += _total_findings(c.totals) if c.totals else []
     else:
         found = _recount(ctx, c)
-    out.extend(_with_users(ctx, found + blob_findings))
+    out.extend(_with_users(ctx, found + chunk_findings))
     out.extend(_trailer_users(ctx, damaged))
 
 
@@ -283,14 +283,14 @@ def _still_bad(index, table: str, key: bytes, kind: type) -> bool:
 
 
 def _bad_chunk_finding(mark: bad_chunks.BadMark) -> Finding:
-    return Finding("bad-chunk", f"blob {mark.hash}", f"its copy in {mark.pack} failed its hash "
+    return Finding("bad-chunk", f"chunk {mark.hash}", f"its copy in {mark.pack} failed its hash "
                    f"({_without(mark.reason, mark.hash)}); a save of the same content heals it, else `kvshelf repair` "
                    f"drops the sessions using it")
 
 
 def _without(detail: str, h: str) -> str:
-    """An error's text without the ``blob H`` it starts with when the finding already says where (no repeats)."""
-    for prefix in (f"blob {h}: ", f"blob {h} "):
+    """An error's text without the ``chunk H`` it starts with when the finding already says where (no repeats)."""
+    for prefix in (f"chunk {h}: ", f"chunk {h} "):
         if detail.startswith(prefix):
             return detail[len(prefix):]
     return detail
@@ -300,18 +300,18 @@ def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
     name, offset, _length = keys.location(h, meta)
     size = ctx.bytes.size(name)
     if size is None:
-        return Finding("missing-blob", f"blob {h}", f"its object {name} is missing")
+        return Finding("missing-chunk", f"chunk {h}", f"its object {name} is missing")
     if meta.pack and offset + meta.stored_bytes > size:
-        return Finding("size-drift", f"blob {h}", f"lies past the end of {name} ({size} bytes)")
+        return Finding("size-drift", f"chunk {h}", f"lies past the end of {name} ({size} bytes)")
     if not meta.pack and size != meta.stored_bytes:
-        return Finding("size-drift", f"blob {h}", f"file is {meta.encoding} {size} bytes, index says "
+        return Finding("size-drift", f"chunk {h}", f"file is {meta.encoding} {size} bytes, index says "
                                                   f"{meta.stored_bytes}")
     if deep:
         try:
             with open_chunk(ctx.index, ctx.bytes, h, verify=True) as reader:
                 reader.read_into([None] * len(reader.tensors))
         except (KvShelfError, ObjectMissing, OSError) as exc:
-            return Finding("corrupt-blob", f"blob {h}", _without(str(exc), h))
+            return Finding("corrupt-chunk", f"chunk {h}", _without(str(exc), h))
     return None
 
 
@@ -334,7 +334,7 @@ def _marked(ctx, h: str, found: Finding, where: tuple) -> Finding:
     found it would: from now on no save dedupes onto it (the next save of the content writes a fresh copy, healing
     every snapshot using it) and a lookup does not offer a snapshot that needs it. The only write verify makes, and
     not on a read-only handle (the finding is reported either way)."""
-    if found.kind not in ("corrupt-blob", "missing-blob") or ctx.read_only:
+    if found.kind not in ("corrupt-chunk", "missing-chunk") or ctx.read_only:
         return found
     try:
         marked = ctx.index.write(lambda txn: bad_chunks.mark(txn, h, where, f"verify: {found.detail}"))
@@ -404,13 +404,13 @@ def _recount(ctx, c: _Candidates) -> list[Finding]:
 
 def _with_users(ctx, found: list[Finding]) -> list[Finding]:
     """Blob findings name every session using the chunk (one batched pass over the manifests, only for them)."""
-    hashes = {f.where[len("blob "):] for f in found
-              if f.kind in ("missing-blob", "corrupt-blob", "bad-chunk") or f.detail.endswith("but has no record")}
+    hashes = {f.where[len("chunk "):] for f in found
+              if f.kind in ("missing-chunk", "corrupt-chunk", "bad-chunk") or f.detail.endswith("but has no record")}
     if not hashes:
         return found
     users = sessions_using(ctx, hashes)
-    return [Finding(f.kind, f.where, f.detail, tuple(sorted(users.get(f.where[len("blob "):], ()))))
-            if f.where[len("blob "):] in hashes else f for f in found]
+    return [Finding(f.kind, f.where, f.detail, tuple(sorted(users.get(f.where[len("chunk "):], ()))))
+            if f.where[len("chunk "):] in hashes else f for f in found]
 
 
 __all__ = ["COUNT_LIMIT", "Tally", "VERIFY_BATCH", "check_counts", "partitions", "sessions_using"]

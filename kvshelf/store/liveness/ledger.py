@@ -68,7 +68,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
         raw = chunk_records[h]
         if raw is None:
             where, offset, length, encoding, size = placed[h]
-            if not is_pack(where):  # a v1 blob file found by rebuild_index
+            if not is_pack(where):  # a v1 chunk file file found by rebuild_index
                 where, offset = "", 0
             meta = ChunkMeta(1, ref.nbytes, length, encoding, now, where, offset)
             total += length
@@ -115,7 +115,7 @@ def commit(index, txn, manifest: Manifest, pack: str, pack_size: int, placed: Pl
 
 
 def drop(index, txn, sid: bytes, prefix_records: bool = True) -> list[str]:
-    """Remove a snapshot from the index; returns the objects (packs, v1 blobs, its v1 manifest file) that may have
+    """Remove a snapshot from the index; returns the objects (packs, v1 chunk files, its v1 manifest file) that may have
     lost their last use. Its session's prefix records and head go with it (if it is the head) unless
     ``prefix_records`` is False: ``commit`` has already moved them to the snapshot replacing it."""
     manifest = tables.manifest(txn, sid)
@@ -198,12 +198,12 @@ def move_manifest(index, txn, sid: bytes, pack: str, pack_size: int) -> list[str
 
 
 def object_live(index, txn, name: str) -> bool:
-    """Whether an object is still needed by the index: a pack with live chunks or a live manifest, a v1 blob whose
+    """Whether an object is still needed by the index: a pack with live chunks or a live manifest, a v1 chunk file whose
     chunk record still points at it, a v1 manifest file of an indexed snapshot."""
     if is_pack(name):
         m = tables.pack_meta(txn, name)
         return m is not None and (m.live_chunks > 0 or m.manifests > 0)
-    legacy = keys.parse_legacy_blob(name)
+    legacy = keys.parse_legacy_chunk_file(name)
     if legacy is not None:
         h, encoding = legacy
         m = tables.chunk_meta(txn, h)

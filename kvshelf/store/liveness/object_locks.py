@@ -7,7 +7,7 @@ space. So when publishing fails with ENOSPC/EDQUOT the reader instead holds, for
 
 * a shared lock on ``locks/readers`` (made empty when the store is opened: an empty file takes no block), which says
   "some reader is protected by object locks right now", and
-* a shared lock on every object (pack or v1 blob file) it will read,
+* a shared lock on every object (pack or v1 chunk file file) it will read,
 
 *then* runs the lease's usual re-check in a fresh LMDB read transaction. Every unlinker (gc's sweep, the reclaim
 after a delete / eviction / rewrite) asks ``Reclaimer.leased_objects`` (``reclaim.py``) what it must keep; the set it gets back

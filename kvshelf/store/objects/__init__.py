@@ -1,4 +1,4 @@
-"""The objects: where the store's immutable bytes live (packs of chunks, v1 blobs, tombstones).
+"""The objects: where the store's immutable bytes live (packs of chunks, v1 chunk files, tombstones).
 
 Belongs here: the byte-store protocol (``protocol.py``, with ``open_object``: a reader over any byte store) and its local-directory and memory implementations
 (``local.py``, ``memory.py``), packs (``pack.py``: chunks back to back, the manifest in a checksummed trailer; object names of packs and

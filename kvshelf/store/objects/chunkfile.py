@@ -1,8 +1,8 @@
-"""The chunk blob format: a standard safetensors file we frame ourselves, or its zstd-compressed twin (``.kvz``).
+"""The chunk chunk format: a standard safetensors file we frame ourselves, or its zstd-compressed twin (``.kvz``).
 
-A blob is named by its *content hash*: xxh3-128 over a msgpack descriptor of its tensors (name, dtype, shape, in file
-order) followed by the tensors' bytes. The hash covers the logical content, not the file, so a compressed blob keeps
-its name and manifests never change when a blob is recompressed.
+A chunk is named by its *content hash*: xxh3-128 over a msgpack descriptor of its tensors (name, dtype, shape, in file
+order) followed by the tensors' bytes. The hash covers the logical content, not the file, so a compressed chunk keeps
+its name and manifests never change when a chunk is recompressed.
 
 Raw form: ``u64 header length | JSON header (padded with spaces to 8 bytes) | tensor bytes`` — readable by any
 safetensors reader (``mx.load`` included). We write it with ``os.writev`` over zero-copy views of the MLX arrays and
@@ -44,7 +44,7 @@ _FROM_CODE = {code: name for name, (code, _) in DTYPES.items()}
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of a blob: logical name, mlx dtype name, shape, byte range within the tensor data."""
+    """One tensor of a chunk: logical name, mlx dtype name, shape, byte range within the tensor data."""
 
     name: str
     dtype: str
@@ -102,7 +102,7 @@ SMALL_RUNS = 32 << 10  # average run size below which a chunk is hashed with the
 
 
 def content_hash(pieces: list[Piece], desc: bytes | None = None) -> str:
-    """The blob's name: xxh3-128 over the descriptor (``desc``, when the caller has it already) and then every
+    """The chunk's name: xxh3-128 over the descriptor (``desc``, when the caller has it already) and then every
     tensor's bytes, in order."""
     segments = [seg for p in pieces for seg in p.segments]
     head = descriptor(pieces) if desc is None else desc
@@ -159,20 +159,20 @@ def _parse_header(raw: bytes, where: str) -> tuple[list[TensorInfo], dict[str, s
                 raise ValueError(f"tensor {name!r} byte range does not match its shape")
             infos.append(TensorInfo(name, dtype, shape, int(start), int(stop)))
     except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptData(f"blob {where}: safetensors header is malformed ({exc})") from None
+        raise CorruptData(f"chunk {where}: safetensors header is malformed ({exc})") from None
     infos.sort(key=lambda t: t.start)
     expected = 0
     for t in infos:
         if t.start != expected:
-            raise CorruptData(f"blob {where}: tensor {t.name!r} does not follow the previous one")
+            raise CorruptData(f"chunk {where}: tensor {t.name!r} does not follow the previous one")
         expected = t.stop
     return infos, metadata
 
 
 class ChunkReader:
-    """An open chunk — a whole v1 blob file, or ``length`` bytes at ``base`` inside a pack — read through a ranged
+    """An open chunk — a whole v1 chunk file file, or ``length`` bytes at ``base`` inside a pack — read through a ranged
     source (``read_into(offset, buffers)``): its tensors, and ``read_into`` that fills caller buffers and checks the
-    content hash. ``ChunkReader(path)`` opens a file by path (v1 blobs, tools)."""
+    content hash. ``ChunkReader(path)`` opens a file by path (v1 chunk files, tools)."""
 
     def __init__(self, path: str | None = None, expect_hash: str | None = None, *, source=None, base: int = 0,
                  length: int | None = None, where: str | None = None, owns_source: bool | None = None):
@@ -184,7 +184,7 @@ class ChunkReader:
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                raise CorruptData(f"blob {self.where} is missing") from None
+                raise CorruptData(f"chunk {self.where} is missing") from None
             source = LocalReader(fd, self.where)
             owns_source = True if owns_source is None else owns_source
         self.source, self.base, self._owns = source, base, bool(owns_source)
@@ -200,7 +200,7 @@ class ChunkReader:
         try:
             self.source.read_into(offset, [memoryview(buf)])
         except CorruptData:
-            raise CorruptData(f"blob {self.where} is truncated") from None
+            raise CorruptData(f"chunk {self.where} is truncated") from None
         return bytes(buf)
 
     def _open(self) -> None:
@@ -208,19 +208,19 @@ class ChunkReader:
         if self.length is None:
             self.length = self.source.size() - self.base
         if self.length < 16:
-            raise CorruptData(f"blob {where} is truncated ({self.length} bytes)")
+            raise CorruptData(f"chunk {where} is truncated ({self.length} bytes)")
         head = self._pread(self.base, 16)
         self.compressed = head[:8] == KVZ_MAGIC
         at = 8 if self.compressed else 0
         (hlen,) = struct.unpack("<Q", head[at:at + 8])
         if hlen > MAX_HEADER or at + 8 + hlen > self.length:
-            raise CorruptData(f"blob {where}: header length {hlen} is implausible (or the blob is truncated)")
+            raise CorruptData(f"chunk {where}: header length {hlen} is implausible (or the chunk is truncated)")
         raw = self._pread(self.base + at + 8, hlen)
         self.tensors, self.metadata = _parse_header(raw, where)
         self.data_start = self.base + at + 8 + hlen
         self.data_bytes = self.tensors[-1].stop if self.tensors else 0
         if not self.compressed and self.data_start + self.data_bytes > self.base + self.length:
-            raise CorruptData(f"blob {where} is truncated (tensor data ends early)")
+            raise CorruptData(f"chunk {where} is truncated (tensor data ends early)")
 
     def close(self) -> None:
         if self._owns and self.source is not None:
@@ -238,13 +238,13 @@ class ChunkReader:
         buffer) and verify the content hash over them, each tensor hashed right after it was read (still hot)."""
         where = self.where
         if len(dests) != len(self.tensors):
-            raise CorruptData(f"blob {where} holds {len(self.tensors)} tensors, expected {len(dests)}")
+            raise CorruptData(f"chunk {where} holds {len(self.tensors)} tensors, expected {len(dests)}")
         bufs = []
         for t, d in zip(self.tensors, dests):
             d = memoryview(bytearray(t.nbytes)) if d is None else d
             views = [v.cast("B") for v in d] if isinstance(d, list) else [d.cast("B")]
             if sum(v.nbytes for v in views) != t.nbytes:
-                raise CorruptData(f"blob {where}: tensor {t.name!r} holds {t.nbytes} bytes, expected "
+                raise CorruptData(f"chunk {where}: tensor {t.name!r} holds {t.nbytes} bytes, expected "
                                   f"{sum(v.nbytes for v in views)}")
             bufs.append(views)
         h = xxhash.xxh3_128(descriptor(self.tensors)) if self.expect_hash is not None else None
@@ -259,14 +259,14 @@ class ChunkReader:
                 try:
                     self.source.read_into(self.data_start + t.start, views)
                 except CorruptData:
-                    raise CorruptData(f"blob {where} is truncated (tensor data ends early)") from None
+                    raise CorruptData(f"chunk {where} is truncated (tensor data ends early)") from None
                 if h is not None:
                     for v in views:
                         h.update(v)
         if h is not None:
             got = h.hexdigest()
             if got != self.expect_hash:
-                raise CorruptData(f"blob {where}: content hash {got} does not match its name {self.expect_hash}")
+                raise CorruptData(f"chunk {where}: content hash {got} does not match its name {self.expect_hash}")
         return [views if isinstance(d, list) else views[0] for d, views in zip(dests, bufs)]
 
     def _decompress_into(self, bufs: list[list[memoryview]], where: str) -> None:
@@ -275,13 +275,13 @@ class ChunkReader:
         try:
             self.source.read_into(self.data_start, [memoryview(frame)])
         except CorruptData:
-            raise CorruptData(f"blob {where} is truncated (compressed data ends early)") from None
+            raise CorruptData(f"chunk {where} is truncated (compressed data ends early)") from None
         try:
             payload = zstandard.ZstdDecompressor().decompress(bytes(frame), max_output_size=self.data_bytes)
         except zstandard.ZstdError as exc:
-            raise CorruptData(f"blob {where}: compressed data does not decode ({exc})") from None
+            raise CorruptData(f"chunk {where}: compressed data does not decode ({exc})") from None
         if len(payload) != self.data_bytes:
-            raise CorruptData(f"blob {where}: compressed data holds {len(payload)} bytes, expected {self.data_bytes}")
+            raise CorruptData(f"chunk {where}: compressed data holds {len(payload)} bytes, expected {self.data_bytes}")
         view = memoryview(payload)
         for t, views in zip(self.tensors, bufs):
             if len(views) == 1:

@@ -1,4 +1,4 @@
-"""``LocalByteStore``: the ByteStore seam over a local directory (packs, legacy v1 blobs, tombstones).
+"""``LocalByteStore``: the ByteStore seam over a local directory (packs, legacy v1 chunk files, tombstones).
 
 Why this shape: a durable save must cost one data pass and exactly two syncs here (the file, then its directory).
 ``put`` writes a tmp file held under ``flock`` from its creation (so a reaper tells a live writer from crash residue

@@ -6,13 +6,13 @@ chunk and once more for a separate manifest file), and ``rebuild_index`` still f
 Layout (``packs/<snapshot id>.pack`` for a save; see ``new_pack_name``)::
 
     b"KVSHPK2\\n"
-    chunk frames, back to back: each exactly a v1 chunk blob (``u64 len | safetensors JSON | tensor bytes``, or its
+    chunk frames, back to back: each exactly a v1 chunk file (``u64 len | safetensors JSON | tensor bytes``, or its
                                 zstd twin), readable on its own at (pack, offset, length)
     manifest (msgpack; the snapshot this save committed; empty for packs written by tools)
     u64 manifest length | u64 xxh3-64 of the manifest | b"KVSHPKT\\n"
 
 Chunks stay content-addressed by xxh3-128 over their logical content (``chunkfile.content_hash``), so a pack chunk and
-a v1 blob of the same content have the same name and deduplicate against each other.
+a v1 chunk file of the same content have the same name and deduplicate against each other.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 tensors into chunks, is ``save/chunking.py``).
 
 Reading: each destination MLX array is allocated once (``mx.zeros`` evaluated, then checked to own a full C-contiguous
-buffer), a writable numpy view of it is taken, and blob tensors are ``preadv``-ed straight into the right slices; the
+buffer), a writable numpy view of it is taken, and chunk tensors are ``preadv``-ed straight into the right slices; the
 content hash is computed from that memory. Pieces that straddle the cut ``p`` or a non-contiguous region go through a
 temporary buffer. A batched restore (``BatchDestinations``) allocates one array per tensor of each layer's codec
-``BatchPlan`` instead, and each row's blobs are read into that row's window of it (``RowDestinations``).
+``BatchPlan`` instead, and each row's chunks are read into that row's window of it (``RowDestinations``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ _MX_STORAGE = {"bfloat16": mx.uint16}
 
 
 def slot_index(name: str) -> tuple[int, int]:
-    """``(cache, slot)`` of a blob tensor name ``"<cache>.<slot>.<name>"``."""
+    """``(cache, slot)`` of a chunk tensor name ``"<cache>.<slot>.<name>"``."""
     try:
         i_text, j_text, _ = name.split(".", 2)
         i, j = int(i_text), int(j_text)
     except ValueError:
-        raise CorruptData(f"blob tensor {name!r} names no slot of this snapshot") from None
+        raise CorruptData(f"chunk tensor {name!r} names no slot of this snapshot") from None
     if i < 0 or j < 0:
-        raise CorruptData(f"blob tensor {name!r} names no slot of this snapshot")
+        raise CorruptData(f"chunk tensor {name!r} names no slot of this snapshot")
     return i, j
 
 
@@ -76,19 +76,19 @@ class Destinations:
             at += n
 
     def slot(self, name: str) -> tuple[int, int, TensorSlot, np.ndarray]:
-        """``(cache, slot index, slot, host)`` of a blob tensor name ``"<cache>.<slot>.<name>"``."""
+        """``(cache, slot index, slot, host)`` of a chunk tensor name ``"<cache>.<slot>.<name>"``."""
         i, j = slot_index(name)
         try:
             return i, j, self.entries[i].tensors[j], self.hosts[i][j]
         except IndexError:
-            raise CorruptData(f"blob tensor {name!r} names no slot of this snapshot") from None
+            raise CorruptData(f"chunk tensor {name!r} names no slot of this snapshot") from None
 
     def finish(self) -> list[list[mx.array]]:
         return [[as_stored(s.dtype, a) for s, a in zip(e.tensors, row)] for e, row in zip(self.entries, self.arrays)]
 
 
 class BatchDestinations:
-    """One owned MLX array per tensor of each layer's ``BatchPlan``, which every row's blobs are read straight into;
+    """One owned MLX array per tensor of each layer's ``BatchPlan``, which every row's chunks are read straight into;
     layers without a plan (None) get per-row ``Destinations`` as a serial restore does."""
 
     def __init__(self, plans: list[BatchPlan | None], rows: list[list[CacheEntry]]):
@@ -133,7 +133,7 @@ class BatchDestinations:
 
 class RowDestinations:
     """Row ``b`` of a ``BatchDestinations`` seen as a serial ``Destinations``: a slot's host is the row's window of
-    the batched tensor (``[1, ..., T_b, ...]`` at its start along the token axis), so blob pieces land in place."""
+    the batched tensor (``[1, ..., T_b, ...]`` at its start along the token axis), so chunk pieces land in place."""
 
     def __init__(self, batch: BatchDestinations, b: int):
         self.batch, self.b = batch, b
@@ -147,34 +147,34 @@ class RowDestinations:
         try:
             slot = self.entries[i].tensors[j]
         except IndexError:
-            raise CorruptData(f"blob tensor {name!r} names no slot of this snapshot") from None
+            raise CorruptData(f"chunk tensor {name!r} names no slot of this snapshot") from None
         if (self.b, j) not in targets or slot.token_axis is None:
-            raise CorruptData(f"blob tensor {name!r} has no place in the batched layout")
+            raise CorruptData(f"chunk tensor {name!r} has no place in the batched layout")
         k, start = targets[(self.b, j)]
         batched = self.batch._hosts[i][k]
         window = batched[self.b:self.b + 1]
         window = axis_window(window, slot.token_axis, start, start + slot.shape[slot.token_axis])
         if window.shape != tuple(slot.shape):
-            raise CorruptData(f"blob tensor {name!r}: slot shape {slot.shape} does not fit the batched "
+            raise CorruptData(f"chunk tensor {name!r}: slot shape {slot.shape} does not fit the batched "
                               f"{list(batched.shape)} at {start}")
         return i, j, slot, window
 
 
 def fill_from_chunk(reader, ref: ChunkRef, dest: Destinations) -> int:
-    """Read one blob into its destinations (verifying the hash if the reader expects one); returns bytes read."""
+    """Read one chunk into its destinations (verifying the hash if the reader expects one); returns bytes read."""
     targets, copies = [], []
     for t in reader.tensors:
         i, j, slot, host = dest.slot(t.name)
         if slot.token_axis is None:
             if tuple(host.shape) != t.shape:
-                raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {host.shape}")
+                raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {host.shape}")
             targets.append(memoryview(host).cast("B") if host.size else None)
             continue
         axis = slot.token_axis
         n_here = t.shape[axis] if len(t.shape) > axis else -1
         want_shape = host.shape[:axis] + (n_here,) + host.shape[axis + 1:]
         if n_here < 0 or t.shape != want_shape or ref.start + n_here > max(ref.stop, ref.start):
-            raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want_shape}")
+            raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want_shape}")
         keep = max(0, min(n_here, host.shape[axis] - ref.start))
         region = axis_window(host, axis, ref.start, ref.start + keep)
         if keep == n_here and region.flags["C_CONTIGUOUS"] and region.size:

@@ -137,7 +137,7 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
                 try:
                     dest = by_slot[i][j]
                 except IndexError:
-                    raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} names no slot of this snapshot") from None
+                    raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} names no slot of this snapshot") from None
                 dest.pieces.append((c, ref, k))
         check_coverage(read, slots, readers)  # before mx.load allocates a single destination
         flat = [s for row in slots for s in row if s.nbytes]
@@ -219,13 +219,13 @@ def _plan_slot(slot: _Slot, dest: memoryview, readers: list[ChunkReader], jobs: 
         want_full = tuple(int(d) for d in slot.slot.shape)
         if axis is None:
             if t.shape != want_full:
-                raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want_full}")
+                raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want_full}")
             jobs[c].append(PieceJob(k, [dest]))
             continue
         n_here = t.shape[axis] if len(t.shape) > axis else -1
         want = want_full[:axis] + (n_here,) + want_full[axis + 1:]
         if n_here < 0 or t.shape != want or ref.start + n_here > max(ref.stop, ref.start):
-            raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want}")
+            raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} has shape {t.shape}, expected {want}")
         keep = max(0, min(n_here, slot.length - ref.start))
         outer = math.prod(slot.shape[:axis])
         inner = math.prod(slot.shape[axis + 1:]) * slot.itemsize

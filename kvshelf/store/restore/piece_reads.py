@@ -53,11 +53,11 @@ class ChunkHash:
         if self.h is None:
             return
         if self.next != len(self.reader.tensors):
-            raise CorruptData(f"blob {self.reader.where}: {len(self.reader.tensors) - self.next} tensors were never "
+            raise CorruptData(f"chunk {self.reader.where}: {len(self.reader.tensors) - self.next} tensors were never "
                               f"read (they name no slot of this snapshot)")
         got = self.h.hexdigest()
         if got != self.reader.expect_hash:
-            raise CorruptData(f"blob {self.reader.where}: content hash {got} does not match its name "
+            raise CorruptData(f"chunk {self.reader.where}: content hash {got} does not match its name "
                               f"{self.reader.expect_hash}")
 
 
@@ -134,7 +134,7 @@ def _fill_chunk(reader: ChunkReader, jobs: list[PieceJob], h: ChunkHash) -> None
             try:
                 reader.source.read_into(start, [v for job in batch for v in job.views])
             except CorruptData:
-                raise CorruptData(f"blob {reader.where} is truncated (tensor data ends early)") from None
+                raise CorruptData(f"chunk {reader.where} is truncated (tensor data ends early)") from None
             for job in batch:
                 h.feed(job.k, job.views)
         batch, size = [], 0
@@ -171,7 +171,7 @@ def read_piece(reader: ChunkReader, c: int, k: int, views: list[memoryview], dec
         try:
             reader.source.read_into(reader.data_start + t.start, views)
         except CorruptData:
-            raise CorruptData(f"blob {reader.where} is truncated (tensor data ends early)") from None
+            raise CorruptData(f"chunk {reader.where} is truncated (tensor data ends early)") from None
         return
     payload = decompressed.get(c)
     if payload is None:

@@ -170,7 +170,7 @@ class Reader:
                 objects.close()
                 self._close_read(read)
             break
-        self.ctx.counters.blobs_read += n_chunks
+        self.ctx.counters.chunks_read += n_chunks
         self.ctx.counters.bytes_read += n_bytes
         if direct:
             return read.entries, arrays, [pl is not None for pl in plans]
@@ -234,7 +234,7 @@ class Reader:
             try:
                 with reader:
                     self.ctx.counters.bytes_read += fill_from_chunk(reader, ref, dest)
-                    self.ctx.counters.blobs_read += 1
+                    self.ctx.counters.chunks_read += 1
             except CorruptData as exc:
                 self._corrupt(read, exc, ref, also)
 
@@ -273,7 +273,7 @@ def _coverage_slots(read: restoring.Read, readers: list) -> list:
         for k, t in enumerate(reader.tensors):
             i, j = slot_index(t.name)
             if i >= len(slots) or j >= len(slots[i]):
-                raise CorruptData(f"blob {ref.hash}: tensor {t.name!r} names no slot of this snapshot")
+                raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} names no slot of this snapshot")
             slots[i][j].pieces.append((c, ref, k))
     return slots
 

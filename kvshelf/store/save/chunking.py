@@ -1,10 +1,10 @@
 """Cutting a snapshot's tensors into chunks (the save side; reading them back is ``restore/destinations.py``).
 
 Writing: every tensor with a ``token_axis`` is cut at multiples of ``chunk_tokens``; the pieces of all caches for one
-token range form one blob (tensor names ``"<cache>.<slot>.<slot name>"``). Tensors without a token axis form one more
-blob. Pieces are zero-copy numpy views of the evaluated MLX arrays (bf16 through a uint16 view), cut into their
-contiguous runs only when a blob is hashed or written (a grown session's save reuses most hashes and writes few
-blobs, and the run views of a 512 MiB cache cost more than its reused hashes).
+token range form one chunk (tensor names ``"<cache>.<slot>.<slot name>"``). Tensors without a token axis form one more
+chunk. Pieces are zero-copy numpy views of the evaluated MLX arrays (bf16 through a uint16 view), cut into their
+contiguous runs only when a chunk is hashed or written (a grown session's save reuses most hashes and writes few
+chunks, and the run views of a 512 MiB cache cost more than its reused hashes).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _as_piece(name: str, dtype: str, region: np.ndarray) -> Piece:
 
 @dataclass(frozen=True)
 class Region:
-    """One tensor of a blob before it is cut into runs: its name, mlx dtype name and numpy view."""
+    """One tensor of a chunk before it is cut into runs: its name, mlx dtype name and numpy view."""
 
     name: str
     dtype: str
@@ -60,7 +60,7 @@ class Region:
 
 
 class ChunkPlan:
-    """One blob to write: the token range it covers ([0, 0) for the untokened blob) and its tensors' regions; the
+    """One chunk to write: the token range it covers ([0, 0) for the untokened chunk) and its tensors' regions; the
     pieces (zero-copy runs) are made on first use."""
 
     def __init__(self, start: int, stop: int, regions: list[Region]):
@@ -83,7 +83,7 @@ class ChunkPlan:
 
 
 def plan_chunks(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_tokens: int) -> list[ChunkPlan]:
-    """Chunk blobs in token order, then (if any) the blob of tensors without a token axis."""
+    """Chunk chunks in token order, then (if any) the chunk of tensors without a token axis."""
     hosts = [[host_view(a) for a in row] for row in arrays]
     extent = 0
     for entry, row in zip(entries, hosts):

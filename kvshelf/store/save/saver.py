@@ -4,7 +4,7 @@ Why this shape (layout v2): a durable save costs one data pass (``pwritev`` stra
 head runs — a ``[1, H, t, D]`` window of a ``[1, H, T, D]`` plane is H runs, never joined), one fsync and one
 directory fsync (the byte store's ``put``), and one LMDB commit. The pack's trailer carries the manifest, so there is
 no manifest file to sync. Chunks are content-addressed (xxh3-128 over the logical content, hashed from the same
-buffers that are written) and deduplicated against every indexed chunk, v1 blobs included — except a chunk marked
+buffers that are written) and deduplicated against every indexed chunk, v1 chunk files included — except a chunk marked
 bad (``index/bad_chunks.py``): its fresh copy is written and takes the name back in the commit.
 
 A grown session's save skips the *write* of the chunks already stored and, for kvshelf's own caches, their
@@ -216,7 +216,7 @@ class Saver:
         hasher.remember(sid, plans, hashes)
         need = sum(r.nbytes for r in unique.values())
         reused = need - written
-        ctx.counters.blobs_written += n_written
+        ctx.counters.chunks_written += n_written
         ctx.counters.bytes_written += written
         ctx.counters.bytes_reused += reused
         self.budget.evict(protect=bytes.fromhex(sid))

@@ -104,7 +104,7 @@ class FullDisk:
                 return True  # its sweep unlinked before its own commit failed: the space may be there now
             except StoreBusy:
                 return False
-        return bool(report.orphan_blobs or report.orphan_manifests or report.tmp_files or report.expired_leases)
+        return bool(report.orphan_objects or report.orphan_manifests or report.tmp_files or report.expired_leases)
 
 
 __all__ = ["FullDisk"]
