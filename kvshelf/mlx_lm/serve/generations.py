@@ -35,12 +35,13 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.server import GenerationContext, Response, _image_parts, _make_logits_processors, _make_sampler
+from mlx_lm.server import GenerationContext, Response
 
 from ...store.generations import continuation_key
 from ..checkpoint_writer import COUNTERS, CheckpointWriter
 from ..checkpoints import prefill
 from ..resumable import checkpointed_steps
+from ..upstream import image_parts, make_logits_processors, make_sampler, should_stop
 
 log = logging.getLogger("kvshelf.serve")
 
@@ -160,7 +161,7 @@ class ServeGenerations:
         """Serve one request as mlx-lm's ``_serve_single`` would, checkpointed and resuming; False (nothing done)
         when this request is not for us and mlx-lm must serve it."""
         rqueue, req, args = request
-        if self._not_ours(args) is not None or provider.draft_model is not None or any(_image_parts(req.messages)):
+        if self._not_ours(args) is not None or provider.draft_model is not None or any(image_parts(req.messages)):
             return False
         store = self._store(provider.model_key)
         if store is None:
@@ -221,7 +222,7 @@ class ServeGenerations:
 
         steps = checkpointed_steps(
             model, prompt, prompt_cache=cache, cached=cached, resume=found, max_tokens=args.max_tokens,
-            sampler=_make_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
+            sampler=make_sampler(args, tokenizer), logits_processors=make_logits_processors(args),
             checkpoint_every=self.every, on_checkpoint=on_checkpoint, stream=stream,
             prefill_step_size=cli.prefill_step_size, kv_bits=cli.kv_bits, kv_group_size=cli.kv_group_size,
             quantized_kv_start=cli.quantized_kv_start, prompt_progress_callback=lambda a, b: rqueue.put((a, b)))
@@ -254,7 +255,7 @@ class ServeGenerations:
                 if finish is not None:
                     finished = True
                     break
-                if ctx._should_stop:  # the client went away: keep the checkpoints, its retry resumes
+                if should_stop(ctx):  # the client went away: keep the checkpoints, its retry resumes
                     break
         finally:
             steps.close()

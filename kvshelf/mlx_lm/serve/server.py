@@ -52,6 +52,8 @@ from .metrics import ServeMetrics
 from .checkpoints import needs_checkpoints, split_segments
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
+from ..upstream import response_generator_base, run_http_server
+from .listening import reporting_server_class
 from .startup import StartupError
 from .status_page import status
 from .generations import ServeGenerations, checkpoint_every_arg  # generation checkpoints (RESUMING.md)
@@ -277,8 +279,8 @@ class Serving:
                       remote=redact(self.opts.remote) if self.opts.remote else None)
 
 
-def _generator_class(base: type, serving_of: dict) -> type:
-    class KvShelfResponseGenerator(base):
+def _generator_class(serving_of: dict) -> type:
+    class KvShelfResponseGenerator(response_generator_base()):
         """mlx-lm's ResponseGenerator, handed the TieredPromptCache around the LRUPromptCache ``run()`` built."""
 
         def __init__(self, model_provider, prompt_cache):
@@ -294,26 +296,27 @@ def _generator_class(base: type, serving_of: dict) -> type:
             set_current_context(ctx)  # the handler's thread: its X-Kvshelf-Prefix header names this request's fetch
             return ctx, response
 
-        def _tokenize(self, tokenizer, request, args):  # --checkpoint-every (serve/checkpoints.py)
-            prompt, segments, types, *rest = super()._tokenize(tokenizer, request, args)
+        def tokenize_request(self, tokenizer, request, args):  # --checkpoint-every (serve/checkpoints.py)
+            prompt, segments, types, *rest = super().tokenize_request(tokenizer, request, args)
             every = self.kvshelf.checkpoint_every(self.model_provider.model)
             if every:
                 segments, types = split_segments(segments, types, every)
             return (prompt, segments, types, *rest)
 
-        def _log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
+        def log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
             if log.isEnabledFor(logging.DEBUG):
-                super()._log_cache_stats()
+                super().log_cache_stats()
 
         # --- generation checkpoints (generations.py): resumable requests are served by us, one at a time ---
-        def _is_batchable(self, args):
+        def is_batchable(self, args):
             taken = self.generations.takes(args)  # counts the requests that are not resumable
-            return super()._is_batchable(args) and not taken
+            return super().is_batchable(args) and not taken
 
-        def _serve_single(self, request, stream):
-            if not self.generations.serve(request, stream, provider=self.model_provider, tokenize=self._tokenize,
-                                          state_machine=self._make_state_machine, prompt_cache=self.prompt_cache):
-                super()._serve_single(request, stream)
+        def serve_single(self, request, stream):
+            if not self.generations.serve(request, stream, provider=self.model_provider,
+                                          tokenize=self.tokenize_request, state_machine=self.make_state_machine,
+                                          prompt_cache=self.prompt_cache):
+                super().serve_single(request, stream)
 
     return KvShelfResponseGenerator
 
@@ -339,11 +342,11 @@ def _run_function(opts: argparse.Namespace, made: list):
             store = serving.opener.open_now((cli.model, cli.adapter_path, cli.draft_model))
             if opts.warm_prompts is not None:
                 _warm(opts, cli, model_provider, store)
-        generator = _generator_class(mlx_server.ResponseGenerator, {"serving": serving})(model_provider, ram)
+        generator = _generator_class({"serving": serving})(model_provider, ram)
         made.append(generator)
         if group.rank() == 0:
-            mlx_server._run_http_server(host, port, generator, server_class=server_class,
-                                        handler_class=handler_class(handler_class_, serving))
+            run_http_server(host, port, generator, server_class=reporting_server_class(server_class),
+                            handler_class=handler_class(handler_class_, serving))
         else:
             generator.join()
 
