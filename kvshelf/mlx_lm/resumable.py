@@ -29,7 +29,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import InvalidCacheState
 from ..store.generations import GenerationCheckpoint, continuation_key
-from .checkpoint_writer import CheckpointWriter
+from .generation_checkpoint_writer import GenerationCheckpointWriter
 
 OnCheckpoint = Callable[[list[int], list[Any], int, bytes], None]
 
@@ -179,7 +179,7 @@ def resumable_generate(model: Any, tokenizer: Any, prompt: str | Sequence[int] |
         raise InvalidCacheState("max_tokens must be non-zero (use -1 for no limit)")
     if key is None:
         key = default_key(store, tokens, max_tokens, generate_kwargs)
-    writer = CheckpointWriter(max_in_flight=1)
+    writer = GenerationCheckpointWriter(max_in_flight=1)
     found = store.find_generation_checkpoint(key, tokens)
     if found is not None:
         writer.counters["resumes"] += 1

@@ -3,7 +3,7 @@
 Why: a client that loses the server at token 3,500 of 4,000 retries the identical request; without this it pays the
 prefill and the 3,500 tokens again. Every ``--generation-checkpoint-every`` tokens a running request's caches
 (prompt + generated so far), its pending token and its sampler's random state are written behind to the store
-(``CheckpointWriter``: decode never waits; a full queue skips and counts). A request whose continuation key has a
+(``GenerationCheckpointWriter``: decode never waits; a full queue skips and counts). A request whose continuation key has a
 checkpoint sends the tokens already generated at once (streaming: as the first chunks) and decodes on from the
 pending token; its text and token ids equal an uninterrupted run's. A completed request drops its checkpoints; a
 request the client abandoned keeps them (its retry resumes).
@@ -38,7 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.server import GenerationContext, Response
 
 from ...store.generations import continuation_key
-from ..checkpoint_writer import COUNTERS, CheckpointWriter
+from ..generation_checkpoint_writer import COUNTERS, GenerationCheckpointWriter
 from ..checkpoints import prefill
 from ..resumable import checkpointed_steps
 from ..upstream import image_parts, make_logits_processors, make_sampler, should_stop
@@ -106,7 +106,7 @@ class ServeGenerations:
         self.store_for = store_for
         self.log = logger or log
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.writer = CheckpointWriter(max_in_flight=max_in_flight, counters=self.counters, logger=self.log)
+        self.writer = GenerationCheckpointWriter(max_in_flight=max_in_flight, counters=self.counters, logger=self.log)
         self._counted: dict[int, weakref.ref] = {}  # the requests already counted (``_count``), while they live
 
     def takes(self, args: Any) -> bool:

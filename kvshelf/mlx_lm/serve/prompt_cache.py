@@ -37,7 +37,6 @@ bytes_written, tokens)``): the server's metrics and status page; and the fetch o
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -49,6 +48,7 @@ from typing import Any
 import xxhash
 
 from ...errors import CorruptData, SnapshotNotFound
+from ..write_behind import BUSY, CLOSED, FULL, WriteBehindQueue
 from .checkpoints import CHECKPOINT, HeldCheckpoints
 
 log = logging.getLogger("kvshelf.serve")
@@ -147,11 +147,8 @@ class TieredPromptCache:
         self._outcome_cond = threading.Condition()
         self.log = logger or log
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self._cond = threading.Condition()
-        self._pending = 0
-        self._pending_bytes = 0
-        self._inflight: set[str] = set()  # sessions queued and not yet written: a second one is a duplicate
-        self._closed = False
+        # one write per session in flight (a second one is a duplicate), bounded in entries and bytes
+        self.queue = WriteBehindQueue(max_entries=queue_entries, max_bytes=queue_bytes, logger=self.log)
         self.checkpoints = HeldCheckpoints()  # --checkpoint-every inserts, until their session's (checkpoints.py)
 
     # ------------------------------------------------------------------ LRUPromptCache's interface
@@ -305,40 +302,45 @@ class TieredPromptCache:
         if store is None:
             return
         session = session_id_for(tokens)
-        if session in self._inflight or self._already_stored(store, tokens):
-            self.counters["writes_duplicate"] += 1
-            self.observer.observe_write("duplicate", 0, len(tokens))
-            self.log.debug("kvshelf write-behind skipped: the store holds these %d tokens already", len(tokens))
+        if self.queue.busy(session) or self._already_stored(store, tokens):
+            self._duplicate(tokens)
             return
         nbytes = sum(int(getattr(c, "nbytes", 0) or 0) for c in prompt_cache)
-        with self._cond:
-            if self._closed:
-                return
-            if self._pending >= self.queue_entries or (self._pending and
-                                                       self._pending_bytes + nbytes > self.queue_bytes):
-                self.counters["writes_skipped_full"] += 1
-                self.observer.observe_write("queue_full", 0, len(tokens))
-                self.log.warning("kvshelf write-behind skipped: queue full (%d writes, %d bytes pending)",
-                                 self._pending, self._pending_bytes)
-                return
-            self._pending += 1
-            self._pending_bytes += nbytes
-            self._inflight.add(session)
+
+        def start():
+            return store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace,
+                                    **({"checkpoints": checkpoints} if checkpoints else {}))
+
+        def finished(future) -> None:
+            self._finished(future, len(tokens), len(checkpoints))
+
         try:
-            future = store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace,
-                                      **({"checkpoints": checkpoints} if checkpoints else {}))
+            said = self.queue.submit(session, nbytes, start, finished)
         except Exception as exc:  # noqa: BLE001 - e.g. a cache class no codec knows, a closed store
-            self._done(nbytes, session)
             self.counters["writes_failed"] += 1
             self.observer.observe_write("failed", 0, len(tokens))
             self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
             return
+        if said == CLOSED:
+            return
+        if said == BUSY:  # queued by another thread since the check above
+            self._duplicate(tokens)
+            return
+        if said == FULL:
+            self.counters["writes_skipped_full"] += 1
+            self.observer.observe_write("queue_full", 0, len(tokens))
+            self.log.warning("kvshelf write-behind skipped: queue full (%d writes, %d bytes pending)",
+                             self.queue.pending, self.queue.pending_bytes)
+            return
         self.counters["writes_queued"] += 1
-        self.log.debug("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self._pending)
-        future.add_done_callback(functools.partial(self._finished, nbytes=nbytes, n_tokens=len(tokens),
-                                                   session=session, checkpoints=len(checkpoints)))
+        self.log.debug("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self.queue.pending)
 
-    def _finished(self, future, nbytes: int, n_tokens: int, session: str, checkpoints: int = 0) -> None:
+    def _duplicate(self, tokens: list[int]) -> None:
+        self.counters["writes_duplicate"] += 1
+        self.observer.observe_write("duplicate", 0, len(tokens))
+        self.log.debug("kvshelf write-behind skipped: the store holds these %d tokens already", len(tokens))
+
+    def _finished(self, future, n_tokens: int, checkpoints: int = 0) -> None:
         exc = future.exception()
         if exc is None:
             info = future.result()
@@ -352,47 +354,30 @@ class TieredPromptCache:
             self.counters["writes_failed"] += 1
             self.observer.observe_write("failed", 0, n_tokens)
             self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", n_tokens, type(exc).__name__, exc)
-        self._done(nbytes, session)
-
-    def _done(self, nbytes: int, session: str) -> None:
-        with self._cond:
-            self._pending -= 1
-            self._pending_bytes -= nbytes
-            self._inflight.discard(session)
-            self._cond.notify_all()
 
     @property
     def pending_writes(self) -> int:
-        return self._pending
+        return self.queue.pending
 
     @property
     def pending_bytes(self) -> int:
-        return self._pending_bytes
+        return self.queue.pending_bytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write finished (or ``timeout`` seconds passed); True when none is left."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        return self.queue.flush(timeout)
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Stop taking writes, flush within ``timeout`` and close the store(s). When writes are still running at
         the deadline they are abandoned (the store stays consistent: a crash-safe store leaves only orphans, which
         ``kvshelf gc`` reclaims) and False is returned."""
-        with self._cond:
-            self._closed = True
-        flushed = self.flush(timeout)
+        flushed = self.queue.close(timeout)
         if flushed:
             self._store_for.close()
         self.log.info("kvshelf write-behind %s: %d saved, %d failed, %d skipped (queue full), %d abandoned, "
                       "%d duplicate (not written)", "flushed" if flushed else "abandoned at the deadline",
                       self.counters["writes_done"], self.counters["writes_failed"],
-                      self.counters["writes_skipped_full"], self._pending, self.counters["writes_duplicate"])
+                      self.counters["writes_skipped_full"], self.queue.pending, self.counters["writes_duplicate"])
         return flushed
 
 
