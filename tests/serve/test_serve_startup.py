@@ -79,3 +79,15 @@ def test_a_bad_warm_prompts_file(model, tmp_path):
     proc, _ = start(tmp_path, "--model", str(model), "--store", str(tmp_path / "s"), "--warm-prompts",
                     str(tmp_path / "warm.jsonl"))
     assert proc.returncode == 1 and "warm.jsonl line 2" in proc.stderr
+
+
+def test_port_0_binds_a_free_port_and_says_which(model, tmp_path):
+    """The one listening line names the port the system gave, and that port serves (the harness reads it)."""
+    from serve_harness import Server
+
+    with Server(model, tmp_path / "s", tmp_path / "a.log") as a, Server(model, tmp_path / "s", tmp_path / "b.log") as b:
+        assert a.port and b.port and a.port != b.port
+        for server in (a, b):
+            lines = LISTENING_LINE.findall(server.log())
+            assert lines == [str(server.port)], server.log()
+            assert server._request("GET", "/health", None, timeout=30)[0] == 200

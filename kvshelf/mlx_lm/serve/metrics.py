@@ -44,7 +44,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TIERS = ("ram", "disk", "remote")
 # the outcomes of --generation-checkpoint-every's writes (the label of kvshelf_generation_checkpoints_total)
-CHECKPOINT_OUTCOMES = ("queued", "durable", "failed", "skipped_full", "dropped")
+GENERATION_CHECKPOINT_OUTCOMES = ("queued", "durable", "failed", "skipped_full", "dropped")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,8 @@ METRICS: tuple[MetricDefinition, ...] = (
     # --generation-checkpoint-every's counters (generations.py), read at scrape time
     MetricDefinition("kvshelf_generation_checkpoints", "counter", "Generation checkpoints by outcome (queued, "
                      "durable, failed, skipped_full: the write queue was full, dropped: by a completed request)",
-                     ("outcome",), read=lambda s: {(o,): s.generation(f"checkpoints_{o}") for o in CHECKPOINT_OUTCOMES}),
+                     ("outcome",), read=lambda s: {(o,): s.generation(f"checkpoints_{o}")
+                                                   for o in GENERATION_CHECKPOINT_OUTCOMES}),
     _generation("resumes", "Requests resumed from a generation checkpoint"),
     _generation("resumed_tokens", "Generated tokens a resume did not decode again"),
     _generation("requests_not_resumable", "Requests served without checkpoints (sampled without a seed, or asking "
@@ -216,7 +217,7 @@ class ServeMetrics:
         if outcome.source != "none":
             self._inc("kvshelf_cached_tokens", outcome.source, amount=outcome.cached)
             self._observe("kvshelf_restore_seconds", outcome.seconds, outcome.source)
-            if getattr(outcome, "checkpoint", False):
+            if outcome.prefix_checkpoint:
                 self._inc("kvshelf_checkpoint_hits")
         else:
             self._inc("kvshelf_misses", outcome.reason or "nothing_stored")
@@ -305,5 +306,5 @@ def store_figures(stores: list) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CHECKPOINT_OUTCOMES", "CONTENT_TYPE", "METRICS", "MetricDefinition", "Scrape", "ServeMetrics", "WINDOWS",
-           "store_figures"]
+__all__ = ["CONTENT_TYPE", "GENERATION_CHECKPOINT_OUTCOMES", "METRICS", "MetricDefinition", "Scrape", "ServeMetrics",
+           "WINDOWS", "store_figures"]

@@ -49,7 +49,7 @@ import xxhash
 
 from ...errors import CorruptData, SnapshotNotFound
 from ..write_behind import BUSY, CLOSED, FULL, WriteBehindQueue
-from .checkpoints import CHECKPOINT, HeldCheckpoints
+from .prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints
 
 log = logging.getLogger("kvshelf.serve")
 
@@ -77,7 +77,7 @@ class FetchOutcome:
     reason: str | None
     seconds: float
     at: float
-    checkpoint: bool = False  # the prefix came from a session's checkpoint (serve/checkpoints.py)
+    prefix_checkpoint: bool = False  # the prefix came from a session's prefix checkpoint (serve/prefix_checkpoints.py)
 
     def header(self) -> str:
         """The ``X-Kvshelf-Prefix`` header value."""
@@ -149,7 +149,8 @@ class TieredPromptCache:
         self.counters = dict.fromkeys(COUNTERS, 0)
         # one write per session in flight (a second one is a duplicate), bounded in entries and bytes
         self.queue = WriteBehindQueue(max_entries=queue_entries, max_bytes=queue_bytes, logger=self.log)
-        self.checkpoints = HeldCheckpoints()  # --checkpoint-every inserts, until their session's (checkpoints.py)
+        # --checkpoint-every's prefix checkpoint inserts, held until their session's (prefix_checkpoints.py)
+        self.prefix_checkpoints = HeldPrefixCheckpoints()
 
     # ------------------------------------------------------------------ LRUPromptCache's interface
     def __len__(self) -> int:
@@ -173,13 +174,13 @@ class TieredPromptCache:
         cache, rest = self.ram.fetch_nearest_cache(model, tokens)
         ram_len = len(tokens) - len(rest) if cache is not None else 0
         source, cached = ("ram", ram_len) if cache is not None else ("none", 0)
-        reason, checkpoint = None, False
+        reason, prefix_checkpoint = None, False
         if len(tokens) - 1 > ram_len and _storable(tokens):
             restored, reason = self._from_disk(model, tokens, ram_len)
             if restored is not None:
-                cache, cached, source, checkpoint = restored
+                cache, cached, source, prefix_checkpoint = restored
                 rest = tokens[cached:]
-                self.counters["checkpoint_hits"] += checkpoint
+                self.counters["checkpoint_hits"] += prefix_checkpoint
         elif not _storable(tokens):
             reason = "unstorable_tokens"
         self.counters[f"{source}_hits" if source != "none" else "misses"] += 1
@@ -189,12 +190,13 @@ class TieredPromptCache:
         else:
             reason = reason or "nothing_stored"
         seconds = time.perf_counter() - t0
-        outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time(), checkpoint)
+        outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time(),
+                               prefix_checkpoint)
         self._keep_outcome(tokens, outcome)
         self.observer.observe_fetch(outcome)
         self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f%s%s", source, cached, len(tokens),
                       ram_len, seconds * 1e3, f" reason={reason}" if reason else "",
-                      " checkpoint=yes" if checkpoint else "")
+                      " checkpoint=yes" if prefix_checkpoint else "")
         return cache, rest
 
     # ------------------------------------------------------------------ outcomes for the HTTP handler
@@ -229,8 +231,8 @@ class TieredPromptCache:
                      cache_type: str = "assistant") -> None:
         """Into RAM (mlx-lm's rules), then written behind to the store: snapshotted now, written later. A
         ``checkpoint`` insert (``--checkpoint-every``) is held for its session's write instead."""
-        if cache_type == CHECKPOINT:
-            self.checkpoints.hold(tokens, prompt_cache)
+        if cache_type == PREFIX_CHECKPOINT:
+            self.prefix_checkpoints.hold(tokens, prompt_cache)
             return
         self._write_behind(model, tokens, prompt_cache)
         self.ram.insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
@@ -286,10 +288,12 @@ class TieredPromptCache:
 
     def _write_behind(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
         try:
-            checkpoints = self.checkpoints.take_for(tokens, prompt_cache) if len(self.checkpoints) else {}
+            held = self.prefix_checkpoints
+            prefix_checkpoints = held.take_for(tokens, prompt_cache) if len(held) else {}
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be cut: the session is still written
-            self.log.warning("kvshelf checkpoints dropped (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
-            checkpoints = {}
+            self.log.warning("kvshelf prefix checkpoints dropped (%d tokens): %s: %s", len(tokens), type(exc).__name__,
+                             exc)
+            prefix_checkpoints = {}
         if not tokens or not _storable(tokens):  # image placeholders are negative ids: RAM only
             self.counters["writes_skipped_unstorable"] += 1
             self.observer.observe_write("unstorable", 0, len(tokens))
@@ -309,10 +313,10 @@ class TieredPromptCache:
 
         def start():
             return store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace,
-                                    **({"checkpoints": checkpoints} if checkpoints else {}))
+                                    **({"checkpoints": prefix_checkpoints} if prefix_checkpoints else {}))
 
         def finished(future) -> None:
-            self._finished(future, len(tokens), len(checkpoints))
+            self._finished(future, len(tokens), len(prefix_checkpoints))
 
         try:
             said = self.queue.submit(session, nbytes, start, finished)
@@ -340,7 +344,7 @@ class TieredPromptCache:
         self.observer.observe_write("duplicate", 0, len(tokens))
         self.log.debug("kvshelf write-behind skipped: the store holds these %d tokens already", len(tokens))
 
-    def _finished(self, future, n_tokens: int, checkpoints: int = 0) -> None:
+    def _finished(self, future, n_tokens: int, prefix_checkpoints: int = 0) -> None:
         exc = future.exception()
         if exc is None:
             info = future.result()
@@ -349,7 +353,7 @@ class TieredPromptCache:
             self.observer.observe_write("saved", info.bytes_written, info.length)
             self.log.debug("kvshelf write-behind saved tokens=%d new_bytes=%d reused_bytes=%d ms=%.1f session=%s%s",
                           info.length, info.bytes_written, info.bytes_reused, info.seconds * 1e3, info.session_id,
-                          f" checkpoints={checkpoints}" if checkpoints else "")
+                          f" checkpoints={prefix_checkpoints}" if prefix_checkpoints else "")
         else:
             self.counters["writes_failed"] += 1
             self.observer.observe_write("failed", 0, n_tokens)

@@ -49,14 +49,14 @@ from ...store import open_store
 from . import startup, warm
 from .http_routes import handler_class, set_current_context
 from .metrics import ServeMetrics
-from .checkpoints import needs_checkpoints, split_segments
+from .prefix_checkpoints import needs_prefix_checkpoints, split_segments
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
 from ..upstream import response_generator_base, run_http_server
 from .listening import reporting_server_class
 from .startup import StartupError
 from .status_page import status
-from .generations import ServeGenerations, checkpoint_every_arg  # generation checkpoints (RESUMING.md)
+from .generations import ServeGenerations, generation_checkpoint_every_arg  # generation checkpoints (RESUMING.md)
 
 log = logging.getLogger("kvshelf.serve")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvshelf's own log level (default INFO: one line per request; DEBUG adds the "
                         "write-behinds)")
     # --- generation checkpoints (generations.py) ---
-    p.add_argument("--generation-checkpoint-every", type=checkpoint_every_arg, default=256, metavar="N",
+    p.add_argument("--generation-checkpoint-every", type=generation_checkpoint_every_arg, default=256, metavar="N",
                    help="checkpoint running greedy/seeded requests every N tokens so that a retry after a crash "
                         "resumes (default 256; 0 off)")
     return p
@@ -255,17 +255,18 @@ class Serving:
                                         min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
                                         observer=self.metrics)
 
-        self._checkpoints_for: dict[int, int] = {}
+        self._prefix_checkpoints_for: dict[int, int] = {}
         self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
 
-    def checkpoint_every(self, model) -> int:
-        """``--checkpoint-every`` for this model: 0 when its caches can all be cut (checked once per model)."""
+    def prefix_checkpoint_every(self, model) -> int:
+        """``--checkpoint-every`` (prefix checkpoints along a prompt) for this model: 0 when its caches can all be
+        cut (checked once per model)."""
         every = int(getattr(self.opts, "checkpoint_every", 0) or 0)
         if every <= 0 or model is None:
             return 0
-        if id(model) not in self._checkpoints_for:
-            self._checkpoints_for[id(model)] = every if needs_checkpoints(model) else 0
-        return self._checkpoints_for[id(model)]
+        if id(model) not in self._prefix_checkpoints_for:
+            self._prefix_checkpoints_for[id(model)] = every if needs_prefix_checkpoints(model) else 0
+        return self._prefix_checkpoints_for[id(model)]
 
     def state(self) -> dict[str, Any]:
         return {"stores": self.opener.stores(), "pending_writes": self.tiered.pending_writes,
@@ -296,9 +297,9 @@ def _generator_class(serving_of: dict) -> type:
             set_current_context(ctx)  # the handler's thread: its X-Kvshelf-Prefix header names this request's fetch
             return ctx, response
 
-        def tokenize_request(self, tokenizer, request, args):  # --checkpoint-every (serve/checkpoints.py)
+        def tokenize_request(self, tokenizer, request, args):  # --checkpoint-every (serve/prefix_checkpoints.py)
             prompt, segments, types, *rest = super().tokenize_request(tokenizer, request, args)
-            every = self.kvshelf.checkpoint_every(self.model_provider.model)
+            every = self.kvshelf.prefix_checkpoint_every(self.model_provider.model)
             if every:
                 segments, types = split_segments(segments, types, every)
             return (prompt, segments, types, *rest)
