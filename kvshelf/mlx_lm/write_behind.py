@@ -15,7 +15,8 @@ caches hold by then.
 
 Counts (``counts()``): ``queued`` (accepted, the write started), ``written`` (its future succeeded), ``failed`` (the
 capture raised or the future failed) and ``dropped`` (refused: the queue was full). A write refused because its key
-is already in flight is not counted here: the writer says what that means (a duplicate, a skipped checkpoint).
+is already in flight is not counted here: the writer says what that means (a duplicate, a skipped generation
+checkpoint).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ log = logging.getLogger("kvshelf.serve")
 COUNTERS = ("fetches", "ram_hits", "disk_hits", "remote_hits", "misses", "disk_tokens", "ram_tokens",
             "remote_tokens", "lookup_errors", "writes_queued", "writes_done", "writes_failed", "writes_skipped_full",
             "writes_skipped_unstorable", "writes_duplicate", "writes_skipped_short", "bytes_written",
-            "store_unavailable", "checkpoint_hits")
+            "store_unavailable", "checkpoint_hits")  # checkpoint_hits: prefixes from a prefix checkpoint
 SOURCES = ("ram", "disk", "remote", "none")
 # why a request got nothing: the metric label ``reason`` of kvshelf_misses_total and the log line's reason=
 MISS_REASONS = ("nothing_stored", "other_identity", "below_floor", "not_exact_length", "below_min_disk_tokens",
@@ -230,7 +230,7 @@ class TieredPromptCache:
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:
         """Into RAM (mlx-lm's rules), then written behind to the store: snapshotted now, written later. A
-        ``checkpoint`` insert (``--checkpoint-every``) is held for its session's write instead."""
+        prefix checkpoint insert (``--checkpoint-every``) is held for its session's write instead."""
         if cache_type == PREFIX_CHECKPOINT:
             self.prefix_checkpoints.hold(tokens, prompt_cache)
             return

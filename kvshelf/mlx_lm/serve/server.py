@@ -10,8 +10,10 @@ The injection point: ``mlx_lm.server.run()`` builds ``LRUPromptCache(prompt_cach
 ``main`` runs, ``mlx_lm.server.run`` is ``_run`` (below): the same steps, except that the generator is a subclass
 whose constructor gets a :class:`TieredPromptCache` wrapping that very ``LRUPromptCache`` (kept as the RAM tier),
 and the HTTP handler is a subclass adding kvshelf's routes and header. Nothing else of mlx-lm is replaced.
-Resumable requests (greedy or seeded) go to ``generations.ServeGenerations``, which checkpoints them and resumes
-their retries (docs/RESUMING.md).
+Resumable requests (greedy or seeded) go to ``generations.ServeGenerations``, which writes generation checkpoints of
+them and resumes their retries (docs/RESUMING.md). Private mlx-lm names (``_run_http_server``, the generator's
+``_tokenize`` and the other hooks) are reached through ``kvshelf.mlx_lm.upstream`` only; the bound address is printed
+once the socket listens (``listening.py``: ``--port 0`` works).
 
 Stores: one handle per model identity (``model_identity``: path or repo, config.json and safetensors headers,
 tokenizer files, KV settings), opened for the default model before the HTTP server starts and lazily for models a
@@ -271,6 +273,7 @@ class Serving:
     def state(self) -> dict[str, Any]:
         return {"stores": self.opener.stores(), "pending_writes": self.tiered.pending_writes,
                 "pending_bytes": self.tiered.pending_bytes, "queue_entries": self.tiered.queue_entries,
+                "queue_counts": self.tiered.queue.counts(),
                 "generations": dict(self.generation_counters)}
 
     def status(self) -> dict[str, Any]:
