@@ -102,17 +102,20 @@ class WriteBehindQueue:
         action()
 
     def _release(self, key: str) -> None:
-        with self._cond:
-            actions = self._after.pop(key, [])
-        for action in actions:
-            try:
-                action()
-            except Exception as exc:  # noqa: BLE001 - as in _finished
-                self.log.warning("kvshelf write-behind: action after %s failed: %s: %s", key, type(exc).__name__,
-                                 exc)
-        with self._cond:
-            self._bytes -= self._writing.pop(key)
-            self._cond.notify_all()
+        """The write of ``key`` ended: run the actions waiting on it (and any added meanwhile), then let it go."""
+        while True:
+            with self._cond:
+                actions = self._after.pop(key, [])
+                if not actions:
+                    self._bytes -= self._writing.pop(key)
+                    self._cond.notify_all()
+                    return
+            for action in actions:
+                try:
+                    action()
+                except Exception as exc:  # noqa: BLE001 - as in _finished
+                    self.log.warning("kvshelf write-behind: action after %s failed: %s: %s", key,
+                                     type(exc).__name__, exc)
 
     # ------------------------------------------------------------------ reading, flushing, closing
     @property

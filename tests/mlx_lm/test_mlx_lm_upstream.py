@@ -71,6 +71,8 @@ def test_every_private_mlx_lm_name_in_kvshelf_is_listed():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlx_lm"):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{path}: imports {private} from {node.module}: go through upstream.py"
+            if isinstance(node, ast.FunctionDef) and node.name in listed:
+                pytest.fail(f"{path}:{node.lineno}: overrides mlx-lm's {node.name}: see upstream.py")
             if isinstance(node, ast.Attribute) and node.attr in listed and not (
                     isinstance(node.value, ast.Name) and node.value.id == "self"):
                 pytest.fail(f"{path}:{node.lineno}: uses mlx-lm's {node.attr}: go through kvshelf.mlx_lm.upstream")

@@ -64,3 +64,11 @@ def test_close_refuses_new_writes_and_reports_what_is_left():
     assert q.submit("b", 0, started(futures), lambda f: None) == CLOSED
     futures[0].set_result("ok")
     assert q.close(timeout=0) is True
+
+
+def test_an_action_added_while_actions_run_still_runs_before_the_key_is_free():
+    q, futures, ran = WriteBehindQueue(max_entries=1), [], []
+    q.submit("k", 0, started(futures), lambda f: None)
+    q.after("k", lambda: (ran.append("first"), q.after("k", lambda: ran.append("second"))))
+    futures[0].set_result("ok")
+    assert ran == ["first", "second"] and not q.busy("k") and q.flush(timeout=0)
