@@ -5,9 +5,6 @@ scrapes real servers)."""
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("mlx_lm")
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvshelf.mlx_lm.serve.metrics import METRICS, ServeMetrics
