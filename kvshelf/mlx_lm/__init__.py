@@ -42,6 +42,6 @@ from .resumable import resumable_generate
 __all__ += ["resumable_generate"]
 
 # --- checkpoints while prefilling (docs/CHECKPOINTS.md) ----------------------------------------------------------
-from .checkpoints import Collector as CheckpointCollector, prefill
+from .prefix_checkpoints import Collector as CheckpointCollector, prefill
 
 __all__ += ["CheckpointCollector", "prefill"]

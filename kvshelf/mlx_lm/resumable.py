@@ -3,9 +3,10 @@
 Why a port of the loop and not a wrapper: ``generate_step`` samples one token ahead (the token it yields was sampled
 one step earlier), and at a checkpoint the state to keep is exactly that look-ahead: the caches cover the prompt and
 every token emitted so far, the *pending* token was sampled from them and not yet emitted, and the random state is
-the one right after that sampling. The generator hides all three, so :func:`checkpointed_steps` repeats its loop
-(prefill in ``prefill_step_size`` chunks, one model call per token, ``async_eval`` of the next step, the logits
-processors over the token history, ``maybe_quantize_kv_cache``) and adds the checkpoint hook and the resume start.
+the one right after that sampling. The generator hides all three, so :func:`steps_with_generation_checkpoints` repeats
+its loop (prefill in ``prefill_step_size`` chunks, one model call per token, ``async_eval`` of the next step, the
+logits processors over the token history, ``maybe_quantize_kv_cache``) and adds the generation checkpoint hook and
+the resume start.
 
 Exactness: a resumed run restores the caches (bit-exact), the logits processors' history (the whole token list) and
 the random state (``mx.random.seed`` of the saved 64-bit key), then computes the very step the uninterrupted run
@@ -29,9 +30,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import InvalidCacheState
 from ..store.generations import GenerationCheckpoint, continuation_key
-from .checkpoint_writer import CheckpointWriter
+from .generation_checkpoint_writer import GenerationCheckpointWriter
 
-OnCheckpoint = Callable[[list[int], list[Any], int, bytes], None]
+OnGenerationCheckpoint = Callable[[list[int], list[Any], int, bytes], None]
 
 
 def random_state() -> bytes:
@@ -46,20 +47,21 @@ def set_random_state(state: bytes) -> None:
     mx.random.seed((hi << 32) | lo)
 
 
-def checkpointed_steps(model: Any, prompt_tokens: Sequence[int], *, prompt_cache: list[Any], cached: int = 0,
-                       resume: GenerationCheckpoint | None = None, max_tokens: int = 256,
-                       sampler: Callable | None = None, logits_processors: list[Callable] | None = None,
-                       checkpoint_every: int = 0, on_checkpoint: OnCheckpoint | None = None,
-                       stream: Any = None, prefill_step_size: int = 2048, kv_bits: int | None = None,
-                       kv_group_size: int = 64, quantized_kv_start: int = 0,
-                       prompt_progress_callback: Callable[[int, int], None] | None = None,
-                       ) -> Iterator[tuple[int, Any]]:
+def steps_with_generation_checkpoints(model: Any, prompt_tokens: Sequence[int], *, prompt_cache: list[Any],
+                                      cached: int = 0, resume: GenerationCheckpoint | None = None,
+                                      max_tokens: int = 256, sampler: Callable | None = None,
+                                      logits_processors: list[Callable] | None = None, every: int = 0,
+                                      on_generation_checkpoint: OnGenerationCheckpoint | None = None,
+                                      stream: Any = None, prefill_step_size: int = 2048, kv_bits: int | None = None,
+                                      kv_group_size: int = 64, quantized_kv_start: int = 0,
+                                      prompt_progress_callback: Callable[[int, int], None] | None = None,
+                                      ) -> Iterator[tuple[int, Any]]:
     """``(token, logprobs)`` as ``generate_step`` yields them, for the prompt ``prompt_tokens`` whose first ``cached``
-    tokens are already in ``prompt_cache``. With ``resume`` (a checkpoint of this prompt), ``prompt_cache`` is its
-    caches and decoding continues from its pending token (which comes first, with ``logprobs`` None); the tokens it
-    had generated are not yielded again. Every ``checkpoint_every`` emitted tokens (counted from the prompt, so a
-    resumed run checkpoints where the first run would have) ``on_checkpoint(tokens, caches, pending, random_state)``
-    is called after the consumer took the token and asked for the next."""
+    tokens are already in ``prompt_cache``. With ``resume`` (a generation checkpoint of this prompt), ``prompt_cache``
+    is its caches and decoding continues from its pending token (which comes first, with ``logprobs`` None); the
+    tokens it had generated are not yielded again. Every ``every`` emitted tokens (counted from the prompt, so a
+    resumed run checkpoints where the first run would have) ``on_generation_checkpoint(tokens, caches, pending,
+    random_state)`` is called after the consumer took the token and asked for the next."""
     stream = stream if stream is not None else mx.default_stream(mx.default_device())
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
     progress = prompt_progress_callback or (lambda *_: None)
@@ -93,7 +95,8 @@ def checkpointed_steps(model: Any, prompt_tokens: Sequence[int], *, prompt_cache
             emitted = []
             rest = prompt[cached:]
             if not rest:
-                raise InvalidCacheState("checkpointed_steps needs at least one prompt token not in the cache")
+                raise InvalidCacheState("steps_with_generation_checkpoints needs at least one prompt token not in "
+                                        "the cache")
             if logits_processors and len(prompt) > 1:
                 history = mx.array(prompt[:-1])
             total = len(rest)
@@ -127,8 +130,8 @@ def checkpointed_steps(model: Any, prompt_tokens: Sequence[int], *, prompt_cache
             if n % 256 == 0:
                 mx.clear_cache()
             n += 1
-            if checkpoint_every and on_checkpoint is not None and n % checkpoint_every == 0 and n != max_tokens:
-                on_checkpoint(prompt + emitted, prompt_cache, next_y.item(), random_state())
+            if every and on_generation_checkpoint is not None and n % every == 0 and n != max_tokens:
+                on_generation_checkpoint(prompt + emitted, prompt_cache, next_y.item(), random_state())
             y, logprobs = next_y, next_logprobs
 
 
@@ -179,20 +182,21 @@ def resumable_generate(model: Any, tokenizer: Any, prompt: str | Sequence[int] |
         raise InvalidCacheState("max_tokens must be non-zero (use -1 for no limit)")
     if key is None:
         key = default_key(store, tokens, max_tokens, generate_kwargs)
-    writer = CheckpointWriter(max_in_flight=1)
+    writer = GenerationCheckpointWriter(max_in_flight=1)
     found = store.find_generation_checkpoint(key, tokens)
     if found is not None:
         writer.counters["resumes"] += 1
         writer.counters["resumed_tokens"] += len(found.generated)
         writer.log.info("kvshelf resume from=%d of max_tokens=%d", len(found.generated), max_tokens)
 
-    def on_checkpoint(all_tokens, caches, pending, state):
+    def on_generation_checkpoint(all_tokens, caches, pending, state):
         writer.submit(store, key, all_tokens, caches, prompt_length=len(tokens), pending_token=pending,
                       sampler_state=state)
 
     caches = found.caches if found is not None else make_prompt_cache(model)
-    steps = checkpointed_steps(model, tokens, prompt_cache=caches, resume=found, max_tokens=max_tokens,
-                               checkpoint_every=checkpoint_every, on_checkpoint=on_checkpoint, **generate_kwargs)
+    steps = steps_with_generation_checkpoints(model, tokens, prompt_cache=caches, resume=found, max_tokens=max_tokens,
+                                              every=checkpoint_every, on_generation_checkpoint=on_generation_checkpoint,
+                                              **generate_kwargs)
     detokenizer = tokenizer.detokenizer
     eos = tokenizer.eos_token_ids
     try:
@@ -229,4 +233,4 @@ def resumable_generate(model: Any, tokenizer: Any, prompt: str | Sequence[int] |
         writer.flush()
 
 
-__all__ = ["checkpointed_steps", "default_key", "random_state", "resumable_generate", "set_random_state"]
+__all__ = ["steps_with_generation_checkpoints", "default_key", "random_state", "resumable_generate", "set_random_state"]

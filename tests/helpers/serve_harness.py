@@ -1,5 +1,10 @@
-"""Real server processes for the serving tests: ``kvshelf serve`` or plain ``mlx_lm.server`` on a free 127.0.0.1
-port, a real HTTP client (http.client), and waits on the server's own log lines (never on sleeps).
+"""Real server processes for the serving tests: ``kvshelf serve`` or plain ``mlx_lm.server`` on 127.0.0.1, a real
+HTTP client (http.client), and waits on the server's own log lines (never on sleeps).
+
+Ports: every server binds ``--port 0`` (the system picks a free port as it binds: no race with another process) and
+prints ``kvshelf serve: listening on http://127.0.0.1:PORT``; ``Server.port`` is read from that line. Plain
+``mlx_lm.server`` logs only the port it was asked for, so it runs through ``plain_mlx_server.py``, which prints the
+same line and changes nothing else.
 
 Why a log-driven harness: what a test must know (a write-behind finished, a prefix came from disk with N tokens,
 a signal was seen) is exactly what the server logs, one line per event, so waiting on the line is waiting on the
@@ -13,7 +18,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,12 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 120.0
 PREFIX_LINE = re.compile(r"kvshelf prefix source=(?P<source>\w+) cached=(?P<cached>\d+) prompt=(?P<prompt>\d+)")
 SAVED_LINE = re.compile(r"kvshelf write-behind saved tokens=(?P<tokens>\d+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LISTENING_LINE = re.compile(r"kvshelf serve: listening on http://127\.0\.0\.1:(?P<port>\d+)")
+PLAIN_SERVER = Path(__file__).resolve().parent / "plain_mlx_server.py"
 
 
 def server_env(extra: dict | None = None) -> dict:
@@ -47,26 +47,38 @@ class Server:
 
     def __init__(self, model_dir: Path, store: Path | None, log_path: Path, *, extra: tuple[str, ...] = (),
                  env: dict | None = None):
-        self.port = free_port()
+        self.port: int | None = None  # read from the listening line once the server bound its port
         self.log_path = Path(log_path)
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0  # a reused log: ours only
         if store is None:
-            cmd = [sys.executable, "-m", "mlx_lm", "server"]
+            cmd = [sys.executable, str(PLAIN_SERVER)]
         else:
             # write-behind lines are DEBUG (one INFO line per request): the tests wait on them
             cmd = [sys.executable, "-m", "kvshelf.tools.cli", "serve", "--store", str(store),
                    "--kvshelf-log-level", "DEBUG"]
-        cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", *extra]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process's lifetime
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(env),
                                      cwd=str(self.log_path.parent))
         self._wait_ready()
 
     # ------------------------------------------------------------------ process
+    def _listening_port(self) -> int | None:
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            found = LISTENING_LINE.search(f.read().decode(errors="replace"))
+        return int(found["port"]) if found else None
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if self.port is None:
+                self.port = self._listening_port()
+                if self.port is None:
+                    time.sleep(0.05)
+                    continue
             try:
                 status, _ = self._request("GET", "/health", None, timeout=5)
                 if status == 200:
@@ -160,4 +172,4 @@ def kvshelf_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, check=False)
 
 
-__all__ = ["PREFIX_LINE", "SAVED_LINE", "Server", "conversation", "free_port", "kvshelf_cli", "server_env"]
+__all__ = ["LISTENING_LINE", "PREFIX_LINE", "SAVED_LINE", "Server", "conversation", "kvshelf_cli", "server_env"]

@@ -146,8 +146,8 @@ def test_the_package_declares_the_plugin_and_the_extra():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["kvshelf.codecs"] == {"mlx-lm": "kvshelf.mlx_lm.plugin:codecs"}
-    assert project["optional-dependencies"]["mlx-lm"] == ["mlx-lm>=0.32,<0.33", "prometheus_client>=0.20"]
-    assert "mlx-lm>=0.32,<0.33" in project["optional-dependencies"]["test"]
+    assert project["optional-dependencies"]["mlx-lm"] == ["mlx-lm>=0.32.1,<0.33", "prometheus_client>=0.20"]
+    assert "mlx-lm>=0.32.1,<0.33" in project["optional-dependencies"]["test"]
     assert "prometheus_client>=0.20" in project["optional-dependencies"]["test"]
     assert [(p.name, p.value) for p in source_tree_points()] == [("mlx-lm", "kvshelf.mlx_lm.plugin:codecs")]
     assert "mlx-lm" in {p.name for p in plugin_points()}

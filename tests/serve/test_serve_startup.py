@@ -4,14 +4,13 @@ before it listens (the port stays closed) — never a server answering every req
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("mlx_lm")
-from serve_harness import free_port, server_env
+from serve_harness import LISTENING_LINE, server_env
 from tiny_model_dir import make_model_dir
 
 
@@ -20,14 +19,12 @@ def model(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("models") / "llama", "llama", seed=0)
 
 
-def start(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, int]:
-    port = free_port()
-    proc = subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", "serve", "--host", "127.0.0.1", "--port",
-                           str(port), *args], env=server_env(), capture_output=True, text=True, timeout=120,
-                          check=False, cwd=str(tmp_path))
-    with socket.socket() as s:  # nothing ever listened there (the process is gone either way)
-        assert s.connect_ex(("127.0.0.1", port)) != 0
-    return proc, port
+def start(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, None]:
+    proc = subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                           *args], env=server_env(), capture_output=True, text=True, timeout=120, check=False,
+                          cwd=str(tmp_path))
+    assert not LISTENING_LINE.search(proc.stdout + proc.stderr), "the server listened before failing"
+    return proc, None
 
 
 def test_a_model_path_that_does_not_exist(tmp_path):
@@ -82,3 +79,15 @@ def test_a_bad_warm_prompts_file(model, tmp_path):
     proc, _ = start(tmp_path, "--model", str(model), "--store", str(tmp_path / "s"), "--warm-prompts",
                     str(tmp_path / "warm.jsonl"))
     assert proc.returncode == 1 and "warm.jsonl line 2" in proc.stderr
+
+
+def test_port_0_binds_a_free_port_and_says_which(model, tmp_path):
+    """The one listening line names the port the system gave, and that port serves (the harness reads it)."""
+    from serve_harness import Server
+
+    with Server(model, tmp_path / "s", tmp_path / "a.log") as a, Server(model, tmp_path / "s", tmp_path / "b.log") as b:
+        assert a.port and b.port and a.port != b.port
+        for server in (a, b):
+            lines = LISTENING_LINE.findall(server.log())
+            assert lines == [str(server.port)], server.log()
+            assert server._request("GET", "/health", None, timeout=30)[0] == 200

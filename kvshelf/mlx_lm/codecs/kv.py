@@ -35,6 +35,7 @@ from ...codecs.kinds.kv import HEAD_KEYS, check_common, extra_dtype, extra_int
 from ...codecs.kinds.latent_common import check_prefix, make_slots, replace_entry
 from ...codecs.validate import SlotSpec
 from ...errors import InvalidCacheState
+from ..upstream import in_right_padded_prefill, set_write_index
 from .base import MAX_CAPACITY, MlxCodec, check_planes, python_int, require_one_row
 
 AXIS = 2
@@ -151,7 +152,7 @@ class PlainCodec(TokenCodec):
     @staticmethod
     def _row_of(batch: BatchKVCache) -> KVCache:
         require_one_row(batch.left_padding.reshape(-1, 1), "this BatchKVCache")
-        if getattr(batch, "_right_padding", None) is not None:
+        if in_right_padded_prefill(batch):
             raise InvalidCacheState("this BatchKVCache is inside a right-padded prefill; call finalize() first")
         return batch.extract(0) if batch.keys is not None else KVCache()
 
@@ -202,7 +203,7 @@ class PlainCodec(TokenCodec):
         cache = BatchKVCache([width - o for o in offsets])
         cache.keys, cache.values = arrays
         cache.offset += width
-        cache._idx = width
+        set_write_index(cache, width)
         return cache
 
     def load_batch(self, entries: Sequence[CacheEntry], arrays_per_row: Sequence[Sequence[mx.array]], *,

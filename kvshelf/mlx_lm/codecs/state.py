@@ -25,6 +25,7 @@ from ...codecs.kinds.kv_state import check_exact_prefix, present_slots
 from ...codecs.kinds.latent_common import check_prefix, make_slots, replace_entry
 from ...codecs.validate import SlotSpec
 from ...errors import CacheRangeError, InvalidCacheState
+from ..upstream import in_right_padded_prefill, set_write_index, write_index
 from .base import MlxCodec, check_planes, python_int, require_one_row
 
 
@@ -44,7 +45,7 @@ class RotatingCodec(MlxCodec):
         extra: dict[str, Any] = {
             "max_size": python_int(cache.max_size, "RotatingKVCache.max_size"),
             "keep": python_int(cache.keep, "RotatingKVCache.keep"),
-            "idx": python_int(cache._idx, "RotatingKVCache._idx"),
+            "idx": python_int(write_index(cache), "RotatingKVCache._idx"),
         }
         arrays: list[mx.array] = []
         if cache.keys is not None:
@@ -62,7 +63,7 @@ class RotatingCodec(MlxCodec):
     @staticmethod
     def _row_of(batch: BatchRotatingKVCache) -> RotatingKVCache:
         require_one_row(batch.left_padding.reshape(-1, 1), "this BatchRotatingKVCache")
-        if getattr(batch, "_lengths", None) is not None:
+        if in_right_padded_prefill(batch):
             raise InvalidCacheState("this BatchRotatingKVCache is inside a right-padded prefill; call finalize() first")
         if batch.keys is None:
             return RotatingKVCache(batch.max_size)
@@ -93,7 +94,7 @@ class RotatingCodec(MlxCodec):
         if arrays:
             cache.keys, cache.values = arrays
         cache.offset = entry.offset
-        cache._idx = entry.extra["idx"]
+        set_write_index(cache, entry.extra["idx"])
         return cache
 
     def header_trimmable(self, entry: CacheEntry) -> bool:

@@ -1,10 +1,11 @@
-"""``kvshelf serve``'s generations that survive a crash: checkpoints of running requests, and retries that resume.
+"""``kvshelf serve``'s generations that survive a crash: generation checkpoints of running requests, and retries that
+resume (docs/RESUMING.md; not the prefix checkpoints of ``--checkpoint-every``, ``prefix_checkpoints.py``).
 
 Why: a client that loses the server at token 3,500 of 4,000 retries the identical request; without this it pays the
 prefill and the 3,500 tokens again. Every ``--generation-checkpoint-every`` tokens a running request's caches
 (prompt + generated so far), its pending token and its sampler's random state are written behind to the store
-(``CheckpointWriter``: decode never waits; a full queue skips and counts). A request whose continuation key has a
-checkpoint sends the tokens already generated at once (streaming: as the first chunks) and decodes on from the
+(``GenerationCheckpointWriter``: decode never waits; a full queue skips and counts). A request whose continuation key
+has a checkpoint sends the tokens already generated at once (streaming: as the first chunks) and decodes on from the
 pending token; its text and token ids equal an uninterrupted run's. A completed request drops its checkpoints; a
 request the client abandoned keeps them (its retry resumes).
 
@@ -21,8 +22,8 @@ system prompt) never resumes from another's checkpoint.
 
 How it plugs in: resumable requests long enough to reach a checkpoint (``max_tokens`` above the interval) are served
 one at a time by :meth:`ServeGenerations.serve` (mlx-lm's
-``_serve_single`` with :func:`~kvshelf.mlx_lm.resumable.checkpointed_steps` as its decode loop) instead of joining
-mlx-lm's batch, whose rows cannot be checkpointed. ``counters`` is a plain dict the metrics can read.
+``_serve_single`` with :func:`~kvshelf.mlx_lm.resumable.steps_with_generation_checkpoints` as its decode loop)
+instead of joining mlx-lm's batch, whose rows cannot be checkpointed. ``counters`` is a plain dict the metrics can read.
 """
 
 from __future__ import annotations
@@ -35,17 +36,18 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.server import GenerationContext, Response, _image_parts, _make_logits_processors, _make_sampler
+from mlx_lm.server import GenerationContext, Response
 
 from ...store.generations import continuation_key
-from ..checkpoint_writer import COUNTERS, CheckpointWriter
-from ..checkpoints import prefill
-from ..resumable import checkpointed_steps
+from ..generation_checkpoint_writer import COUNTERS, GenerationCheckpointWriter
+from ..prefix_checkpoints import prefill
+from ..resumable import steps_with_generation_checkpoints
+from ..upstream import image_parts, make_logits_processors, make_sampler, should_stop
 
 log = logging.getLogger("kvshelf.serve")
 
 
-def checkpoint_every_arg(text: str) -> int:
+def generation_checkpoint_every_arg(text: str) -> int:
     """``--generation-checkpoint-every``: an int >= 0 (0: off)."""
     try:
         value = int(text)
@@ -95,8 +97,9 @@ def request_key(identity: Any, prompt: list[int], args: Any, cli_args: Any = Non
 
 
 class ServeGenerations:
-    """Checkpoints and resumes for one server. ``every``: tokens between checkpoints (0: off, every request goes to
-    mlx-lm unchanged); ``store_for(model_key) -> Store | None`` as the tiered prompt cache uses it."""
+    """Generation checkpoints and resumes for one server. ``every``: tokens between generation checkpoints (0: off,
+    every request goes to mlx-lm unchanged); ``store_for(model_key) -> Store | None`` as the tiered prompt cache uses
+    it."""
 
     def __init__(self, every: int, store_for: Any, *, max_in_flight: int = 4, logger: logging.Logger | None = None):
         if every < 0:
@@ -105,7 +108,7 @@ class ServeGenerations:
         self.store_for = store_for
         self.log = logger or log
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.writer = CheckpointWriter(max_in_flight=max_in_flight, counters=self.counters, logger=self.log)
+        self.writer = GenerationCheckpointWriter(max_in_flight=max_in_flight, counters=self.counters, logger=self.log)
         self._counted: dict[int, weakref.ref] = {}  # the requests already counted (``_count``), while they live
 
     def takes(self, args: Any) -> bool:
@@ -160,7 +163,7 @@ class ServeGenerations:
         """Serve one request as mlx-lm's ``_serve_single`` would, checkpointed and resuming; False (nothing done)
         when this request is not for us and mlx-lm must serve it."""
         rqueue, req, args = request
-        if self._not_ours(args) is not None or provider.draft_model is not None or any(_image_parts(req.messages)):
+        if self._not_ours(args) is not None or provider.draft_model is not None or any(image_parts(req.messages)):
             return False
         store = self._store(provider.model_key)
         if store is None:
@@ -215,14 +218,14 @@ class ServeGenerations:
             ctx.prompt_cache_count = cached  # what the caches held; the segment prefill below is computed work
             cached = self._segment_ends(provider, prompt_cache, prompt, segments, segment_types, cache, cached)
 
-        def on_checkpoint(tokens, caches, pending, state):
+        def on_generation_checkpoint(tokens, caches, pending, state):
             self.writer.submit(store, key, tokens, caches, prompt_length=len(prompt), pending_token=pending,
                                sampler_state=state)
 
-        steps = checkpointed_steps(
+        steps = steps_with_generation_checkpoints(
             model, prompt, prompt_cache=cache, cached=cached, resume=found, max_tokens=args.max_tokens,
-            sampler=_make_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
-            checkpoint_every=self.every, on_checkpoint=on_checkpoint, stream=stream,
+            sampler=make_sampler(args, tokenizer), logits_processors=make_logits_processors(args),
+            every=self.every, on_generation_checkpoint=on_generation_checkpoint, stream=stream,
             prefill_step_size=cli.prefill_step_size, kv_bits=cli.kv_bits, kv_group_size=cli.kv_group_size,
             quantized_kv_start=cli.quantized_kv_start, prompt_progress_callback=lambda a, b: rqueue.put((a, b)))
         detokenizer, eos = tokenizer.detokenizer, tokenizer.eos_token_ids
@@ -254,7 +257,7 @@ class ServeGenerations:
                 if finish is not None:
                     finished = True
                     break
-                if ctx._should_stop:  # the client went away: keep the checkpoints, its retry resumes
+                if should_stop(ctx):  # the client went away: keep the checkpoints, its retry resumes
                     break
         finally:
             steps.close()
@@ -264,4 +267,4 @@ class ServeGenerations:
         prompt_cache.insert_cache(provider.model_key, all_tokens, cache)
 
 
-__all__ = ["ServeGenerations", "checkpoint_every_arg", "request_key", "resumable"]
+__all__ = ["ServeGenerations", "generation_checkpoint_every_arg", "request_key", "resumable"]

@@ -7,6 +7,12 @@ histogram per tier, and, for the status page, the hit rates over the last 1, 5 a
 The store's own figures (bytes, budget, pinned bytes, evictions, quarantines) and the write queue are read when
 scraped (a collector), so a scrape never waits on a request and a request never pays for them.
 
+One way to add a metric: ``METRICS``, a table of ``MetricDefinition`` (name, type, help, labels, the label values
+present from the start, and for a figure read at scrape time its reader). Every ``/metrics`` family is built from
+that table by one collector; a metric counted by this process (``read`` None) is counted with ``_inc`` /
+``_observe`` under its definition's name. Adding a metric is adding a row (and, for a counted one, the call that
+counts it).
+
 Each server process has its own registry (not the library's global one): two servers on one store each count
 their own requests, as Prometheus expects of two targets; store gauges are the store's (shared) figures.
 
@@ -16,14 +22,18 @@ extra).
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter as PromCounter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from .prompt_cache import MISS_REASONS, SOURCES, WRITE_OUTCOMES, FetchOutcome
 
@@ -32,6 +42,99 @@ RECENT = 50            # last requests shown on the status page
 WINDOW_EVENTS = 200_000  # fetches remembered for the 15-minute rates at most (bounded memory under any load)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TIERS = ("ram", "disk", "remote")
+# the outcomes of --generation-checkpoint-every's writes (the label of kvshelf_generation_checkpoints_total)
+GENERATION_CHECKPOINT_OUTCOMES = ("queued", "durable", "failed", "skipped_full", "dropped")
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """What a scrape reads once, for every definition with a reader: the server's ``state()`` and the store's
+    figures (``store_figures``)."""
+
+    state: dict[str, Any]
+    figures: dict[str, Any]
+
+    def generation(self, name: str) -> int:
+        """A counter of the generation checkpoints (``generations.py``; 0 before the generator exists)."""
+        return (self.state.get("generations") or {}).get(name, 0)
+
+
+@dataclass(frozen=True)
+class MetricDefinition:
+    """One ``/metrics`` family. ``name`` without the ``_total`` a counter gets; ``kind``: counter, gauge or
+    histogram; ``series``: label values present from the start (a rate over a missing series is no rate);
+    ``read(scrape)``: the value (or ``{label values: value}``) of a figure read at scrape time, None for one this
+    process counts; ``buckets``: a histogram's upper bounds."""
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...] = ()
+    series: tuple[tuple[str, ...], ...] = ()
+    read: Callable[[Scrape], Any] | None = None
+    buckets: tuple[float, ...] = ()
+
+
+def _each(values: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return tuple((v,) for v in values)
+
+
+def _generation(name: str, help_: str) -> MetricDefinition:
+    return MetricDefinition(f"kvshelf_generation_{name}", "counter", help_, read=lambda s: s.generation(name))
+
+
+METRICS: tuple[MetricDefinition, ...] = (
+    # counted by this process (the prompt cache's observer calls)
+    MetricDefinition("kvshelf_requests", "counter", "Requests by where their prompt prefix came from", ("source",),
+                     _each(SOURCES)),
+    MetricDefinition("kvshelf_prompt_tokens", "counter", "Prompt tokens of all requests", series=((),)),
+    MetricDefinition("kvshelf_cached_tokens", "counter", "Prompt tokens served from a cache tier", ("tier",),
+                     _each(TIERS)),
+    MetricDefinition("kvshelf_misses", "counter", "Requests that got no cached prefix, by reason", ("reason",),
+                     _each(MISS_REASONS)),
+    MetricDefinition("kvshelf_restore_seconds", "histogram", "Time to fetch a prefix, by tier", ("tier",),
+                     buckets=RESTORE_BUCKETS),
+    MetricDefinition("kvshelf_writes", "counter", "Write-behinds by outcome", ("outcome",), _each(WRITE_OUTCOMES)),
+    MetricDefinition("kvshelf_bytes_written", "counter", "Bytes written to the store (SSD wear)", series=((),)),
+    MetricDefinition("kvshelf_checkpoint_hits", "counter", "Requests whose prefix came from a session's checkpoint "
+                     "(--checkpoint-every)", series=((),)),
+    # read at scrape time: the store's figures and the write queue
+    MetricDefinition("kvshelf_store_bytes", "gauge", "Bytes the store holds on disk (all identities)",
+                     read=lambda s: s.figures["stored_bytes"]),
+    MetricDefinition("kvshelf_store_budget_bytes", "gauge", "The store's budget (max_bytes; 0: none)",
+                     read=lambda s: s.figures["max_bytes"] or 0),
+    MetricDefinition("kvshelf_pinned_bytes", "gauge", "Bytes of the pinned sessions' snapshots",
+                     read=lambda s: s.figures["pinned_bytes"]),
+    MetricDefinition("kvshelf_write_queue_depth", "gauge", "Write-behinds in flight",
+                     read=lambda s: s.state.get("pending_writes", 0)),
+    MetricDefinition("kvshelf_evictions", "counter", "Snapshots this server evicted to keep the budget",
+                     read=lambda s: s.figures["evicted"]),
+    MetricDefinition("kvshelf_quarantined", "counter", "Damaged snapshots this server quarantined",
+                     read=lambda s: s.figures["quarantined"]),
+    # --generation-checkpoint-every's counters (generations.py), read at scrape time
+    MetricDefinition("kvshelf_generation_checkpoints", "counter", "Generation checkpoints by outcome (queued, "
+                     "durable, failed, skipped_full: the write queue was full, dropped: by a completed request)",
+                     ("outcome",), read=lambda s: {(o,): s.generation(f"checkpoints_{o}")
+                                                   for o in GENERATION_CHECKPOINT_OUTCOMES}),
+    _generation("resumes", "Requests resumed from a generation checkpoint"),
+    _generation("resumed_tokens", "Generated tokens a resume did not decode again"),
+    _generation("requests_not_resumable", "Requests served without checkpoints (sampled without a seed, or asking "
+                                          "for logprobs)"),
+    _generation("requests_short", "Resumable requests whose max_tokens cannot reach a checkpoint, left in mlx-lm's "
+                                  "batch"),
+    _generation("drops_failed", "Completed requests whose checkpoints could not be dropped"),
+)
+DEFINITIONS = {d.name: d for d in METRICS}
+
+
+class _Series:
+    """A counted series: its value (a counter) or bucket counts and sum (a histogram), and when it was created."""
+
+    def __init__(self, buckets: int):
+        self.value = 0.0
+        self.buckets = [0] * (buckets + 1)  # the last one: above every bound (+Inf)
+        self.created = time.time()
 
 
 class ServeMetrics:
@@ -44,30 +147,11 @@ class ServeMetrics:
         self._state = state or (lambda: {"stores": [], "pending_writes": 0, "pending_bytes": 0})
         self._clock = clock
         self._lock = threading.Lock()
-        self.requests = PromCounter("kvshelf_requests", "Requests by where their prompt prefix came from",
-                                    ["source"], registry=self.registry)
-        self.prompt_tokens = PromCounter("kvshelf_prompt_tokens", "Prompt tokens of all requests",
-                                         registry=self.registry)
-        self.cached_tokens = PromCounter("kvshelf_cached_tokens", "Prompt tokens served from a cache tier",
-                                         ["tier"], registry=self.registry)
-        self.misses = PromCounter("kvshelf_misses", "Requests that got no cached prefix, by reason", ["reason"],
-                                  registry=self.registry)
-        self.restore_seconds = Histogram("kvshelf_restore_seconds", "Time to fetch a prefix, by tier", ["tier"],
-                                         buckets=RESTORE_BUCKETS, registry=self.registry)
-        self.writes = PromCounter("kvshelf_writes", "Write-behinds by outcome", ["outcome"], registry=self.registry)
-        self.bytes_written = PromCounter("kvshelf_bytes_written", "Bytes written to the store (SSD wear)",
-                                         registry=self.registry)
-        self.checkpoint_hits = PromCounter("kvshelf_checkpoint_hits", "Requests whose prefix came from a session's "
-                                           "checkpoint (--checkpoint-every)", registry=self.registry)
-        for source in SOURCES:  # every series exists from the start: a rate over a missing series is no rate
-            self.requests.labels(source=source)
-        for tier in ("ram", "disk", "remote"):
-            self.cached_tokens.labels(tier=tier)
-        for reason in MISS_REASONS:
-            self.misses.labels(reason=reason)
-        for outcome in WRITE_OUTCOMES:
-            self.writes.labels(outcome=outcome)
-        self.registry.register(_StoreCollector(self._state))
+        self._series: dict[str, dict[tuple[str, ...], _Series]] = {d.name: {} for d in METRICS if d.read is None}
+        for d in METRICS:
+            for labels in d.series if d.read is None else ():
+                self._get(d, labels)
+        self.registry.register(_Families(self))
         self._events: deque[tuple[float, str]] = deque(maxlen=WINDOW_EVENTS)
         self._recent: deque[FetchOutcome] = deque(maxlen=RECENT)
         self.totals: Counter[str] = Counter()
@@ -75,17 +159,68 @@ class ServeMetrics:
         self.write_totals: Counter[str] = Counter()
         self.bytes_written_total = 0
 
+    # ------------------------------------------------------------------ counting by definition
+    def _get(self, d: MetricDefinition, labels: tuple[str, ...]) -> _Series:
+        if len(labels) != len(d.labels):
+            raise ValueError(f"{d.name} takes the labels {d.labels}, got {labels}")
+        series = self._series[d.name].get(labels)
+        if series is None:
+            series = self._series[d.name][labels] = _Series(len(d.buckets))
+        return series
+
+    def _inc(self, name: str, *labels: str, amount: float = 1.0) -> None:
+        with self._lock:
+            self._get(DEFINITIONS[name], labels).value += amount
+
+    def _observe(self, name: str, value: float, *labels: str) -> None:
+        d = DEFINITIONS[name]
+        with self._lock:
+            series = self._get(d, labels)
+            series.buckets[bisect.bisect_left(d.buckets, value)] += 1
+            series.value += value
+
+    def families(self, scrape: Scrape):
+        """Every ``/metrics`` family, in ``METRICS`` order."""
+        for d in METRICS:
+            if d.read is not None:
+                values = d.read(scrape)
+                values = values if isinstance(values, dict) else {(): values}
+                if d.kind == "gauge":
+                    family = GaugeMetricFamily(d.name, d.help, labels=d.labels)
+                else:
+                    family = CounterMetricFamily(d.name, d.help, labels=d.labels)
+                for labels, value in values.items():
+                    family.add_metric(list(labels), value)
+                yield family
+                continue
+            with self._lock:
+                series = [(labels, s.value, list(s.buckets), s.created) for labels, s in self._series[d.name].items()]
+            if d.kind == "histogram":
+                family = HistogramMetricFamily(d.name, d.help, labels=d.labels)
+                for labels, total, counts, created in series:
+                    cumulative, running = [], 0
+                    for bound, count in zip((*d.buckets, float("inf")), counts):
+                        running += count
+                        cumulative.append((floatToGoString(bound), running))
+                    family.add_metric(list(labels), cumulative, total)
+                    family.samples.append(Sample(d.name + "_created", dict(zip(d.labels, labels)), created))
+            else:
+                family = CounterMetricFamily(d.name, d.help, labels=d.labels)
+                for labels, value, _counts, created in series:
+                    family.add_metric(list(labels), value, created=created)
+            yield family
+
     # ------------------------------------------------------------------ the prompt cache's observer
     def observe_fetch(self, outcome: FetchOutcome) -> None:
-        self.requests.labels(source=outcome.source).inc()
-        self.prompt_tokens.inc(outcome.prompt)
+        self._inc("kvshelf_requests", outcome.source)
+        self._inc("kvshelf_prompt_tokens", amount=outcome.prompt)
         if outcome.source != "none":
-            self.cached_tokens.labels(tier=outcome.source).inc(outcome.cached)
-            self.restore_seconds.labels(tier=outcome.source).observe(outcome.seconds)
-            if getattr(outcome, "checkpoint", False):
-                self.checkpoint_hits.inc()
+            self._inc("kvshelf_cached_tokens", outcome.source, amount=outcome.cached)
+            self._observe("kvshelf_restore_seconds", outcome.seconds, outcome.source)
+            if outcome.prefix_checkpoint:
+                self._inc("kvshelf_checkpoint_hits")
         else:
-            self.misses.labels(reason=outcome.reason or "nothing_stored").inc()
+            self._inc("kvshelf_misses", outcome.reason or "nothing_stored")
         with self._lock:
             self._events.append((outcome.at, outcome.source))
             self._recent.append(outcome)
@@ -94,9 +229,9 @@ class ServeMetrics:
                 self.miss_totals[outcome.reason or "nothing_stored"] += 1
 
     def observe_write(self, outcome: str, bytes_written: int, tokens: int) -> None:
-        self.writes.labels(outcome=outcome).inc()
+        self._inc("kvshelf_writes", outcome)
         if bytes_written:
-            self.bytes_written.inc(bytes_written)
+            self._inc("kvshelf_bytes_written", amount=bytes_written)
         with self._lock:
             self.write_totals[outcome] += 1
             self.bytes_written_total += bytes_written
@@ -131,50 +266,19 @@ class ServeMetrics:
                     "bytes_written": self.bytes_written_total}
 
 
-class _StoreCollector:
-    """The store's figures and the write queue, read at scrape time."""
+class _Families:
+    """The one collector: every family of ``METRICS``, figures read at scrape time (a scrape never waits on a
+    request and a request never pays for them)."""
 
-    def __init__(self, state: Callable[[], dict[str, Any]]):
-        self._state = state
+    def __init__(self, metrics: ServeMetrics):
+        self._metrics = metrics
 
     def describe(self):
         return []
 
     def collect(self):
-        state = self._state()
-        figures = store_figures(state.get("stores", []))
-        gauges = (("kvshelf_store_bytes", "Bytes the store holds on disk (all identities)", figures["stored_bytes"]),
-                  ("kvshelf_store_budget_bytes", "The store's budget (max_bytes; 0: none)", figures["max_bytes"] or 0),
-                  ("kvshelf_pinned_bytes", "Bytes of the pinned sessions' snapshots", figures["pinned_bytes"]),
-                  ("kvshelf_write_queue_depth", "Write-behinds in flight", state.get("pending_writes", 0)))
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily("kvshelf_evictions", "Snapshots this server evicted to keep the budget",
-                                  value=figures["evicted"])
-        yield CounterMetricFamily("kvshelf_quarantined", "Damaged snapshots this server quarantined",
-                                  value=figures["quarantined"])
-        yield from generation_families(state.get("generations") or {})
-
-
-CHECKPOINT_OUTCOMES = ("queued", "durable", "failed", "skipped_full", "dropped")
-
-
-def generation_families(counters: dict[str, int]):
-    """``--generation-checkpoint-every``'s counters (``generations.py``), every series present from the start."""
-    family = CounterMetricFamily("kvshelf_generation_checkpoints", "Generation checkpoints by outcome (queued, "
-                                 "durable, failed, skipped_full: the write queue was full, dropped: by a completed "
-                                 "request)", labels=["outcome"])
-    for outcome in CHECKPOINT_OUTCOMES:
-        family.add_metric([outcome], counters.get(f"checkpoints_{outcome}", 0))
-    yield family
-    for name, doc in (("resumes", "Requests resumed from a generation checkpoint"),
-                      ("resumed_tokens", "Generated tokens a resume did not decode again"),
-                      ("requests_not_resumable", "Requests served without checkpoints (sampled without a seed, "
-                                                 "or asking for logprobs)"),
-                      ("requests_short", "Resumable requests whose max_tokens cannot reach a checkpoint, left in "
-                                         "mlx-lm's batch"),
-                      ("drops_failed", "Completed requests whose checkpoints could not be dropped")):
-        yield CounterMetricFamily(f"kvshelf_generation_{name}", doc, value=counters.get(name, 0))
+        state = self._metrics._state()
+        yield from self._metrics.families(Scrape(state, store_figures(state.get("stores", []))))
 
 
 def store_figures(stores: list) -> dict[str, Any]:
@@ -202,4 +306,5 @@ def store_figures(stores: list) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CHECKPOINT_OUTCOMES", "CONTENT_TYPE", "ServeMetrics", "WINDOWS", "generation_families", "store_figures"]
+__all__ = ["CONTENT_TYPE", "GENERATION_CHECKPOINT_OUTCOMES", "METRICS", "MetricDefinition", "Scrape", "ServeMetrics",
+           "WINDOWS", "store_figures"]

@@ -37,7 +37,6 @@ bytes_written, tokens)``): the server's metrics and status page; and the fetch o
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -49,14 +48,15 @@ from typing import Any
 import xxhash
 
 from ...errors import CorruptData, SnapshotNotFound
-from .checkpoints import CHECKPOINT, HeldCheckpoints
+from ..write_behind import BUSY, CLOSED, FULL, WriteBehindQueue
+from .prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints
 
 log = logging.getLogger("kvshelf.serve")
 
 COUNTERS = ("fetches", "ram_hits", "disk_hits", "remote_hits", "misses", "disk_tokens", "ram_tokens",
             "remote_tokens", "lookup_errors", "writes_queued", "writes_done", "writes_failed", "writes_skipped_full",
             "writes_skipped_unstorable", "writes_duplicate", "writes_skipped_short", "bytes_written",
-            "store_unavailable", "checkpoint_hits")
+            "store_unavailable", "checkpoint_hits")  # checkpoint_hits: prefixes from a prefix checkpoint
 SOURCES = ("ram", "disk", "remote", "none")
 # why a request got nothing: the metric label ``reason`` of kvshelf_misses_total and the log line's reason=
 MISS_REASONS = ("nothing_stored", "other_identity", "below_floor", "not_exact_length", "below_min_disk_tokens",
@@ -77,7 +77,7 @@ class FetchOutcome:
     reason: str | None
     seconds: float
     at: float
-    checkpoint: bool = False  # the prefix came from a session's checkpoint (serve/checkpoints.py)
+    prefix_checkpoint: bool = False  # the prefix came from a session's prefix checkpoint (serve/prefix_checkpoints.py)
 
     def header(self) -> str:
         """The ``X-Kvshelf-Prefix`` header value."""
@@ -147,12 +147,10 @@ class TieredPromptCache:
         self._outcome_cond = threading.Condition()
         self.log = logger or log
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self._cond = threading.Condition()
-        self._pending = 0
-        self._pending_bytes = 0
-        self._inflight: set[str] = set()  # sessions queued and not yet written: a second one is a duplicate
-        self._closed = False
-        self.checkpoints = HeldCheckpoints()  # --checkpoint-every inserts, until their session's (checkpoints.py)
+        # one write per session in flight (a second one is a duplicate), bounded in entries and bytes
+        self.queue = WriteBehindQueue(max_entries=queue_entries, max_bytes=queue_bytes, logger=self.log)
+        # --checkpoint-every's prefix checkpoint inserts, held until their session's (prefix_checkpoints.py)
+        self.prefix_checkpoints = HeldPrefixCheckpoints()
 
     # ------------------------------------------------------------------ LRUPromptCache's interface
     def __len__(self) -> int:
@@ -176,13 +174,13 @@ class TieredPromptCache:
         cache, rest = self.ram.fetch_nearest_cache(model, tokens)
         ram_len = len(tokens) - len(rest) if cache is not None else 0
         source, cached = ("ram", ram_len) if cache is not None else ("none", 0)
-        reason, checkpoint = None, False
+        reason, prefix_checkpoint = None, False
         if len(tokens) - 1 > ram_len and _storable(tokens):
             restored, reason = self._from_disk(model, tokens, ram_len)
             if restored is not None:
-                cache, cached, source, checkpoint = restored
+                cache, cached, source, prefix_checkpoint = restored
                 rest = tokens[cached:]
-                self.counters["checkpoint_hits"] += checkpoint
+                self.counters["checkpoint_hits"] += prefix_checkpoint
         elif not _storable(tokens):
             reason = "unstorable_tokens"
         self.counters[f"{source}_hits" if source != "none" else "misses"] += 1
@@ -192,12 +190,13 @@ class TieredPromptCache:
         else:
             reason = reason or "nothing_stored"
         seconds = time.perf_counter() - t0
-        outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time(), checkpoint)
+        outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time(),
+                               prefix_checkpoint)
         self._keep_outcome(tokens, outcome)
         self.observer.observe_fetch(outcome)
         self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f%s%s", source, cached, len(tokens),
                       ram_len, seconds * 1e3, f" reason={reason}" if reason else "",
-                      " checkpoint=yes" if checkpoint else "")
+                      " checkpoint=yes" if prefix_checkpoint else "")
         return cache, rest
 
     # ------------------------------------------------------------------ outcomes for the HTTP handler
@@ -231,9 +230,9 @@ class TieredPromptCache:
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], *,
                      cache_type: str = "assistant") -> None:
         """Into RAM (mlx-lm's rules), then written behind to the store: snapshotted now, written later. A
-        ``checkpoint`` insert (``--checkpoint-every``) is held for its session's write instead."""
-        if cache_type == CHECKPOINT:
-            self.checkpoints.hold(tokens, prompt_cache)
+        prefix checkpoint insert (``--checkpoint-every``) is held for its session's write instead."""
+        if cache_type == PREFIX_CHECKPOINT:
+            self.prefix_checkpoints.hold(tokens, prompt_cache)
             return
         self._write_behind(model, tokens, prompt_cache)
         self.ram.insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
@@ -289,10 +288,12 @@ class TieredPromptCache:
 
     def _write_behind(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
         try:
-            checkpoints = self.checkpoints.take_for(tokens, prompt_cache) if len(self.checkpoints) else {}
+            held = self.prefix_checkpoints
+            prefix_checkpoints = held.take_for(tokens, prompt_cache) if len(held) else {}
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be cut: the session is still written
-            self.log.warning("kvshelf checkpoints dropped (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
-            checkpoints = {}
+            self.log.warning("kvshelf prefix checkpoints dropped (%d tokens): %s: %s", len(tokens), type(exc).__name__,
+                             exc)
+            prefix_checkpoints = {}
         if not tokens or not _storable(tokens):  # image placeholders are negative ids: RAM only
             self.counters["writes_skipped_unstorable"] += 1
             self.observer.observe_write("unstorable", 0, len(tokens))
@@ -305,40 +306,45 @@ class TieredPromptCache:
         if store is None:
             return
         session = session_id_for(tokens)
-        if session in self._inflight or self._already_stored(store, tokens):
-            self.counters["writes_duplicate"] += 1
-            self.observer.observe_write("duplicate", 0, len(tokens))
-            self.log.debug("kvshelf write-behind skipped: the store holds these %d tokens already", len(tokens))
+        if self.queue.busy(session) or self._already_stored(store, tokens):
+            self._duplicate(tokens)
             return
         nbytes = sum(int(getattr(c, "nbytes", 0) or 0) for c in prompt_cache)
-        with self._cond:
-            if self._closed:
-                return
-            if self._pending >= self.queue_entries or (self._pending and
-                                                       self._pending_bytes + nbytes > self.queue_bytes):
-                self.counters["writes_skipped_full"] += 1
-                self.observer.observe_write("queue_full", 0, len(tokens))
-                self.log.warning("kvshelf write-behind skipped: queue full (%d writes, %d bytes pending)",
-                                 self._pending, self._pending_bytes)
-                return
-            self._pending += 1
-            self._pending_bytes += nbytes
-            self._inflight.add(session)
+
+        def start():
+            return store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace,
+                                    **({"checkpoints": prefix_checkpoints} if prefix_checkpoints else {}))
+
+        def finished(future) -> None:
+            self._finished(future, len(tokens), len(prefix_checkpoints))
+
         try:
-            future = store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace,
-                                      **({"checkpoints": checkpoints} if checkpoints else {}))
+            said = self.queue.submit(session, nbytes, start, finished)
         except Exception as exc:  # noqa: BLE001 - e.g. a cache class no codec knows, a closed store
-            self._done(nbytes, session)
             self.counters["writes_failed"] += 1
             self.observer.observe_write("failed", 0, len(tokens))
             self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", len(tokens), type(exc).__name__, exc)
             return
+        if said == CLOSED:
+            return
+        if said == BUSY:  # queued by another thread since the check above
+            self._duplicate(tokens)
+            return
+        if said == FULL:
+            self.counters["writes_skipped_full"] += 1
+            self.observer.observe_write("queue_full", 0, len(tokens))
+            self.log.warning("kvshelf write-behind skipped: queue full (%d writes, %d bytes pending)",
+                             self.queue.pending, self.queue.pending_bytes)
+            return
         self.counters["writes_queued"] += 1
-        self.log.debug("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self._pending)
-        future.add_done_callback(functools.partial(self._finished, nbytes=nbytes, n_tokens=len(tokens),
-                                                   session=session, checkpoints=len(checkpoints)))
+        self.log.debug("kvshelf write-behind queued tokens=%d pending=%d", len(tokens), self.queue.pending)
 
-    def _finished(self, future, nbytes: int, n_tokens: int, session: str, checkpoints: int = 0) -> None:
+    def _duplicate(self, tokens: list[int]) -> None:
+        self.counters["writes_duplicate"] += 1
+        self.observer.observe_write("duplicate", 0, len(tokens))
+        self.log.debug("kvshelf write-behind skipped: the store holds these %d tokens already", len(tokens))
+
+    def _finished(self, future, n_tokens: int, prefix_checkpoints: int = 0) -> None:
         exc = future.exception()
         if exc is None:
             info = future.result()
@@ -347,52 +353,35 @@ class TieredPromptCache:
             self.observer.observe_write("saved", info.bytes_written, info.length)
             self.log.debug("kvshelf write-behind saved tokens=%d new_bytes=%d reused_bytes=%d ms=%.1f session=%s%s",
                           info.length, info.bytes_written, info.bytes_reused, info.seconds * 1e3, info.session_id,
-                          f" checkpoints={checkpoints}" if checkpoints else "")
+                          f" checkpoints={prefix_checkpoints}" if prefix_checkpoints else "")
         else:
             self.counters["writes_failed"] += 1
             self.observer.observe_write("failed", 0, n_tokens)
             self.log.warning("kvshelf write-behind failed (%d tokens): %s: %s", n_tokens, type(exc).__name__, exc)
-        self._done(nbytes, session)
-
-    def _done(self, nbytes: int, session: str) -> None:
-        with self._cond:
-            self._pending -= 1
-            self._pending_bytes -= nbytes
-            self._inflight.discard(session)
-            self._cond.notify_all()
 
     @property
     def pending_writes(self) -> int:
-        return self._pending
+        return self.queue.pending
 
     @property
     def pending_bytes(self) -> int:
-        return self._pending_bytes
+        return self.queue.pending_bytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write finished (or ``timeout`` seconds passed); True when none is left."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        return self.queue.flush(timeout)
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Stop taking writes, flush within ``timeout`` and close the store(s). When writes are still running at
         the deadline they are abandoned (the store stays consistent: a crash-safe store leaves only orphans, which
         ``kvshelf gc`` reclaims) and False is returned."""
-        with self._cond:
-            self._closed = True
-        flushed = self.flush(timeout)
+        flushed = self.queue.close(timeout)
         if flushed:
             self._store_for.close()
         self.log.info("kvshelf write-behind %s: %d saved, %d failed, %d skipped (queue full), %d abandoned, "
                       "%d duplicate (not written)", "flushed" if flushed else "abandoned at the deadline",
                       self.counters["writes_done"], self.counters["writes_failed"],
-                      self.counters["writes_skipped_full"], self._pending, self.counters["writes_duplicate"])
+                      self.counters["writes_skipped_full"], self.queue.pending, self.counters["writes_duplicate"])
         return flushed
 
 

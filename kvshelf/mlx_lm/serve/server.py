@@ -10,8 +10,10 @@ The injection point: ``mlx_lm.server.run()`` builds ``LRUPromptCache(prompt_cach
 ``main`` runs, ``mlx_lm.server.run`` is ``_run`` (below): the same steps, except that the generator is a subclass
 whose constructor gets a :class:`TieredPromptCache` wrapping that very ``LRUPromptCache`` (kept as the RAM tier),
 and the HTTP handler is a subclass adding kvshelf's routes and header. Nothing else of mlx-lm is replaced.
-Resumable requests (greedy or seeded) go to ``generations.ServeGenerations``, which checkpoints them and resumes
-their retries (docs/RESUMING.md).
+Resumable requests (greedy or seeded) go to ``generations.ServeGenerations``, which writes generation checkpoints of
+them and resumes their retries (docs/RESUMING.md). Private mlx-lm names (``_run_http_server``, the generator's
+``_tokenize`` and the other hooks) are reached through ``kvshelf.mlx_lm.upstream`` only; the bound address is printed
+once the socket listens (``listening.py``: ``--port 0`` works).
 
 Stores: one handle per model identity (``model_identity``: path or repo, config.json and safetensors headers,
 tokenizer files, KV settings), opened for the default model before the HTTP server starts and lazily for models a
@@ -49,12 +51,14 @@ from ...store import open_store
 from . import startup, warm
 from .http_routes import handler_class, set_current_context
 from .metrics import ServeMetrics
-from .checkpoints import needs_checkpoints, split_segments
+from .prefix_checkpoints import needs_prefix_checkpoints, split_segments
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
+from ..upstream import response_generator_base, run_http_server
+from .listening import reporting_server_class
 from .startup import StartupError
 from .status_page import status
-from .generations import ServeGenerations, checkpoint_every_arg  # generation checkpoints (RESUMING.md)
+from .generations import ServeGenerations, generation_checkpoint_every_arg  # generation checkpoints (RESUMING.md)
 
 log = logging.getLogger("kvshelf.serve")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -116,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvshelf's own log level (default INFO: one line per request; DEBUG adds the "
                         "write-behinds)")
     # --- generation checkpoints (generations.py) ---
-    p.add_argument("--generation-checkpoint-every", type=checkpoint_every_arg, default=256, metavar="N",
+    p.add_argument("--generation-checkpoint-every", type=generation_checkpoint_every_arg, default=256, metavar="N",
                    help="checkpoint running greedy/seeded requests every N tokens so that a retry after a crash "
                         "resumes (default 256; 0 off)")
     return p
@@ -253,21 +257,23 @@ class Serving:
                                         min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
                                         observer=self.metrics)
 
-        self._checkpoints_for: dict[int, int] = {}
+        self._prefix_checkpoints_for: dict[int, int] = {}
         self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
 
-    def checkpoint_every(self, model) -> int:
-        """``--checkpoint-every`` for this model: 0 when its caches can all be cut (checked once per model)."""
+    def prefix_checkpoint_every(self, model) -> int:
+        """``--checkpoint-every`` (prefix checkpoints along a prompt) for this model: 0 when its caches can all be
+        cut (checked once per model)."""
         every = int(getattr(self.opts, "checkpoint_every", 0) or 0)
         if every <= 0 or model is None:
             return 0
-        if id(model) not in self._checkpoints_for:
-            self._checkpoints_for[id(model)] = every if needs_checkpoints(model) else 0
-        return self._checkpoints_for[id(model)]
+        if id(model) not in self._prefix_checkpoints_for:
+            self._prefix_checkpoints_for[id(model)] = every if needs_prefix_checkpoints(model) else 0
+        return self._prefix_checkpoints_for[id(model)]
 
     def state(self) -> dict[str, Any]:
         return {"stores": self.opener.stores(), "pending_writes": self.tiered.pending_writes,
                 "pending_bytes": self.tiered.pending_bytes, "queue_entries": self.tiered.queue_entries,
+                "queue_counts": self.tiered.queue.counts(),
                 "generations": dict(self.generation_counters)}
 
     def status(self) -> dict[str, Any]:
@@ -277,8 +283,8 @@ class Serving:
                       remote=redact(self.opts.remote) if self.opts.remote else None)
 
 
-def _generator_class(base: type, serving_of: dict) -> type:
-    class KvShelfResponseGenerator(base):
+def _generator_class(serving_of: dict) -> type:
+    class KvShelfResponseGenerator(response_generator_base()):
         """mlx-lm's ResponseGenerator, handed the TieredPromptCache around the LRUPromptCache ``run()`` built."""
 
         def __init__(self, model_provider, prompt_cache):
@@ -294,26 +300,27 @@ def _generator_class(base: type, serving_of: dict) -> type:
             set_current_context(ctx)  # the handler's thread: its X-Kvshelf-Prefix header names this request's fetch
             return ctx, response
 
-        def _tokenize(self, tokenizer, request, args):  # --checkpoint-every (serve/checkpoints.py)
-            prompt, segments, types, *rest = super()._tokenize(tokenizer, request, args)
-            every = self.kvshelf.checkpoint_every(self.model_provider.model)
+        def tokenize_request(self, tokenizer, request, args):  # --checkpoint-every (serve/prefix_checkpoints.py)
+            prompt, segments, types, *rest = super().tokenize_request(tokenizer, request, args)
+            every = self.kvshelf.prefix_checkpoint_every(self.model_provider.model)
             if every:
                 segments, types = split_segments(segments, types, every)
             return (prompt, segments, types, *rest)
 
-        def _log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
+        def log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
             if log.isEnabledFor(logging.DEBUG):
-                super()._log_cache_stats()
+                super().log_cache_stats()
 
         # --- generation checkpoints (generations.py): resumable requests are served by us, one at a time ---
-        def _is_batchable(self, args):
+        def is_batchable(self, args):
             taken = self.generations.takes(args)  # counts the requests that are not resumable
-            return super()._is_batchable(args) and not taken
+            return super().is_batchable(args) and not taken
 
-        def _serve_single(self, request, stream):
-            if not self.generations.serve(request, stream, provider=self.model_provider, tokenize=self._tokenize,
-                                          state_machine=self._make_state_machine, prompt_cache=self.prompt_cache):
-                super()._serve_single(request, stream)
+        def serve_single(self, request, stream):
+            if not self.generations.serve(request, stream, provider=self.model_provider,
+                                          tokenize=self.tokenize_request, state_machine=self.make_state_machine,
+                                          prompt_cache=self.prompt_cache):
+                super().serve_single(request, stream)
 
     return KvShelfResponseGenerator
 
@@ -339,11 +346,11 @@ def _run_function(opts: argparse.Namespace, made: list):
             store = serving.opener.open_now((cli.model, cli.adapter_path, cli.draft_model))
             if opts.warm_prompts is not None:
                 _warm(opts, cli, model_provider, store)
-        generator = _generator_class(mlx_server.ResponseGenerator, {"serving": serving})(model_provider, ram)
+        generator = _generator_class({"serving": serving})(model_provider, ram)
         made.append(generator)
         if group.rank() == 0:
-            mlx_server._run_http_server(host, port, generator, server_class=server_class,
-                                        handler_class=handler_class(handler_class_, serving))
+            run_http_server(host, port, generator, server_class=reporting_server_class(server_class),
+                            handler_class=handler_class(handler_class_, serving))
         else:
             generator.join()
 

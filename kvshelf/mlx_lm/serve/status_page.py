@@ -30,7 +30,7 @@ def status(metrics: ServeMetrics, state: dict[str, Any], *, model: str | None, s
         "pinned_bytes": figures["pinned_bytes"], "pins": figures["pins"], "snapshots": figures["snapshots"],
         "evictions": figures["evicted"], "quarantined": figures["quarantined"], "store_error": figures["error"],
         "write_queue": {"pending": state.get("pending_writes", 0), "pending_bytes": state.get("pending_bytes", 0),
-                        "capacity": state.get("queue_entries")},
+                        "capacity": state.get("queue_entries"), "counts": state.get("queue_counts", {})},
         "recent": metrics.recent(),
     }
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("mlx_lm")
 
-from kvshelf.mlx_lm.serve.checkpoints import CHECKPOINT, HeldCheckpoints, split_segments
+from kvshelf.mlx_lm.serve.prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints, split_segments
 
 segment = st.tuples(st.integers(1, 60), st.sampled_from(["system", "user", "assistant"]))
 
@@ -38,14 +38,14 @@ def test_split_segments_adds_exactly_the_multiples_of_every(shape, every) -> Non
     assert set(ends) == seg_ends | {k for k in range(every, pos, every)}
     for end, kind in zip(ends, kinds):
         if end in seg_ends:
-            assert kind != CHECKPOINT
+            assert kind != PREFIX_CHECKPOINT
         else:
-            assert kind == CHECKPOINT and end % every == 0
-    assert [k for k in kinds if k != CHECKPOINT] == types
+            assert kind == PREFIX_CHECKPOINT and end % every == 0
+    assert [k for k in kinds if k != PREFIX_CHECKPOINT] == types
 
 
 def test_held_checkpoints_go_to_the_first_insert_they_are_a_prefix_of() -> None:
-    held = HeldCheckpoints(limit=2)
+    held = HeldPrefixCheckpoints(limit=2)
     held.hold([1, 2], [])
     held.hold([1, 2, 3, 4], [])
     held.hold([9, 9], [])  # the oldest ([1, 2]) is dropped: at most two held

@@ -1,5 +1,7 @@
-"""Prefill that makes checkpoints: mlx-lm's prompt prefill, stopped at every multiple of ``every`` tokens to hand a
-copy of the state that cannot be cut to a callback (docs/CHECKPOINTS.md).
+"""Prefill that makes *prefix* checkpoints: mlx-lm's prompt prefill, stopped at every multiple of ``every`` tokens to
+hand a copy of the state that cannot be cut to a callback (docs/CHECKPOINTS.md). These are checkpoints along a
+prompt, stored with its session; checkpoints of an in-flight generation (docs/RESUMING.md) are another feature
+(``resumable.py``, ``generation_checkpoint_writer.py``).
 
 Why here and not in the store: which mlx-lm caches can be cut back (``KVCache``, ``QuantizedKVCache``: a cut is an
 offset) and how to copy the ones that cannot (``ArraysCache``'s recurrent state, ``RotatingKVCache``'s ring — a ring

@@ -1,4 +1,5 @@
-"""``kvshelf serve --checkpoint-every N``: checkpoints along the prompt for models whose caches cannot be cut.
+"""``kvshelf serve --checkpoint-every N``: prefix checkpoints along the prompt for models whose caches cannot be cut
+(docs/CHECKPOINTS.md; not the generation checkpoints of ``--generation-checkpoint-every``, ``generations.py``).
 
 Why: mlx-lm's server splits a chat prompt that ends with a user message into segments (system, user, the thinking
 tail) and inserts the cache at each segment's end; a hybrid (Qwen3-Next), recurrent (Mamba) or sliding-window model
@@ -14,7 +15,7 @@ that session's store checkpoints (``store.save_async(..., checkpoints=...)``: th
 session's, only the recurrent or window state is new bytes). A later prompt that diverges inside is served from the
 nearest checkpoint before the divergence (``source=disk cached=3072 checkpoint=yes``).
 
-Only for models that need it (``needs_checkpoints``): an all-attention model is cut at any length already.
+Only for models that need it (``needs_prefix_checkpoints``): an all-attention model is cut at any length already.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-CHECKPOINT = "checkpoint"  # the segment type of a piece that ends at a multiple of --checkpoint-every
-HELD = 64                  # checkpoint inserts held at most (the oldest go first: a request that never finished)
+PREFIX_CHECKPOINT = "checkpoint"  # the segment type of a piece that ends at a multiple of --checkpoint-every
+HELD = 64  # prefix checkpoint inserts held at most (the oldest go first: a request that never finished)
 
 
-def needs_checkpoints(model: Any) -> bool:
+def needs_prefix_checkpoints(model: Any) -> bool:
     """True when some layer's cache cannot be cut back (recurrent state, a sliding-window ring)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..checkpoints import cuttable
+    from ..prefix_checkpoints import cuttable
 
     return not all(cuttable(c) for c in make_prompt_cache(model))
 
@@ -40,7 +41,7 @@ def needs_checkpoints(model: Any) -> bool:
 def split_segments(segments: Sequence[Sequence[int]], segment_types: Sequence[str],
                    every: int) -> tuple[list[list[int]], list[str]]:
     """mlx-lm's segments, each also split at every multiple of ``every`` absolute positions: a piece that ends at
-    such a multiple (and not at its segment's own end) has the type ``CHECKPOINT``; the last piece of a segment
+    such a multiple (and not at its segment's own end) has the type ``PREFIX_CHECKPOINT``; the last piece of a segment
     keeps the segment's type."""
     out, types, pos = [], [], 0
     for seg, kind in zip(segments, segment_types):
@@ -49,7 +50,7 @@ def split_segments(segments: Sequence[Sequence[int]], segment_types: Sequence[st
         cut = (start // every + 1) * every
         while cut < end:
             out.append(seg[start - pos:cut - pos])
-            types.append(CHECKPOINT)
+            types.append(PREFIX_CHECKPOINT)
             start, cut = cut, cut + every
         out.append(seg[start - pos:])
         types.append(kind)
@@ -57,7 +58,7 @@ def split_segments(segments: Sequence[Sequence[int]], segment_types: Sequence[st
     return out, types
 
 
-class HeldCheckpoints:
+class HeldPrefixCheckpoints:
     """Checkpoint inserts waiting for the insert of a sequence they are a prefix of (module docstring)."""
 
     def __init__(self, limit: int = HELD):
@@ -68,7 +69,7 @@ class HeldCheckpoints:
     def hold(self, tokens: Sequence[int], cache: Any) -> None:
         """Keep the layers of ``cache`` (the batch generator's extracted copy) that cannot be cut; None for the
         others."""
-        from ..checkpoints import cuttable
+        from ..prefix_checkpoints import cuttable
 
         small = [None if cuttable(c) else c for c in cache]
         with self._lock:
@@ -80,7 +81,7 @@ class HeldCheckpoints:
     def take_for(self, tokens: Sequence[int], cache: Sequence[Any]) -> dict[int, Any]:
         """``{k: caches_at_k}`` of every held checkpoint that is a proper prefix of ``tokens`` (taken: no longer
         held), its attention layers cut from ``cache``, the caches after ``tokens``."""
-        from ..checkpoints import checkpoint_caches
+        from ..prefix_checkpoints import checkpoint_caches
 
         n = len(tokens)
         with self._lock:
@@ -92,4 +93,4 @@ class HeldCheckpoints:
         return len(self._held)
 
 
-__all__ = ["CHECKPOINT", "HeldCheckpoints", "needs_checkpoints", "split_segments"]
+__all__ = ["PREFIX_CHECKPOINT", "HeldPrefixCheckpoints", "needs_prefix_checkpoints", "split_segments"]
