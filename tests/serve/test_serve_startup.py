@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("mlx_lm")
 from serve_harness import free_port, server_env
 from tiny_model_dir import make_model_dir
 
