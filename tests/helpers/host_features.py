@@ -30,6 +30,8 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 class HostFeatureMissing(pytest.skip.Exception):
     """A skip for a host feature this machine lacks; ``feature`` names it (one of ``FEATURES``)."""
 
+    __module__ = "builtins"  # pytest's skip lines say "HostFeatureMissing: ...", as they say "Skipped: ..."
+
     def __init__(self, feature: str, why: str):
         super().__init__(f"host feature {feature}: {why}", _use_item_location=True)
         self.feature = feature

@@ -6,9 +6,9 @@ with ``-p suite_guard``. What it does:
 - **Timeouts.** pyproject's ``timeout`` (pytest-timeout, ``signal`` method: the hung test fails with its stacks and
   the run goes on) is every test's limit; a test marked ``slow`` gets ``slow_timeout`` (an ini value of this
   plugin) unless it sets its own ``@pytest.mark.timeout``.
-- **The running test, on disk.** Where ``KVSHELF_CURRENT_TEST`` names a file, it always holds the node id of the
-  test now running, so ``.ci/run``, which kills a run past its wall-clock limit, can say which test hung (a hang in
-  C code, beyond the reach of a signal handler, included).
+- **The running test, on disk.** Where ``KVSHELF_CURRENT_TEST`` names a file, it holds the node id of the test now
+  running (between tests, the last one that finished), so ``.ci/run``, which stops a run past its wall-clock limit,
+  can say which test hung (a hang in C code, beyond the reach of a signal handler, included).
 - **Host features.** ``@pytest.mark.host_feature("root", ...)`` (see ``host_features.py``): probed before the
   test's fixtures are set up; the test skips with the probe's reason where one is missing.
 - **CI** (``CI=true``). The run stops at its start, with exit status 1, naming every test dependency that does not
@@ -117,6 +117,10 @@ class SuiteGuard:
     def pytest_runtest_logstart(self, nodeid: str) -> None:
         _write(self.current_file, nodeid + "\n")
 
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        # an interrupted test never gets here: the file keeps its node id (the session's end writes nothing either)
+        _write(self.current_file, f"(between tests; the last one to finish: {nodeid})\n")
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         for feature in declared_features(item):  # before any fixture is set up
@@ -160,7 +164,6 @@ class SuiteGuard:
         return lines
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        _write(self.current_file, "(after the last test: finishing the session)\n")
         _write(self.report_file, "\n".join(self.report_lines()) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
