@@ -86,7 +86,7 @@ class Store:
     def __init__(self, path: str | os.PathLike, identity: Identity | None, *, max_bytes: int | None = None,
                  chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
                  map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
-                 admin: bool = False, byte_store=None, index_store=None):
+                 admin: bool = False, byte_store=None, index_store=None, clock=None):
         if index_store is not None and not isinstance(index_store, IndexStore):
             raise WrongArgumentType(f"index_store must be a kvshelf IndexStore, got {type(index_store).__name__}")
         if admin and identity is not None:
@@ -108,7 +108,7 @@ class Store:
         self._reclaimer = reclaimer = Reclaimer(ctx)
         self._txns = txns = Transactions(ctx, reclaimer)
         self._leases = leases = Leases(ctx, reclaimer, txns.uses)
-        self.pins = pins = Pins(ctx)
+        self.pins = pins = Pins(ctx, clock)  # clock: seconds (time.time); tests check pins' TTLs with a fake one
         # a session's checkpoints (save/checkpoints.py): saved as derived snapshots, dropped with their session
         self.checkpoints = checkpoints = Checkpoints(lambda: ctx.index, self._session_key, self._save_derived,
                                                      lambda *a: self._saver.capture(*a),
