@@ -28,7 +28,8 @@ def test_a_hung_test_is_stopped_by_its_timeout_with_its_name_printed_and_the_run
     done = run_pytest(tmp_path, "-o", "timeout=2", "test_generated.py")
     out = done.stdout
     assert done.returncode == 1, out
-    assert re.search(r"FAILED test_generated\.py::test_hangs - Failed: Timeout \(>2\.0s\) from pytest-timeout", out), out
+    assert re.search(r"FAILED test_generated\.py::test_hangs - Failed: Timeout \(>2\.0s\) from pytest-timeout",
+                     out), out
     assert "1 failed, 1 passed" in out, out  # the signal method: the hung test fails, the next one still runs
 
 
