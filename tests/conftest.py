@@ -1,5 +1,5 @@
-"""Shared test settings: the hypothesis ``ci`` profile (derandomized, no deadline), and ``tests/helpers`` on the
-import path.
+"""Shared test settings: the hypothesis ``ci`` profile (derandomized, no deadline), ``tests/helpers`` on the
+import path, and the suite's guards (``helpers/suite_guard.py``: timeouts, host-feature skips, CI's strictness).
 
 Tests live in folders that mirror the package (``store/``, ``codecs/``, ``legos/`` ...) and import their shared,
 non-test modules (``store_cases``, ``tools_data``, ``serve_harness`` ...) from ``tests/helpers`` by their plain names;
@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, settings
 HELPERS = Path(__file__).resolve().parent / "helpers"
 if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
+
+pytest_plugins = ["suite_guard"]
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]

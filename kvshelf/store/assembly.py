@@ -85,7 +85,7 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
     reclaimer = Reclaimer(ctx)
     txns = Transactions(ctx, reclaimer)
     leases = Leases(ctx, reclaimer, txns.uses)
-    pins = Pins(ctx) if clock is None else Pins(ctx, clock=clock)
+    pins = Pins(ctx, clock)  # clock: seconds (time.time); tests check pins' TTLs with a fake one
     snapshots = Snapshots(ctx)
     writer = BackgroundWriter(max_pending_bytes)
     saves_ref: list[SessionSaves] = []  # the prefix checkpoints save through SessionSaves, built below

@@ -112,9 +112,10 @@ def _current(store: Store, m: Manifest) -> Manifest | None:
 # --- the job -----------------------------------------------------------------------------------------------------
 def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, grace: float = 2.0,
             merge: bool = True, densify_pages: bool = True, compact_index: bool = True, level: int = ZSTD_LEVEL,
-            log: Callable[[str], None] = lambda _m: None) -> CompactionReport:
+            log: Callable[[str], None] = lambda _m: None, clock: Callable[[], float] = time.time) -> CompactionReport:
     """Compact ``store`` losslessly (see the module docstring); ``cold_after`` in seconds (0: every chunk is cold);
-    ``level``: the zstd level cold chunks are written at (1-22)."""
+    ``level``: the zstd level cold chunks are written at (1-22); ``clock``: "now" for a chunk's age, in seconds
+    (a test fixes it instead of waiting for chunks to age)."""
     if not isinstance(level, int) or not 1 <= level <= 22:
         raise ValueError(f"zstd level must be an int in 1..22, got {level!r}")
     if not dry_run:  # refused before the first step, under this job's name (not that of the first write, gc)
@@ -182,7 +183,7 @@ def compact(store: Store, cold_after: float = 3600.0, dry_run: bool = False, *, 
     step = CompactionStep("recompress")
     steps.append(step)
     hot = CompactionStep("decompress")
-    now_ns = time.time_ns()
+    now_ns = int(clock() * 1e9)
     leased = store.admin.leased_hashes()
     leased_chunks = 0
     # decompressing a hot chunk makes the store bigger: it may spend only what this run has given back so far

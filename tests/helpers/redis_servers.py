@@ -2,23 +2,38 @@
 
 Each server runs in its own temporary directory on a free port (cluster nodes also need port + 10000 free for
 the cluster bus), with persistence off; tests stop or kill them (``kill`` is SIGKILL: a crashed server). When
-``redis-server`` is not installed the tests that need it are skipped with that reason — and only then.
+``redis-server`` is not installed the tests that need it are skipped with that reason — and only then (under
+``CI=true`` the run fails at its start instead: ``suite_guard.py``).
+
+Ports without a race: redis-server cannot bind port 0 (``--port 0`` means "no TCP"), so a port is picked free and
+may be taken by another process before the server binds it. The server is started, and it counts as up only when
+the server answering on the port is this process (``INFO server``'s ``process_id``); one that exits because the
+address is in use is started again on another port (``BIND_TRIES``). ``port`` is the port it got.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import re
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 SERVER = shutil.which("redis-server")
 CLI = shutil.which("redis-cli")
+BIND_TRIES = 20
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind its port (another process took it after it was picked)."""
 
 
 def require_redis() -> None:
@@ -55,16 +70,32 @@ class RedisServer:
     """One redis-server on 127.0.0.1; ``args`` are extra config directives, e.g. ``["--maxmemory", "8mb"]``."""
 
     def __init__(self, args: list[str] | tuple[str, ...] = (), *, cluster: bool = False,
-                 cli_args: list[str] | tuple[str, ...] = (), tls_dir: str | None = None, binary: str | None = None):
+                 cli_args: list[str] | tuple[str, ...] = (), tls_dir: str | None = None, binary: str | None = None,
+                 pick_port: Callable[[bool], int] = free_port):
         """``cli_args`` authenticate redis-cli (``-a``, ``--user``); ``tls_dir`` (made by ``make_certs``) serves
-        TLS only, on ``port``; ``binary``: another server speaking the protocol (e.g. a ``valkey-server``)."""
+        TLS only, on ``port``; ``binary``: another server speaking the protocol (e.g. a ``valkey-server``);
+        ``pick_port(bus)``: the next port to try (the self-tests hand it taken ones)."""
         require_redis()
         self.binary = binary or SERVER
         self.dir = tempfile.mkdtemp(prefix="kvshelf-redis-")
         self.args, self.cluster, self.cli_args, self.tls_dir = list(args), cluster, list(cli_args), tls_dir
-        self.port = free_port(bus=cluster)
         self.proc: subprocess.Popen | None = None
-        self.start()
+        self.refused_ports: list[int] = []  # ports tried and found taken, in order
+        try:
+            for _ in range(BIND_TRIES):
+                self.port = pick_port(cluster)
+                try:
+                    self.start()
+                    return
+                except PortTaken:
+                    self.refused_ports.append(self.port)
+                    for name in ("redis.out", "redis.log", "nodes.conf"):  # the next try starts as fresh as the first
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(self.dir, name))
+            raise RuntimeError(f"redis-server found no free port in {BIND_TRIES} tries: {self.refused_ports}")
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def url(self) -> str:
@@ -87,20 +118,43 @@ class RedisServer:
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.dir, "nodes.conf"),
                     "--cluster-node-timeout", "2000"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        with open(os.path.join(self.dir, "redis.out"), "wb") as out:  # what it says before its log is open
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
-        while self.cli("PING") != "PONG":
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = open(os.path.join(self.dir, "redis.log")).read() if os.path.exists(
-                    os.path.join(self.dir, "redis.log")) else ""
-                raise RuntimeError(f"redis-server on port {self.port} did not start: {log[-2000:]}")
+        while True:
+            if self.proc.poll() is not None:
+                log = self._log()
+                self.proc = None
+                if "Address already in use" in log:
+                    raise PortTaken(f"redis-server could not bind port {self.port}: {log[-500:]}")
+                raise RuntimeError(f"redis-server on port {self.port} exited at start: {log[-2000:]}")
+            if self._serving():
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server on port {self.port} did not start: {self._log()[-2000:]}")
             time.sleep(0.02)
 
-    def cli(self, *args: str) -> str:
+    def _serving(self) -> bool:
+        """The server answering on ``port`` is this process (not another one that holds the port)."""
+        try:  # a listener that is not a redis-server may never answer: asked again after the exit check
+            info = self.cli("INFO", "server", timeout=2)
+        except subprocess.TimeoutExpired:
+            return False
+        found = re.search(r"^process_id:(\d+)\s*$", info, re.M)
+        return found is not None and self.proc is not None and int(found.group(1)) == self.proc.pid
+
+    def _log(self) -> str:
+        text = ""
+        for name in ("redis.out", "redis.log"):
+            with contextlib.suppress(FileNotFoundError):
+                text += Path(self.dir, name).read_text(errors="replace")
+        return text
+
+    def cli(self, *args: str, timeout: float = 10) -> str:
         tls = [] if self.tls_dir is None else ["--tls", "--cacert", f"{self.tls_dir}/ca.crt"]
         out = subprocess.run([CLI, "-h", "127.0.0.1", "-p", str(self.port), *tls, *self.cli_args, "--no-auth-warning",
-                              *args], capture_output=True, text=True, timeout=10)
+                              *args], capture_output=True, text=True, timeout=timeout)
         return out.stdout.strip()
 
     def kill(self) -> None:
@@ -214,5 +268,5 @@ def redis_cluster(_cluster_servers):
     """The module's 3-master cluster, emptied for this test."""
     _cluster_servers.flushall()
     return _cluster_servers
-__all__ = ["RedisServer", "RedisClusterServers", "require_redis", "free_port", "redis_server", "redis_cluster", "make_certs",
-           "valkey_server_binary"]
+__all__ = ["RedisServer", "RedisClusterServers", "PortTaken", "require_redis", "free_port", "redis_server",
+           "redis_cluster", "make_certs", "valkey_server_binary"]

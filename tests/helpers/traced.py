@@ -1,27 +1,24 @@
 """Running a script under ``strace`` for the syscall tests (syncs, read order, durability order).
 
-One place for finding strace (skipping with the reason where it is missing or ptrace is refused; ``.ci/run``
-installs it) and for running a child process under it, so each test only says what to trace and how to read it."""
+One place for finding strace and for running a child process under it, so each test only says what to trace and
+how to read it. A test that traces declares ``@pytest.mark.host_feature("strace")``: it skips, with the reason,
+where strace is missing or ptrace is refused (``host_features.py``; ``.ci/run`` installs strace)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import pytest
+from host_features import need
 
 
 def strace_path() -> str:
+    need("strace")  # probed once: installed, and ptrace is allowed
     path = shutil.which("strace")
-    if path is None:
-        pytest.skip("strace is not installed (apt-get install -y strace; .ci/run installs it)")
-    probe = subprocess.run([path, "-f", "-o", os.devnull, "true"], capture_output=True, text=True, check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"strace cannot trace here (ptrace refused?): {probe.stderr.strip()[:200]}")
+    assert path is not None
     return path
 
 

@@ -14,8 +14,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models import cache as lm_cache

@@ -13,8 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 from mlx_lm_models import VOCAB, build, continue_greedy, same
 

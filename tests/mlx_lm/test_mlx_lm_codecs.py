@@ -12,8 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("mlx_lm")
-
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as C
 

@@ -12,8 +12,6 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as lm
 from mlx_lm_models import PROMPT, build, greedy

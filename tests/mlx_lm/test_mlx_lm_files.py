@@ -12,8 +12,6 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from mlx_lm_models import PROMPT, build, continue_greedy, greedy, quantized_cache

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 import generation_worker as worker
 from serve_harness import kvshelf_cli, server_env
 from tiny_model_dir import make_model_dir

@@ -19,8 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm_sessions import CASES, expected_length, prompts, run, session
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 import mlx.core as mx
 from tiny_model_dir import make_model_dir
 

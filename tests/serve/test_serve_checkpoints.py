@@ -12,8 +12,7 @@ import re
 
 import pytest
 
-pytest.importorskip("mlx_lm")
-openai = pytest.importorskip("openai")
+import openai
 
 from serve_harness import Server
 from tiny_model_dir import THINKING_TEMPLATE, make_model_dir, words

@@ -16,8 +16,6 @@ import subprocess
 
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from serve_harness import Server, conversation, kvshelf_cli
 from store_cases import flip_chunk_byte
 from tiny_model_dir import make_model_dir, words

@@ -9,8 +9,6 @@ import struct
 
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from serve_harness import Server, conversation
 from tiny_model_dir import make_model_dir, words
 

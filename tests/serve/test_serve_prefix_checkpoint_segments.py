@@ -5,11 +5,8 @@ its type — so the server inserts at the same segment ends as mlx-lm and, in ad
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-pytest.importorskip("mlx_lm")
 
 from kvshelf.mlx_lm.serve.prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints, split_segments
 

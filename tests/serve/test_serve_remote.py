@@ -9,8 +9,6 @@ import json
 
 import pytest
 
-pytest.importorskip("mlx_lm")
-pytest.importorskip("redis")
 from redis_servers import RedisServer, valkey_server_binary
 from serve_harness import Server, conversation
 from tiny_model_dir import make_model_dir, words

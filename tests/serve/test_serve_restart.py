@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from serve_harness import SAVED_LINE, Server, conversation
 from tiny_model_dir import make_model_dir, words
 

@@ -14,8 +14,7 @@ import threading
 
 import pytest
 
-pytest.importorskip("mlx_lm")
-openai = pytest.importorskip("openai")
+import openai
 
 from serve_harness import Server
 from test_serve_metrics import metrics

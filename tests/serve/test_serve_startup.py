@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("mlx_lm")
 from serve_harness import LISTENING_LINE, server_env
 from tiny_model_dir import make_model_dir
 

@@ -11,7 +11,6 @@ import subprocess
 
 import pytest
 
-pytest.importorskip("mlx_lm")
 from serve_harness import Server, conversation
 from tiny_model_dir import make_model_dir, words
 

@@ -11,8 +11,6 @@ import os
 import mlx.core as mx
 import pytest
 
-pytest.importorskip("mlx_lm")
-
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm_models import build, forward, same
 from store_cases import flip_chunk_byte

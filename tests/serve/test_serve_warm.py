@@ -11,7 +11,6 @@ import re
 
 import pytest
 
-pytest.importorskip("mlx_lm")
 from serve_harness import Server, conversation, kvshelf_cli
 from tiny_model_dir import make_model_dir, words
 

@@ -17,21 +17,21 @@ from pathlib import Path
 import pytest
 
 import store_workers as sw
+from host_features import need
 from kvshelf.errors import StoreFull
 from test_store_crash import blob_files
 
 
 @pytest.fixture
 def small_fs(tmp_path: Path):
-    """A real 4 MiB tmpfs; skipped (with the reason) when this machine does not let the test mount one."""
+    """A real 4 MiB tmpfs, for tests marked ``host_feature("mount")``: skipped (with the reason) where this machine
+    does not let the test mount one; the fault-injection test covers ENOSPC there."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 4 MiB tmpfs needs root; the fault-injection test covers ENOSPC instead")
+    need("mount")
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
                           capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs refused ({done.stderr.strip()}); the fault-injection test covers ENOSPC")
+    assert done.returncode == 0, f"mount -t tmpfs failed although the probe mounted one: {done.stderr.strip()}"
     try:
         yield mnt
     finally:
@@ -84,6 +84,7 @@ def _recover(store, store_dir: Path, saved: dict[str, int], failed: str) -> None
     assert len(blob_files(store_dir)) == store.stats()["packs"]
 
 
+@pytest.mark.host_feature("mount")
 def test_real_full_filesystem_raises_store_full_and_keeps_earlier_snapshots(small_fs: Path) -> None:
     store_dir = small_fs / "store"
     saved: dict[str, int] = {}
@@ -118,6 +119,7 @@ def _fill_to_the_last_block(where: Path) -> list[Path]:
         fillers.append(path)
 
 
+@pytest.mark.host_feature("mount")
 def test_real_full_filesystem_during_the_index_commit_raises_store_full(small_fs: Path) -> None:
     """A save that only reuses chunks writes no blob, just its manifest file and the LMDB commit. Freeing one block
     at a time, the first such save that fails meets ENOSPC in the commit (or its manifest): it must be StoreFull,

@@ -16,6 +16,7 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 from traced import run_traced
 
 TESTS = Path(__file__).parents[1]
@@ -62,6 +63,7 @@ def _save_window(trace: str) -> list[tuple[str, str, str]]:
     return calls
 
 
+@pytest.mark.host_feature("strace")
 def test_every_object_a_save_commits_is_fsynced_with_its_directory_before_the_commit(tmp_path: Path) -> None:
     root, out = tmp_path / "s", tmp_path / "objects.json"
     trace = run_traced(tmp_path, SCRIPT.format(helpers=str(TESTS / "helpers"), repo=str(TESTS.parent), root=str(root),

@@ -1,6 +1,6 @@
 """A full disk never blocks reads or deletes (issue 12), on a REAL filesystem filled to its last byte.
 
-Each test mounts a small tmpfs (skipped, with the reason, where mount is refused), fills it with a ballast file
+Each test mounts a small tmpfs (marked ``host_feature("mount")``: skipped, with the reason, where mount is refused), fills it with a ballast file
 until a one-byte write fails, and checks: restores from a fresh handle (whose lease file has no room) are bit-exact,
 a reader protected by object locks keeps its objects from another process's delete + gc, a delete of a long
 session fits the reserve even on a compacted index (no reusable LMDB pages), a delete without any reserve first
@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import store_workers as sw
+from host_features import need
 from kvshelf.errors import StoreFull
 from kvshelf.latent_legos import LatentGeometry, MLACache
 from kvshelf.store.space import reserve
@@ -41,12 +42,10 @@ def tmpfs(tmp_path: Path):
     def make(size: str) -> Path:
         mnt = tmp_path / f"fs{len(mounted)}"
         mnt.mkdir()
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+        need("mount")  # the tests that mount are marked host_feature("mount")
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
                               capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"mount -t tmpfs refused ({done.stderr.strip()})")
+        assert done.returncode == 0, f"mount -t tmpfs failed although the probe mounted one: {done.stderr.strip()}"
         mounted.append(mnt)
         return mnt
 
@@ -122,6 +121,7 @@ def pack_of(store, session: str) -> Path:
     return Path(store.bytes.path(store.admin.summaries()[m.snapshot_id].pack))
 
 
+@pytest.mark.host_feature("mount")
 def test_full_disk_serves_restores_and_refuses_saves_cleanly(tmpfs) -> None:
     mnt = tmpfs("6m")
     store_dir = mnt / "store"
@@ -161,6 +161,7 @@ def _long_store(store_dir: Path, n: int = 10) -> None:
         compact_index(store)
 
 
+@pytest.mark.host_feature("mount")
 def test_delete_of_a_long_session_fits_the_reserve_on_a_full_disk(tmpfs) -> None:
     """A compacted index has no reusable pages: deleting one of ten 20k-token sessions needs ~3 MiB of new pages,
     six times the old fixed 512 KiB reserve. The reserve is sized for it, so the delete and a gc go through."""
@@ -185,6 +186,7 @@ def test_delete_of_a_long_session_fits_the_reserve_on_a_full_disk(tmpfs) -> None
             check_long(store, f"long-{i}", i)
 
 
+@pytest.mark.host_feature("mount")
 def test_without_a_reserve_a_delete_first_frees_what_is_dead(tmpfs) -> None:
     """No reserve at all and no reusable page: the delete first removes crash residue (an unindexed pack no lease
     or lock holds, as a killed save leaves), then commits; nothing live is touched."""
@@ -223,6 +225,7 @@ print("deleted")
 """
 
 
+@pytest.mark.host_feature("mount")
 def test_a_reader_on_a_full_disk_keeps_its_objects_from_another_process(tmpfs) -> None:
     """The lease cannot be published, so the reader locks its objects; another process deletes the session and
     runs gc meanwhile: the objects stay, byte for byte, until the reader lets go; then gc takes them."""
@@ -285,6 +288,7 @@ def test_leased_objects_answer_for_leases_locks_and_unions(leased, locked, other
 
 
 
+@pytest.mark.host_feature("mount")
 def test_copying_the_index_on_a_full_disk_is_store_full(tmpfs) -> None:
     """``copy_index`` (compaction's index step) on a full disk: LMDB's DiskError leaves as ``StoreFull``, the store
     unchanged — never a raw ``lmdb`` error."""

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+from host_features import thp_mode
 
 SCRIPT = """
 import json, sys
@@ -48,14 +47,6 @@ print(json.dumps({{"before": before, "after": after}}))
 """
 
 
-def _mode() -> str:
-    try:
-        text = THP.read_text()
-    except OSError:
-        return ""
-    return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
-
-
 def _run(tmp_path: Path, name: str, env: dict) -> dict:
     tests = Path(__file__).parents[1]
     script = tmp_path / f"{name}.py"
@@ -66,10 +57,9 @@ def _run(tmp_path: Path, name: str, env: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.host_feature("hugepages")  # THP "madvise" or "always"
 def test_restore_destinations_get_huge_pages(tmp_path):
-    mode = _mode()
-    if mode not in ("madvise", "always"):
-        pytest.skip(f"transparent huge pages are {mode or 'absent'} on this kernel")
+    mode = thp_mode()
     advised = _run(tmp_path, "advised", {"KVSHELF_NO_HUGEPAGES": "0"})
     gained = advised["after"] - advised["before"]
     assert gained >= 32 << 10, advised  # at least half of the 64 MiB restored came in 2 MiB pages

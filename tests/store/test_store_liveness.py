@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from codec_cases import CASES_BY_ID
+from host_features import need
 from store_cases import open_test_store, session, token_ids
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
@@ -34,16 +35,14 @@ with open_test_store({root!r}, chunk_tokens=16) as store:
 
 
 def _unshare_prefix() -> list[str]:
-    path = shutil.which("unshare")
-    if path is None:
-        pytest.skip("unshare is not installed (util-linux)")
-    probe = subprocess.run([path, "--pid", "--fork", "true"], capture_output=True, text=True, check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare --pid is refused here: {probe.stderr.strip()[:200]}")
-    return [path, "--pid", "--fork"]
+    need("pid-namespace")  # the variant that calls this is marked host_feature("pid-namespace")
+    return [shutil.which("unshare"), "--pid", "--fork"]
 
 
-@pytest.mark.parametrize("namespace", ["same", "own-pid-namespace"])
+NAMESPACES = ["same", pytest.param("own-pid-namespace", marks=pytest.mark.host_feature("pid-namespace"))]
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
 def test_a_readers_lease_lives_exactly_as_long_as_its_process(tmp_path, namespace):
     prefix = _unshare_prefix() if namespace != "same" else []
     root = tmp_path / "s"

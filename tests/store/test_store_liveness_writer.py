@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from codec_cases import CASES_BY_ID
 from store_cases import open_test_store, session, token_ids
-from test_store_liveness import _unshare_prefix
+from test_store_liveness import NAMESPACES, _unshare_prefix
 
 MLA = CASES_BY_ID["mla-f32-nodsa"]
 TESTS = Path(__file__).parents[1]
@@ -40,7 +40,7 @@ with open_test_store({root!r}, chunk_tokens=16) as store:
 """
 
 
-@pytest.mark.parametrize("namespace", ["same", "own-pid-namespace"])
+@pytest.mark.parametrize("namespace", NAMESPACES)
 def test_a_writers_tmp_file_lives_exactly_as_long_as_its_process(tmp_path, namespace) -> None:
     prefix = _unshare_prefix() if namespace != "same" else []
     root = tmp_path / "s"

@@ -61,21 +61,40 @@ def test_a_pin_beyond_the_limit_is_refused_and_changes_nothing(tmp_path):
             store.pin("nope")
 
 
+class FakeClock:
+    """The pins' clock (``open_store(clock=...)``), moved by the test: a TTL is checked without waiting it out."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def last_used(store, name: str) -> float:
+    return {s.session_id: s.last_used for s in store.sessions()}[name]
+
+
 def test_a_ttl_runs_from_the_last_use_and_then_the_pin_protects_nothing(tmp_path):
-    with open_test_store(tmp_path / "s", chunk_tokens=16, max_bytes=int(2.5 * SNAP)) as store:
+    # The last uses are the LRU's, stamped by the real clock; the fake one starts there and is then moved past them.
+    clock = FakeClock(time.time())
+    with open_test_store(tmp_path / "s", chunk_tokens=16, max_bytes=int(2.5 * SNAP), clock=clock) as store:
         save(store, "kept", 1)
         save(store, "lapsed", 2)
         store.pins.set_limit(10 * SNAP)
+        clock.now = pinned = max(time.time(), last_used(store, "lapsed"))  # pinned after both were last used
         store.pin("kept", ttl=3.0)
         store.pin("lapsed", ttl=3.0)
-        time.sleep(2.0)
         store.restore("kept")  # a hit: its TTL now runs from here
-        time.sleep(1.5)  # past both pins' start + ttl; "kept" was used 1.5 s ago
-        save(store, "c", 3)
+        hit = last_used(store, "kept")
+        assert hit > pinned
+        clock.now = pinned + 3.0 + (hit - pinned) / 2  # past "lapsed"'s pin + ttl; "kept"'s runs from its hit
+        save(store, "c", 3)  # writes the hit (the LRU's touch is written by the next write), then evicts
         save(store, "d", 4)
         names = {s.session_id for s in store.sessions()}
         assert "kept" in names and "lapsed" not in names
-        time.sleep(2.0)  # now "kept" lapsed too
+        assert [p.session_id for p in store.pins.listing()] == ["kept"]
+        clock.now = hit + 3.0 + 1.0  # now "kept" lapsed too
         assert [p.session_id for p in store.pins.listing()] == []
         save(store, "e", 5)
         assert "kept" not in {s.session_id for s in store.sessions()}

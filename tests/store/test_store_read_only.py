@@ -36,7 +36,7 @@ WRITE_VERBS = [(["gc", "--json"], "gc"), (["compact", "--json"], "compact"), (["
 DATA = ROOT_PROJECT / "tests" / "data"
 OLDER = {"format1": ("v1_store", "mla-f32"), "format2": ("v2_index_store", "chat")}  # committed store, a session
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own the store and to drop to nobody / mount")
+pytestmark = pytest.mark.host_feature("root")  # to own the store and to drop to nobody
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +146,7 @@ def test_a_store_owned_by_root_opens_read_only_for_another_user(template, tmp_pa
     assert os.stat(store).st_mode & 0o777 == 0o755
 
 
+@pytest.mark.host_feature("mount")
 def test_a_store_on_a_read_only_mount_opens_read_only(template, tmp_path) -> None:
     source = private_copy(template, tmp_path)
     mnt = tmp_path / "mnt"

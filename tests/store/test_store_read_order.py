@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from traced import run_traced
 
 from kvshelf.store.restore.piece_reads import BATCH_BYTES
@@ -41,6 +42,7 @@ with open_test_store({root!r}, chunk_tokens=256) as store:
 CALL = re.compile(r"^(\d+)\s+preadv2?\((\d+),\s*\[.*\],\s*(\d+),\s*(\d+)")  # glibc may issue preadv2
 
 
+@pytest.mark.host_feature("strace")
 def test_a_restore_reads_the_pack_forward_in_few_large_reads(tmp_path):
     tests = Path(__file__).parents[1]
     script = SCRIPT.format(helpers=str(tests / "helpers"), repo=str(tests.parent), root=str(tmp_path / "s"))

@@ -76,6 +76,7 @@ with open_test_store({root!r}, chunk_tokens=16) as store:
 """
 
 
+@pytest.mark.host_feature("strace")
 def test_the_kernel_sees_at_most_three_syncs_per_save_and_none_per_restore(tmp_path):
     tests = Path(__file__).parents[1]
     script = SCRIPT.format(helpers=str(tests / "helpers"), repo=str(tests.parent), root=str(tmp_path / "s"))

@@ -290,9 +290,6 @@ def test_zstd_level_is_used_and_reaches_the_cli(store_dir, tmp_path) -> None:
     assert refused.returncode == 2 and "1-22" in refused.stderr
 
 
-GAP = 2.0  # seconds between the chunks' last use and the restore that makes some of them hot again
-
-
 def test_zstd_chunks_used_again_stay_zstd_when_raw_would_make_the_store_bigger(store_dir) -> None:
     """Hot zstd chunks would go back to raw for zero-copy restores, but only within space the same compaction gave
     back: compaction never ends with a bigger store. Here nothing else is given back, so they stay zstd (each named
@@ -300,24 +297,21 @@ def test_zstd_chunks_used_again_stay_zstd_when_raw_would_make_the_store_bigger(s
     with open_admin(store_dir) as store:
         compact(store, cold_after=0.0, grace=0.0, merge=False, densify_pages=False, compact_index=False)
         assert {meta.encoding for _h, meta in store.admin.iter_chunks()} == {"zstd"}
-    cold_until = time.time()  # no chunk is used after this until the restore below
-    while time.time() < cold_until + GAP:
-        time.sleep(0.05)
-    hot_from = time.time()
     with open_store(store_dir, identity=OTHER) as other:
         want = _bits(other.restore("s-other").caches)  # these chunks are hot again
         manifest_hot = other.admin.manifest(other.sessions()[0].snapshot_id)
     with open_admin(store_dir) as store:
         only = {"merge": False, "densify_pages": False, "compact_index": False}  # merging would rewrite s-other
-        # the hot window ends halfway between the last cold use and the restore, whenever this runs: however
-        # slow the machine, the restored chunks are younger than it and the others older
         hot = {r.hash for r in manifest_hot.all_chunks}
-
-        def window() -> float:
-            return time.time() - (cold_until + hot_from) / 2
-
-        plan = compact(store, cold_after=window(), dry_run=True, **only)
-        report = compact(store, cold_after=window(), grace=0.0, **only)
+        used = {h: meta.last_used_ns for h, meta in store.admin.iter_chunks()}
+        last_cold, first_hot = max(t for h, t in used.items() if h not in hot), min(used[h] for h in hot)
+        assert last_cold < first_hot  # the restore came after every other use
+        # compaction's "now" is fixed (its clock), so the hot window can end exactly halfway between the last cold
+        # use and the restore: no waiting for chunks to age, however fast or slow the machine
+        now = time.time()
+        cold_after = now - (last_cold + first_hot) / 2e9
+        plan = compact(store, cold_after=cold_after, dry_run=True, clock=lambda: now, **only)
+        report = compact(store, cold_after=cold_after, grace=0.0, clock=lambda: now, **only)
         step = report.step("decompress")
         assert step.count == 0 == plan.step("decompress").count
         assert {s.split(":")[0] for s in step.skipped} == hot and all("bigger" in s for s in step.skipped)

@@ -13,12 +13,15 @@ delete, an eviction or a quarantine of the session drops its pin (``forget``).
 Limit: pins may hold at most ``max_pinned_bytes`` (the bytes of the pinned sessions' current snapshots; default half
 the store's ``max_bytes``, none without a budget). A pin beyond it is refused with ``PinLimitExceeded`` and changes
 nothing, so a budget can never be filled by pins alone.
+
+Clock: "now" is the ``clock`` the store was given (seconds since the epoch, default ``time.time``), so a TTL can be
+checked without waiting it out (the tests advance a fake clock). The last uses it is compared with are the LRU's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -61,11 +64,16 @@ def _expires_ns(pinned_at: int, ttl: int, last_used_ns: int) -> int | None:
 
 class Pins:
     """The pins of one store handle, over its context (``ctx.index``, ``ctx.id_key`` — None for an identity-blind
-    admin handle: pins then name a session in every identity that has it —, ``ctx.max_bytes``, ``ctx.root``)."""
+    admin handle: pins then name a session in every identity that has it —, ``ctx.max_bytes``, ``ctx.root``) and
+    a ``clock`` (seconds; None: ``time.time``)."""
 
-    def __init__(self, ctx: StoreContext):
+    def __init__(self, ctx: StoreContext, clock: Callable[[], float] | None = None):
         self.ctx = ctx
+        self.clock = clock or time.time
         self.max_pinned_bytes: int | None = None  # explicit limit; None: half the budget
+
+    def _now_ns(self) -> int:
+        return int(self.clock() * 1e9)
 
     @property
     def index(self):  # read through: an offline job may replace the index of an open handle
@@ -121,7 +129,7 @@ class Pins:
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
             raise InvalidCacheState(f"a pin's ttl must be a number of seconds > 0 or None, got {ttl!r}")
         ttl_ns = 0 if ttl is None else int(ttl * 1e9)
-        now = time.time_ns()
+        now = self._now_ns()
         limit = self.limit()
 
         def run(txn) -> list[PinInfo]:
@@ -170,14 +178,14 @@ class Pins:
             return False
         pinned_at, ttl = _decode(bytes(raw))
         expires = _expires_ns(pinned_at, ttl, s.last_used_ns)
-        if expires is not None and expires <= (time.time_ns() if now_ns is None else now_ns):
+        if expires is not None and expires <= (self._now_ns() if now_ns is None else now_ns):
             txn.delete(TABLE, skey)
             return False
         return True
 
     def listing(self) -> list[PinInfo]:
         """Every unexpired pin (all identities), with the bytes of each pinned session's current snapshot."""
-        now = time.time_ns()
+        now = self._now_ns()
         with self.index.read() as txn:
             return [PinInfo(s.session_id if s else "?", s.namespace if s else "?", k, s.nbytes if s else 0,
                             None if e is None else e / 1e9) for k, s, e in self._live(txn, now)]
