@@ -113,14 +113,15 @@ def run(argv: list[str] | None = None) -> dict:
                 module = importlib.import_module(f"benchmarks.{group}")
                 rows += module.run(ctx, wanted)
             except Exception as exc:  # noqa: BLE001 - one failing group must not hide the others' figures
-                rows += [failure_row(m, f"measure {m} ({group})", exc) for m in sorted(wanted, key=int)]
+                rows += [failure_row(m, f"measure {m} ({group})", exc, traceback=i == 0)
+                         for i, m in enumerate(sorted(wanted, key=int))]
             ctx.facts[f"{group}_elapsed_s"] = round(time.perf_counter() - t0, 2)
         ctx.drop()
     rows.sort(key=lambda r: int(r.measure))
     elapsed = time.perf_counter() - started
     table = render_table(rows)
-    footer = (f"(times: min / median of {args.reps} after a warm-up; ratio = kvshelf median ÷ baseline median; "
-              f"{elapsed:.0f} s in all)")
+    footer = (f"(times: min / median of {args.reps} after a warm-up of each side, the sides interleaved; ratio = "
+              f"kvshelf median ÷ baseline median; {elapsed:.0f} s in all)")
     print()
     print(table)
     print("\n" + footer)

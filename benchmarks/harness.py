@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
+import traceback as _traceback
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -163,13 +163,14 @@ def failed(measure: str, name: str, reason: str, *, target: str = "") -> Row:
 
 
 def failure_row(measure: str, name: str, exc: BaseException, *, baseline: Sample | None = None,
-                baseline_name: str = "", target: str = "") -> Row:
+                baseline_name: str = "", target: str = "", traceback: bool = True) -> Row:
     """The row for an exception a measure raised: ``not available`` for an absent optional dependency, else
-    ``failed`` (with the traceback on stderr, since the row holds one line)."""
+    ``failed`` (with the traceback on stderr unless ``traceback=False``, since the row holds one line)."""
     what = absent_dependency(exc)
     if what is not None:
         return unavailable(measure, name, what, baseline=baseline, baseline_name=baseline_name, target=target)
-    traceback.print_exception(exc, file=sys.stderr)
+    if traceback:
+        _traceback.print_exception(exc, file=sys.stderr)
     return failed(measure, name, f"{type(exc).__name__}: {exc}", target=target)
 
 

@@ -88,8 +88,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
                 rows.append(Row("1", f"durable full save, {own}", s["own"], s["mlx-lm"],
                                 "mlx-lm save_prompt_cache+fsync", "(report)", check="none",
                                 extra={"bytes_written": getattr(own_infos[-1], "bytes_written", None)}))
-                rows.append(Row("1", f"durable full save, {what}", s["kvshelf"], s["raw"], "raw write+fsync, same bytes",
-                                "≤ 1.10× raw", 1.10,
+                rows.append(Row("1", f"durable full save, {what}", s["kvshelf"], s["raw"],
+                                "raw write+fsync, same bytes", "≤ 1.10× raw", 1.10,
                                 extra={"bytes_written": getattr(infos[-1], "bytes_written", None)}))
                 rows.append(Row("1", f"durable full save, {what} vs mlx-lm", s["kvshelf"], s["mlx-lm"],
                                 "mlx-lm save_prompt_cache+fsync", "(report)", check="none"))
