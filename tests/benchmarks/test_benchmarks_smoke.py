@@ -129,6 +129,12 @@ def open_store(*args, **kwargs):
 kvshelf.store.open_store = open_store
 """
 
+DELETE_OPEN_STORE = """
+import kvshelf.store
+
+del kvshelf.store.open_store
+"""
+
 HIDE_MLX_LM = """
 import sys
 
@@ -148,14 +154,18 @@ def _rows(stdout: str, measure: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith(f"| {measure} |")]
 
 
-def test_a_measure_that_raises_fails_the_run_and_names_itself(tmp_path):
-    proc, out = _bench(tmp_path, "--size", "small", "--reps", "1", "--only", "8,11",
-                       sitecustomize=BREAK_OPEN_STORE)
+@pytest.mark.parametrize("hook, message", [
+    (BREAK_OPEN_STORE, "failed: RuntimeError: open_store broken by the test"),
+    # kvshelf is never an optional dependency: a name gone from it is a failure, not "not available"
+    (DELETE_OPEN_STORE, "failed: ImportError: cannot import name 'open_store' from 'kvshelf.store'"),
+], ids=["raises", "deleted"])
+def test_a_measure_that_raises_fails_the_run_and_names_itself(tmp_path, hook, message):
+    proc, out = _bench(tmp_path, "--size", "small", "--reps", "1", "--only", "8,11", sitecustomize=hook)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count(HEADER) == 1  # the table still prints
     for measure in ("8", "11"):
         rows = _rows(proc.stdout, measure)
-        assert rows and all("failed: RuntimeError: open_store broken by the test" in r for r in rows), rows
+        assert rows and all(message in r for r in rows), rows
         assert f"measure {measure} failed:" in proc.stderr
     doc = json.loads(out.read_text())
     assert {r["measure"] for r in doc["rows"] if r["failed"]} == {"8", "11"}
