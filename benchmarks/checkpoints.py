@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .context import Context
-from .harness import Row, Sample, unavailable
+from .harness import Row, Sample, failure_row
 
 _TESTS = Path(__file__).resolve().parents[1] / "tests"
 LENGTH, EVERY = 4000, 1024
@@ -171,8 +171,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
     try:
         import mlx_lm  # noqa: F401
         import prometheus_client  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - no mlx-lm: say so in the row
-        return [unavailable("34", "checkpoints", f"{type(exc).__name__}: {exc}")]
+    except Exception as exc:  # noqa: BLE001 - no mlx-lm: the row says so (a real error fails)
+        return [failure_row("34", "checkpoints", exc)]
     models, h, tiny = _helpers()
     root = ctx.scratch.fresh("checkpoints")
     root.mkdir()
@@ -181,6 +181,6 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
                  lambda: _bytes_rows(ctx, models, root)):
         try:
             rows += part()
-        except Exception as exc:  # noqa: BLE001 - a broken part is a row that says so, not a crashed run
-            rows.append(unavailable("34", "checkpoints", f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - a failed row (the run exits non-zero)
+            rows.append(failure_row("34", "checkpoints", exc))
     return rows

@@ -1,4 +1,7 @@
-"""``python -m benchmarks``: run the measure groups, print one table, write ``results/latest.json``."""
+"""``python -m benchmarks``: run the measure groups, print one table, write ``results/latest.json``.
+
+Exit status: 0 when every row was measured or names an absent optional dependency, 1 when any measure failed (its
+rows say ``failed: <ExceptionType: message>``; the table still prints, so the other figures are not lost)."""
 
 from __future__ import annotations
 
@@ -6,10 +9,9 @@ import argparse
 import importlib
 import sys
 import time
-import traceback
 from pathlib import Path
 
-from . import data
+from . import data, stored
 from .context import Context
 from .harness import (
     Row,
@@ -17,8 +19,8 @@ from .harness import (
     machine_info,
     package_versions,
     render_machine,
+    failure_row,
     render_table,
-    unavailable,
     write_json,
 )
 
@@ -61,6 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results path (default {DEFAULT_OUT})")
     p.add_argument("--markdown", type=Path, default=None,
                    help="also write the machine facts and the table to this markdown file")
+    p.add_argument("--store", action="store_true",
+                   help="write the table and the JSON to benchmarks/results/<date>-<commit>[-<label>].md/.json (the "
+                        "files the README and docs quote); refused while kvshelf/ or benchmarks/ differ from the "
+                        "commit")
+    p.add_argument("--label", default=None, help="suffix of a stored run's file name (e.g. the measures it holds)")
     args = p.parse_args(argv)
     only = {m.strip() for m in args.only.split(",") if m.strip()}
     bad = only - set(KNOWN)
@@ -69,6 +76,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.reps < 1:
         p.error("--reps must be at least 1")
     args.only = only
+    args.commit = None
+    if args.store:
+        commit, changed = stored.measured_commit()
+        if changed:
+            p.error("--store: the measured code differs from the commit it would be named by; commit it first:\n  "
+                    + "\n  ".join(changed))
+        try:
+            args.markdown, args.out = stored.stored_paths(commit, args.label)
+        except ValueError as exc:
+            p.error(str(exc))
+        args.commit = commit
+    elif args.label is not None:
+        p.error("--label names a stored run: use it with --store")
     return args
 
 
@@ -93,29 +113,34 @@ def run(argv: list[str] | None = None) -> dict:
                 module = importlib.import_module(f"benchmarks.{group}")
                 rows += module.run(ctx, wanted)
             except Exception as exc:  # noqa: BLE001 - one failing group must not hide the others' figures
-                traceback.print_exc()
-                rows += [unavailable(m, f"measure {m} ({group})", f"{type(exc).__name__}: {exc}")
-                         for m in sorted(wanted, key=int)]
+                rows += [failure_row(m, f"measure {m} ({group})", exc, traceback=i == 0)
+                         for i, m in enumerate(sorted(wanted, key=int))]
             ctx.facts[f"{group}_elapsed_s"] = round(time.perf_counter() - t0, 2)
         ctx.drop()
     rows.sort(key=lambda r: int(r.measure))
     elapsed = time.perf_counter() - started
     table = render_table(rows)
-    footer = (f"(times: min / median of {args.reps} after a warm-up; ratio = kvshelf median ÷ baseline median; "
-              f"{elapsed:.0f} s in all)")
+    footer = (f"(times: min / median of {args.reps} after a warm-up of each side, the sides interleaved; ratio = "
+              f"kvshelf median ÷ baseline median; {elapsed:.0f} s in all)")
     print()
     print(table)
     print("\n" + footer)
     if args.markdown is not None:
         cmd = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
-        args.markdown.write_text(f"`{cmd.strip()}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+        of = f" — code at commit {args.commit}" if args.commit else ""
+        args.markdown.write_text(f"`{cmd.strip()}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{of}\n\n"
                                  f"```\n{render_machine(machine, versions)}\n```\n\n{table}\n\n{footer}\n")
-    write_json(args.out, args={"only": sorted(args.only, key=int), "size": args.size, "reps": args.reps},
+    write_json(args.out, args={"only": sorted(args.only, key=int), "size": args.size, "reps": args.reps,
+                               **({"commit": args.commit} if args.commit else {})},
                machine=machine, versions=versions, rows=rows, facts=ctx.facts, elapsed_s=elapsed)
     print(f"wrote {args.out}")
     return {"rows": rows, "out": args.out}
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(argv)
-    return 0
+    """1 when any row failed (named on stderr), else 0: a failure must not pass as a table with a gap in it."""
+    rows = run(argv)["rows"]
+    broken = [r for r in rows if r.failed]
+    for r in broken:
+        print(f"measure {r.measure} failed: {r.name}: {r.failed}", file=sys.stderr)
+    return 1 if broken else 0

@@ -1,10 +1,9 @@
 """Measure 9: compaction size ratio and throughput per dtype/format, structured data and i.i.d. noise apart.
 
-When ``kvshelf.tools.compaction.compact`` exists it is measured on a real store: save one session into a fresh
-store, ``compact(cold_after=0)``, compare the blob files' bytes before and after, then restore and check the
-arrays are bit-identical (MB/s: cache bytes over compaction wall time, and over the restore after it). Until then
-the rows say so and measure what compaction does to each chunk directly: byte-shuffle the float planes, then zstd,
-over 256-token pieces of every tensor (labelled "zstd+shuffle on chunk bytes").
+Measured through ``kvshelf.tools.compaction.compact`` on a real store: save one session into a fresh store,
+``compact(cold_after=0)``, compare the pack files' bytes before and after, then restore and check the arrays are
+bit-identical (MB/s: cache bytes over compaction wall time, and over the restore after it). A dataset whose
+compaction or check fails is a failed row (and a failed run), never a quietly substituted figure.
 """
 
 from __future__ import annotations
@@ -13,88 +12,11 @@ import statistics
 import time
 
 import mlx.core as mx
-import numpy as np
-
-from kvshelf.store.objects.shuffle import shuffle
 
 from . import data
 from .context import Context
-from .harness import MiB, Row, Sample, disk_usage, remove, unavailable
+from .harness import MiB, Row, Sample, disk_usage, failure_row, remove
 
-CHUNK = 256
-LEVEL = 3
-
-
-def _pieces(arrays: list[mx.array]) -> list[tuple[np.ndarray, int]]:
-    """256-token pieces of every ``[1, T, w]`` array as (uint8 bytes, float itemsize or 1)."""
-    out = []
-    for a in arrays:
-        itemsize = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}.get(a.dtype, 1)
-        if a.dtype == mx.bfloat16:
-            a = a.view(mx.uint16)
-        host = np.array(a, copy=False)
-        if host.ndim == 3:
-            for s in range(0, host.shape[1], CHUNK):
-                out.append((np.ascontiguousarray(host[:, s:s + CHUNK]).reshape(-1).view(np.uint8), itemsize))
-        else:
-            out.append((np.ascontiguousarray(host).reshape(-1).view(np.uint8), itemsize))
-    return out
-
-
-def zstd_shuffle(pieces, reps: int) -> tuple[float, Sample, Sample, int, int]:
-    import zstandard
-
-    raw = sum(p.size for p, _ in pieces)
-    cctx = zstandard.ZstdCompressor(level=LEVEL)
-    dctx = zstandard.ZstdDecompressor()
-    comp_t, dec_t = [], []
-    frames: list[bytes] = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        frames = [cctx.compress(shuffle(p, k)) for p, k in pieces]
-        comp_t.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for f, (p, k) in zip(frames, pieces):
-            planes = np.frombuffer(dctx.decompress(f), np.uint8)
-            if k > 1:
-                planes.reshape(k, -1).T.copy()
-        dec_t.append(time.perf_counter() - t0)
-    packed = sum(len(f) for f in frames)
-    mbs = lambda ts: Sample("MB/s", [raw / t / 1e6 for t in ts])
-    return raw / packed, mbs(comp_t), mbs(dec_t), raw, packed
-
-
-def _datasets(ctx: Context) -> list[tuple[str, list[mx.array], str]]:
-    """Arrays for the direct zstd+shuffle measurement (used until ``compact`` exists)."""
-    flat = [a for layer in ctx.data() for a in layer]
-    sets = [("float32 latent (structured)", flat, "f32"),
-            ("bfloat16 (structured, L data cast)", [a.astype(mx.bfloat16) for a in flat], "bf16"),
-            ("float16 (structured, L data cast)", [a.astype(mx.float16) for a in flat], "f16")]
-    if not data.kvshelf_missing(*data.LEGOS):
-        for variant in ("affine8", "affine4", "turbo-k8"):
-            try:
-                sets.append((f"{variant} planes", [a for c in ctx.caches(variant) for a in c.state], variant))
-            except Exception as exc:  # noqa: BLE001 - a format not built yet is simply not in the list
-                ctx.facts[f"compaction_skipped_{variant}"] = f"{type(exc).__name__}: {exc}"
-    n = ctx.workload.tokens
-    noise = [mx.array(data.iid_noise((1, n, w), seed=i)) for i, w in enumerate(ctx.workload.widths * 2)]
-    sets += [("float32 i.i.d. noise", noise, "noise-f32"),
-             ("bfloat16 i.i.d. noise", [a.astype(mx.bfloat16) for a in noise], "noise-bf16"),
-             ("float16 i.i.d. noise", [a.astype(mx.float16) for a in noise], "noise-f16")]
-    for _, arrs, _ in sets:
-        mx.eval(arrs)
-    return sets
-
-
-def _direct(ctx: Context, note: str) -> list[Row]:
-    reps = max(2, min(ctx.reps, 3))
-    label = f"zstd-{LEVEL}+shuffle on chunk bytes; compact(): {note}"
-    rows = []
-    for title, arrays, key in _datasets(ctx):
-        ratio, comp, dec, raw, packed = zstd_shuffle(_pieces(arrays), reps)
-        rows.append(_row(title, key, ratio, raw, comp, dec, label, {"packed_bytes": packed}))
-        label = f"zstd-{LEVEL}+shuffle"  # say the long form once
-    return rows
 
 
 def _row(title, key, ratio, raw, comp: Sample, dec: Sample, label, extra) -> Row:
@@ -188,8 +110,8 @@ def _through_compact(ctx: Context) -> list[Row]:
                 c.dispose()
             del caches
             mx.clear_cache()
-        except Exception as exc:  # noqa: BLE001
-            rows.append(unavailable("9", f"compaction {title}", f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - one dataset failing leaves the others' rows
+            rows.append(failure_row("9", f"compaction {title}", exc))
             continue
         ratio = statistics.median(ratios)
         rows.append(_row(title, key, ratio, raw, Sample("MB/s", comp), Sample("MB/s", dec),
@@ -199,7 +121,4 @@ def _through_compact(ctx: Context) -> list[Row]:
 
 
 def run(ctx: Context, only: set[str]) -> list[Row]:
-    note = data.kvshelf_missing("kvshelf.tools.compaction:compact", *data.STORE)
-    if note:
-        return _direct(ctx, note)
     return _through_compact(ctx)

@@ -12,7 +12,6 @@ instead so that both sides hold and move exactly the same bytes (and the very sa
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -160,25 +159,9 @@ def token_ids(n: int, seed: int, low: int = 0, high: int = 150_000) -> list[int]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# kvshelf side (imported lazily: measures report "not available" while a piece is missing)
+# kvshelf side (imported lazily, so importing the benchmarks does not import the library)
 
 
-def kvshelf_missing(*names: str) -> str | None:
-    """None when every ``module:attr`` (or ``module``) imports, else the first reason it does not."""
-    for spec in names:
-        module, _, attr = spec.partition(":")
-        try:
-            mod = importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - any import failure means "not landed yet"
-            return f"{module} does not import ({type(exc).__name__}: {exc})"
-        if attr and not hasattr(mod, attr):
-            return f"{module}.{attr} not built yet"
-    return None
-
-
-LEGOS = ("kvshelf.latent_legos:composed_latent_cache", "kvshelf.latent_legos:KvScheme",
-         "kvshelf.latent_legos:LatentGeometry")
-STORE = ("kvshelf.store:open_store", "kvshelf.store:Identity")
 
 # Variant name -> (scheme factory, paged block size)
 VARIANTS = ("mla-f32", "affine8", "affine4", "turbo-k8", "paged-f32")

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from . import data
 from .context import Context
-from .harness import MiB, Row, Sample, disk_usage, remove, unavailable
+from .harness import MiB, Row, Sample, disk_usage, remove
 from .save import mlx_lm_save_fsync
 
 SESSIONS = 10
@@ -37,12 +37,6 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
     remove(mlx_dir)
     mlx_s = Sample("MiB", [mlx_alloc / MiB])
 
-    missing = data.kvshelf_missing(*data.LEGOS, *data.STORE)
-    if missing:
-        return [unavailable("8", name, missing, baseline=unique_s, baseline_name="unique tokens' bytes",
-                            target="≤ 1.05× unique"),
-                Row("8", f"mlx-lm: {SESSIONS} files ({w.name})", mlx_s, unique_s, "unique tokens' bytes",
-                    "(report)", check="none")]
     path = ctx.scratch.fresh("store-disk")
     try:
         with ctx.open_store(path) as store:
@@ -52,9 +46,6 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
                 for c in caches:
                     c.dispose()
         alloc, apparent = disk_usage(path)
-    except Exception as exc:  # noqa: BLE001
-        return [unavailable("8", name, f"{type(exc).__name__}: {exc}", baseline=unique_s,
-                            baseline_name="unique tokens' bytes", target="≤ 1.05× unique")]
     finally:
         remove(path)
     value = Sample("MiB", [alloc / MiB])

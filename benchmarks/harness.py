@@ -1,9 +1,15 @@
 """Timing, result rows, the one table and the JSON file every measure feeds.
 
-Method (as in shared/reference/baseline.md): ``time.perf_counter`` around each operation, one untimed warm-up,
-then ``reps`` timed repetitions with untimed setup/teardown around each; we keep every repetition and report min
-and median. Ratios compare medians of the two sides measured in the same run. Targets are read from the ratios;
-nothing here asserts an absolute time.
+Method (as in shared/reference/baseline.md): ``time.perf_counter`` around each operation, one untimed warm-up of
+each side, then ``reps`` timed repetitions of kvshelf and its baseline interleaved (A B A B …, ``time_interleaved``)
+with untimed setup/teardown around each, so a noisy neighbour or a page-cache change hits both sides alike; we keep
+every repetition and report min and median. Ratios compare medians of the two sides measured in the same run.
+Targets are read from the ratios; nothing here asserts an absolute time.
+
+A measure that raises is a ``failed`` row and makes the run exit non-zero (``failure_row``): only an absent
+optional dependency (a package named in ``OPTIONAL_PACKAGES`` that does not import, or a server binary not on the
+PATH, raised as ``MissingDependency``) is a ``not available`` row, because that says something about the machine
+rather than about kvshelf.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import traceback as _traceback
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -77,6 +84,7 @@ class Row:
     check: str = "ratio"  # "ratio" | "value" | "ratio-min" (ratio must be at least limit) | "none"
     ratio: float | None = None
     unavailable: str | None = None
+    failed: str | None = None
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -86,7 +94,7 @@ class Row:
 
     @property
     def met(self) -> bool | None:
-        if self.unavailable or self.limit is None or self.check == "none":
+        if self.unavailable or self.failed or self.limit is None or self.check == "none":
             return None
         if self.check == "value":
             return self.value is not None and self.value.median <= self.limit
@@ -109,39 +117,121 @@ class Row:
             "check": self.check,
             "met": self.met,
             "unavailable": self.unavailable,
+            "failed": self.failed,
             "notes": self.notes,
             "extra": self.extra,
         }
 
 
+# Packages the benchmarks may run without (the row then says which one is absent); kvshelf itself, MLX and numpy
+# are never optional: a measure that cannot import them has failed.
+OPTIONAL_PACKAGES = frozenset({"mlx_lm", "psutil", "redis", "hiredis", "prometheus_client", "transformers", "openai"})
+
+
+class MissingDependency(Exception):
+    """An optional dependency is absent (a package, or a server binary such as ``redis-server``): the measure's
+    rows say ``not available: <what>`` and the run may still exit 0."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def absent_dependency(exc: BaseException) -> str | None:
+    """The optional dependency whose absence ``exc`` reports, or None when ``exc`` is a real failure.
+
+    Only a module that is not installed counts (``ModuleNotFoundError`` naming an optional package): a name missing
+    from a module that does import (``ImportError: cannot import name``) is a broken or mismatched install, and an
+    import error inside kvshelf is kvshelf's failure."""
+    if isinstance(exc, MissingDependency):
+        return exc.what
+    if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] in OPTIONAL_PACKAGES:
+        return f"{exc.name.split('.')[0]} is not installed"
+    return None
+
+
 def unavailable(measure: str, name: str, reason: str, *, baseline: Sample | None = None, baseline_name: str = "",
                 target: str = "") -> Row:
+    """A row for an absent optional dependency (``reason`` names it)."""
     return Row(measure, name, baseline=baseline, baseline_name=baseline_name, target=target,
                unavailable=reason)
 
 
-def time_reps(fn: Callable[[Any], Any], reps: int, *, warmup: int = 1, setup: Callable[[], Any] | None = None,
-              teardown: Callable[[Any], None] | None = None, unit: str = "ms", collect: bool = True) -> Sample:
-    """Time ``fn(setup())`` ``reps`` times after ``warmup`` untimed runs; setup and teardown are not timed.
+def failed(measure: str, name: str, reason: str, *, target: str = "") -> Row:
+    """A row for a measure that could not produce a true figure (a wrong answer, an exception): the run fails."""
+    return Row(measure, name, target=target, failed=reason)
+
+
+def failure_row(measure: str, name: str, exc: BaseException, *, baseline: Sample | None = None,
+                baseline_name: str = "", target: str = "", traceback: bool = True) -> Row:
+    """The row for an exception a measure raised: ``not available`` for an absent optional dependency, else
+    ``failed`` (with the traceback on stderr unless ``traceback=False``, since the row holds one line)."""
+    what = absent_dependency(exc)
+    if what is not None:
+        return unavailable(measure, name, what, baseline=baseline, baseline_name=baseline_name, target=target)
+    if traceback:
+        _traceback.print_exception(exc, file=sys.stderr)
+    return failed(measure, name, f"{type(exc).__name__}: {exc}", target=target)
+
+
+def guarded(measure: str, name: str, fn: Callable[..., list[Row]], *args: Any) -> list[Row]:
+    """``fn(*args)``'s rows, or the one row saying why it raised: measures of one module fail apart."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - reported as a failed row; cli exits non-zero on it
+        return [failure_row(measure, name, exc)]
+
+
+@dataclass
+class Timed:
+    """One side of a comparison: ``fn(setup())`` is timed; ``setup`` and ``teardown(arg)`` are not."""
+
+    fn: Callable[[Any], Any]
+    setup: Callable[[], Any] | None = None
+    teardown: Callable[[Any], None] | None = None
+
+
+_SCALE = {"ms": 1e3, "s": 1.0, "us": 1e6}
+
+
+def _once(case: Timed, collect: bool) -> float:
+    arg = case.setup() if case.setup is not None else None
+    if collect:
+        gc.collect()
+    t0 = time.perf_counter()
+    out = case.fn(arg)
+    t1 = time.perf_counter()
+    del out
+    if case.teardown is not None:
+        case.teardown(arg)
+    return t1 - t0
+
+
+def time_interleaved(cases: Mapping[str, Timed | Callable[[Any], Any]], reps: int, *, warmup: int = 1,
+                     unit: str = "ms", collect: bool = True) -> dict[str, Sample]:
+    """Time every case ``reps`` times, interleaved: ``warmup`` untimed runs of each case, then rounds of one
+    repetition of each case in turn (A B A B …). Drift on the machine (another process, the page cache, thermal
+    state) then lands on every side alike instead of on whichever block ran during it.
 
     ``collect`` runs ``gc.collect()`` before each repetition (so one repetition's garbage is not collected inside
     the next); sub-millisecond operations pass False, as ``timeit`` does, because a full collection walks the whole
     heap and leaves the CPU caches cold for the call that follows."""
-    scale = {"ms": 1e3, "s": 1.0, "us": 1e6}[unit]
-    times: list[float] = []
-    for i in range(warmup + reps):
-        arg = setup() if setup is not None else None
-        if collect:
-            gc.collect()
-        t0 = time.perf_counter()
-        out = fn(arg)
-        t1 = time.perf_counter()
-        del out
-        if teardown is not None:
-            teardown(arg)
-        if i >= warmup:
-            times.append((t1 - t0) * scale)
-    return Sample(unit, times)
+    scale = _SCALE[unit]
+    timed = {k: c if isinstance(c, Timed) else Timed(c) for k, c in cases.items()}
+    for case in timed.values():
+        for _ in range(warmup):
+            _once(case, collect)
+    times: dict[str, list[float]] = {k: [] for k in timed}
+    for _ in range(reps):
+        for key, case in timed.items():
+            times[key].append(_once(case, collect) * scale)
+    return {k: Sample(unit, v) for k, v in times.items()}
+
+
+def time_reps(fn: Callable[[Any], Any], reps: int, *, warmup: int = 1, setup: Callable[[], Any] | None = None,
+              teardown: Callable[[Any], None] | None = None, unit: str = "ms", collect: bool = True) -> Sample:
+    """One side alone (an operation with no baseline to interleave with): ``time_interleaved`` of one case."""
+    return time_interleaved({"": Timed(fn, setup, teardown)}, reps, warmup=warmup, unit=unit, collect=collect)[""]
 
 
 class Scratch:
@@ -286,7 +376,10 @@ def render_table(rows: list[Row]) -> str:
     head = "| # | measure | kvshelf (min / med) | baseline | baseline (min / med) | ratio (med) | target | met |"
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r.unavailable:
+        if r.failed:
+            value = f"failed: {r.failed}".replace("|", "/").replace("\n", " ")
+            ratio, met = "—", "—"
+        elif r.unavailable:
             value = f"not available: {r.unavailable}"
             ratio, met = "—", "—"
         else:
@@ -326,18 +419,26 @@ def write_json(path: Path, *, args: dict[str, Any], machine: dict[str, Any], ver
 
 
 __all__ = [
+    "OPTIONAL_PACKAGES",
     "MiB",
+    "MissingDependency",
     "Row",
     "Sample",
     "Scratch",
+    "Timed",
+    "absent_dependency",
     "asdict",
     "disk_usage",
+    "failed",
+    "failure_row",
     "fsync_path",
+    "guarded",
     "machine_info",
     "package_versions",
     "remove",
     "render_machine",
     "render_table",
+    "time_interleaved",
     "time_reps",
     "unavailable",
     "write_json",

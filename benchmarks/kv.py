@@ -12,9 +12,9 @@ import mlx.core as mx
 
 from . import data, kv_targets
 from .context import Context
-from .harness import MiB, Row, remove, time_reps, unavailable
+from .harness import MiB, Row, Timed, remove, time_interleaved
 from .restore import eval_caches
-from .save import _mlx_lm_sample, _raw_sample, _store_save_sample
+from .save import _mlx_lm_case, _raw_case, _store_save_case, mlx_lm_save_fsync
 
 
 def mlx_lm_kv(pairs) -> list:
@@ -26,31 +26,6 @@ def mlx_lm_kv(pairs) -> list:
         c.keys, c.values, c.offset = k, v, k.shape[2]
         out.append(c)
     return out
-
-
-def _mlx_lm_own(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx, load) -> list[Row]:
-    """mlx-lm's own ``KVCache`` objects saved and restored by the store as they are (kvshelf.mlx_lm's codecs)."""
-    missing = data.kvshelf_missing("kvshelf.mlx_lm.codecs.kv:PlainCodec", *data.STORE)
-    label = f"{what}, mlx-lm's own KVCache"
-    if missing:
-        return [unavailable(m, label, missing) for m in sorted({"1", "4"} & only)]
-    rows: list[Row] = []
-    try:
-        if "1" in only:
-            value, infos = _store_save_sample(ctx, tokens_ids, caches)
-            rows.append(Row("1", f"durable full save, {label}", value, mlx, "mlx-lm save_prompt_cache+fsync",
-                            "(report)", check="none", extra={"bytes_written": getattr(infos[-1], "bytes_written", None)}))
-        if "4" in only:
-            path = ctx.scratch.fresh("store-mlx-lm-kv")
-            with ctx.open_store(path) as store:
-                store.save("kv", tokens_ids, caches)
-                value = time_reps(lambda _: eval_caches(store.restore("kv").caches), ctx.reps)
-            remove(path)
-            rows.append(Row("4", f"restore + eval, page cache, checksums on, {label}", value, load,
-                            "mlx-lm load_prompt_cache + eval", "≤ 1.0×", 1.0))
-    except Exception as exc:  # noqa: BLE001 - a failing piece is reported in its row, the run goes on
-        rows += [unavailable(m, label, f"{type(exc).__name__}: {exc}") for m in sorted({"1", "4"} & only)]
-    return rows
 
 
 def _raw_views(pairs) -> list[memoryview]:
@@ -66,66 +41,79 @@ def _raw_views(pairs) -> list[memoryview]:
     return views
 
 
+def _restore_case(ctx: Context, tokens_ids, caches, paths: list) -> Timed:
+    """Restore + eval of ``caches`` saved once into a store of their own (opened on first use, closed by
+    ``_close``)."""
+    path = ctx.scratch.fresh("store-kv")
+    store = ctx.open_store(path)
+    store.save("kv", tokens_ids, caches)
+    paths.append((path, store))
+    return Timed(lambda _: eval_caches(store.restore("kv").caches))
+
+
+def _close(paths: list) -> None:
+    for path, store in paths:
+        store.close()
+        remove(path)
+    paths.clear()
+
+
 def run(ctx: Context, only: set[str]) -> list[Row]:
+    """Per dtype: the saves (kvshelf's KVCache, mlx-lm's own KVCache through the store, mlx-lm's file, raw
+    write+fsync) interleaved, then the restores (the same three readers) interleaved, then issue 11's targets."""
+    from mlx_lm.models.cache import load_prompt_cache
+
     small = ctx.workload.name.startswith("small")
     layers, tokens = (2, 512) if small else (data.KV_LAYERS, 4096)
     rows: list[Row] = []
-    missing = data.kvshelf_missing("kvshelf.latent_legos.kv:KVCache", *data.STORE)
     ctx.drop()
     for dtype, label in ((mx.float16, "float16"), (mx.bfloat16, "bfloat16")):
         pairs = data.kv_data(layers, tokens, dtype)
         nbytes = sum(int(a.nbytes) for p in pairs for a in p)
         what = f"KV {label} ({layers}×{data.KV_HEADS}×{data.KV_HEAD_DIM}, {tokens} tokens, {nbytes / MiB:.0f} MiB)"
+        own = f"{what}, mlx-lm's own KVCache"
         base_caches = mlx_lm_kv(pairs)
-        if "1" in only:
-            raw = _raw_sample(ctx, _raw_views(pairs))
-            mlx = _mlx_lm_sample(ctx, base_caches)
-        from .save import mlx_lm_save_fsync
-
+        tokens_ids = data.token_ids(tokens, seed=7)
+        caches = data.kv_caches(pairs)
         mlx_path = ctx.scratch.fresh("mlxlm-kv").with_suffix(".safetensors")
         mlx_lm_save_fsync(mlx_path, base_caches)  # the baselines of measures 4, 5 (kv_targets) read it
-        if "4" in only:
-            from mlx_lm.models.cache import load_prompt_cache
-
-            load = time_reps(lambda _, p=mlx_path: mx.eval([[c.keys, c.values] for c in load_prompt_cache(str(p))]),
-                             ctx.reps)
-        if missing:
-            if "1" in only:
-                rows.append(unavailable("1", f"durable full save, {what}", missing, baseline=raw,
-                                        baseline_name="raw write+fsync, same bytes", target="≤ 1.10× raw"))
-            if "4" in only:
-                rows.append(unavailable("4", f"restore + eval, checksums on, {what}", missing, baseline=load,
-                                        baseline_name="mlx-lm load_prompt_cache + eval", target="≤ 1.0×"))
-            continue
-        tokens_ids = data.token_ids(tokens, seed=7)
-        rows += _mlx_lm_own(ctx, only, what, tokens_ids, base_caches, mlx if "1" in only else None,
-                            load if "4" in only else None)
         try:
-            caches = data.kv_caches(pairs)
-            pairs = base_caches = None  # the caches hold their own copy: free the source arrays
             if "1" in only:
-                value, infos = _store_save_sample(ctx, tokens_ids, caches)
-                rows.append(Row("1", f"durable full save, {what}", value, raw, "raw write+fsync, same bytes",
-                                "≤ 1.10× raw", 1.10,
+                infos: list = []
+                own_infos: list = []
+                s = time_interleaved({"raw": _raw_case(ctx, _raw_views(pairs)),
+                                      "mlx-lm": _mlx_lm_case(ctx, base_caches),
+                                      "own": _store_save_case(ctx, tokens_ids, base_caches, own_infos),
+                                      "kvshelf": _store_save_case(ctx, tokens_ids, caches, infos)}, ctx.reps)
+                rows.append(Row("1", f"durable full save, {own}", s["own"], s["mlx-lm"],
+                                "mlx-lm save_prompt_cache+fsync", "(report)", check="none",
+                                extra={"bytes_written": getattr(own_infos[-1], "bytes_written", None)}))
+                rows.append(Row("1", f"durable full save, {what}", s["kvshelf"], s["raw"],
+                                "raw write+fsync, same bytes", "≤ 1.10× raw", 1.10,
                                 extra={"bytes_written": getattr(infos[-1], "bytes_written", None)}))
-                rows.append(Row("1", f"durable full save, {what} vs mlx-lm", value, mlx,
+                rows.append(Row("1", f"durable full save, {what} vs mlx-lm", s["kvshelf"], s["mlx-lm"],
                                 "mlx-lm save_prompt_cache+fsync", "(report)", check="none"))
             if "4" in only:
-                path = ctx.scratch.fresh("store-kv")
-                with ctx.open_store(path) as store:
-                    store.save("kv", tokens_ids, caches)
-                    value = time_reps(lambda _: eval_caches(store.restore("kv").caches), ctx.reps)
-                remove(path)
-                rows.append(Row("4", f"restore + eval, page cache, checksums on, {what}", value, load,
+                stores: list = []
+                try:
+                    s = time_interleaved(
+                        {"mlx-lm": Timed(lambda _, p=mlx_path: mx.eval([[c.keys, c.values]
+                                                                       for c in load_prompt_cache(str(p))])),
+                         "own": _restore_case(ctx, tokens_ids, base_caches, stores),
+                         "kvshelf": _restore_case(ctx, tokens_ids, caches, stores)}, ctx.reps)
+                finally:
+                    _close(stores)
+                rows.append(Row("4", f"restore + eval, page cache, checksums on, {own}", s["own"], s["mlx-lm"],
                                 "mlx-lm load_prompt_cache + eval", "≤ 1.0×", 1.0))
+                rows.append(Row("4", f"restore + eval, page cache, checksums on, {what}", s["kvshelf"], s["mlx-lm"],
+                                "mlx-lm load_prompt_cache + eval", "≤ 1.0×", 1.0))
+            pairs = base_caches = None  # the caches hold their own copy: free the source arrays
             rows += kv_targets.run(ctx, only, what, tokens_ids, caches, mlx_path, label)
+        finally:
             for c in caches:
                 c.dispose()
             del caches
-        except Exception as exc:  # noqa: BLE001
-            for m in sorted({"1", "4"} & only):
-                rows.append(unavailable(m, what, f"{type(exc).__name__}: {exc}"))
-        pairs = base_caches = None
-        remove(mlx_path)
-        mx.clear_cache()
+            pairs = base_caches = None
+            remove(mlx_path)
+            mx.clear_cache()
     return rows

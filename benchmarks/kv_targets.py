@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from .context import Context
-from .harness import Row, Sample, remove, time_reps, unavailable
-from .restore import eval_caches
+from .harness import Row, Sample, Timed, failed, remove, time_interleaved
+from .restore import eval_caches, verify_cases
 
 
 def drop_page_cache(paths) -> None:
@@ -37,7 +37,7 @@ def store_files(root: Path) -> list[Path]:
     return [p for d in ("packs", "blobs", "index") for p in (root / d).rglob("*") if p.is_file()]
 
 
-def memcpy_sample(ctx: Context, caches) -> Sample:
+def memcpy_case(caches) -> Timed:
     """Copy of the same bytes into prefaulted destinations (baseline.md's memcpy row)."""
     srcs = []
     for c in caches:
@@ -48,7 +48,7 @@ def memcpy_sample(ctx: Context, caches) -> Sample:
     dsts = [np.empty_like(s) for s in srcs]
     for d in dsts:
         d.fill(1)  # prefault
-    return time_reps(lambda _: [np.copyto(d, s) for d, s in zip(dsts, srcs)], ctx.reps)
+    return Timed(lambda _: [np.copyto(d, s) for d, s in zip(dsts, srcs)])
 
 
 def run(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx_path: Path, label: str) -> list[Row]:
@@ -56,7 +56,7 @@ def run(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx_path: P
 
     rows: list[Row] = []
     path = ctx.scratch.fresh("store-kv-targets")
-    try:
+    try:  # an exception goes up to the run, which fails the measures of this group
         with ctx.open_store(path) as store:
             with syncs.counting() as saved:
                 store.save("kv", tokens_ids, caches)
@@ -65,10 +65,10 @@ def run(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx_path: P
                                 Sample("syncs", [float(syncs.total(saved))]), None, "", "≤ 3", 3.0, check="value",
                                 notes=str(saved)))
             if "4" in only:
-                warm = time_reps(lambda _: eval_caches(store.restore("kv").caches), ctx.reps)
-                rows.append(Row("4", f"warm restore + eval vs memcpy of the same bytes, {what}", warm,
-                                memcpy_sample(ctx, caches), "np.copyto into prefaulted buffers", "≤ 3× memcpy",
-                                3.0))
+                s = time_interleaved({"warm": Timed(lambda _: eval_caches(store.restore("kv").caches)),
+                                      "memcpy": memcpy_case(caches)}, ctx.reps)
+                rows.append(Row("4", f"warm restore + eval vs memcpy of the same bytes, {what}", s["warm"],
+                                s["memcpy"], "np.copyto into prefaulted buffers", "≤ 3× memcpy", 3.0))
                 with syncs.counting() as restored:
                     eval_caches(store.restore("kv").caches)
                 rows.append(Row("4", f"syncs per restore, {what}", Sample("syncs", [float(syncs.total(restored))]),
@@ -81,9 +81,6 @@ def run(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx_path: P
             rows.append(_verify_cost(ctx, path, what))
         if "2" in only and label == "float16":
             rows.extend(_incremental(ctx, tokens_ids, caches, what))
-    except Exception as exc:  # noqa: BLE001
-        rows.append(unavailable(sorted(only & {"1", "2", "4", "5", "11"}, key=int)[0], f"KV targets, {what}",
-                                f"{type(exc).__name__}: {exc}"))
     finally:
         remove(path)
     return rows
@@ -96,10 +93,12 @@ def _cold(ctx: Context, path: Path, mlx_path: Path, what: str) -> Row:
         with ctx.open_store(path) as store:
             eval_caches(store.restore("kv").caches)
 
-    value = time_reps(cold_store, ctx.reps, setup=lambda: drop_page_cache(store_files(path)))
-    base = time_reps(lambda _: mx.eval([[c.keys, c.values] for c in load_prompt_cache(str(mlx_path))]), ctx.reps,
-                     setup=lambda: drop_page_cache([mlx_path]))
-    return Row("4", f"cold restore + eval (posix_fadvise DONTNEED, store opened cold), {what}", value, base,
+    s = time_interleaved(
+        {"kvshelf": Timed(cold_store, lambda: drop_page_cache(store_files(path))),
+         "mlx-lm": Timed(lambda _: mx.eval([[c.keys, c.values] for c in load_prompt_cache(str(mlx_path))]),
+                         lambda: drop_page_cache([mlx_path]))}, ctx.reps)
+    return Row("4", f"cold restore + eval (posix_fadvise DONTNEED, store opened cold), {what}", s["kvshelf"],
+               s["mlx-lm"],
                "mlx-lm load_prompt_cache + eval, cold", "≤ 1.0×", 1.0)
 
 
@@ -111,25 +110,22 @@ def _prefix(ctx: Context, store, tokens_ids, mlx_path: Path, what: str) -> Row:
     prompt = list(tokens_ids[:p]) + [10**6]
     got = store.restore_prefix(prompt)
     if got is None or got.length != p:
-        return unavailable("5", f"restore_prefix {p} of {n}, {what}", f"restore_prefix gave {got and got.length}")
-    value = time_reps(lambda _: eval_caches(store.restore_prefix(prompt).caches), ctx.reps)
+        return failed("5", f"restore_prefix {p} of {n}, {what}", f"restore_prefix gave {got and got.length}")
 
     def mlx_trim(_):
         caches = load_prompt_cache(str(mlx_path))
         trim_prompt_cache(caches, n - p)
         mx.eval([[c.keys[..., :c.offset, :], c.values[..., :c.offset, :]] for c in caches])
 
-    base = time_reps(mlx_trim, ctx.reps)
-    return Row("5", f"restore_prefix {p} of {n} tokens + eval, {what}", value, base,
+    s = time_interleaved({"kvshelf": lambda _: eval_caches(store.restore_prefix(prompt).caches),
+                          "mlx-lm": mlx_trim}, ctx.reps)
+    return Row("5", f"restore_prefix {p} of {n} tokens + eval, {what}", s["kvshelf"], s["mlx-lm"],
                "mlx-lm load_prompt_cache + trim_prompt_cache + eval", "≤ 0.5×", 0.5)
 
 
 def _verify_cost(ctx: Context, path: Path, what: str) -> Row:
-    with ctx.open_store(path, verify=False) as plain:
-        base = time_reps(lambda _: eval_caches(plain.restore("kv").caches), ctx.reps)
-    with ctx.open_store(path) as checked:
-        value = time_reps(lambda _: eval_caches(checked.restore("kv").caches), ctx.reps)
-    return Row("11", f"restore + eval with checksums verified, {what}", value, base,
+    s = time_interleaved(verify_cases(ctx, path, "kv"), ctx.reps)
+    return Row("11", f"restore + eval with checksums verified, {what}", s["checked"], s["plain"],
                "restore + eval, verification off", "≤ 1.05×", 1.05)
 
 
@@ -160,17 +156,15 @@ def _incremental(ctx: Context, tokens_ids, caches, what: str) -> list[Row]:
         m.offset = m.keys.shape[2]
         mlx_caches.append(m)
     mpath = ctx.scratch.fresh("mlxlm-kv-resave").with_suffix(".safetensors")
-    base = time_reps(lambda _: mlx_lm_save_fsync(mpath, mlx_caches), ctx.reps, teardown=lambda _: remove(mpath))
-    mlx_caches = None
     spath = ctx.scratch.fresh("store-kv-inc")
     counter = iter(range(10_000))
-    rows = []
     target, name = "≤ 0.10× mlx-lm re-save", f"incremental save +{extra} on {len(tokens_ids)} tokens"
     try:
         with ctx.open_store(spath) as store:
-            for label, make, checked in (("kvshelf KVCache grown in place", KVCache, True),
-                                         ("mlx-lm KVCache grown in place (always hashed)", MlxKV, False)):
-                def setup(make=make):
+            hashed = {kind: {k: 0 for k in ("chunks_hashed", "chunks_hash_reused")} for kind in ("kvshelf", "mlx-lm")}
+
+            def grown_in_place(make, kind: str) -> Timed:
+                def setup():
                     sid = f"live-{next(counter)}"
                     live = []
                     for c in caches:
@@ -186,23 +180,34 @@ def _incremental(ctx: Context, tokens_ids, caches, what: str) -> list[Row]:
                     mx.eval([[m.keys, m.values] for m in live])
                     return sid, live
 
-                before = dict(store.counters)
-                value = time_reps(lambda arg: store.save(arg[0], grown_ids, arg[1]), ctx.reps, setup=setup)
-                hashed = {k: store.counters[k] - before[k] for k in ("chunks_hashed", "chunks_hash_reused")}
-                rows.append(Row("2", f"{name}, {label}, {what}", value, base, "mlx-lm full re-save+fsync",
-                                target if checked else "(report)", 0.10 if checked else None,
-                                check="ratio" if checked else "none", extra=hashed))
+                def fn(arg):
+                    before = {k: store.counters[k] for k in hashed[kind]}
+                    store.save(arg[0], grown_ids, arg[1])
+                    for k in hashed[kind]:
+                        hashed[kind][k] += store.counters[k] - before[k]
+
+                return Timed(fn, setup)
 
             def setup_fresh():
                 sid = f"inc-{next(counter)}"
                 store.save(sid, tokens_ids, caches)  # the stored session (its chunks dedup after the first)
                 return sid
 
-            value = time_reps(lambda sid: store.save(sid, grown_ids, grown), ctx.reps, setup=setup_fresh)
-            rows.append(Row("2", f"{name}, fresh KVCache objects (every chunk hashed), {what}", value, base,
-                            "mlx-lm full re-save+fsync", "(report)", check="none"))
+            s = time_interleaved({"mlx-lm": Timed(lambda _: mlx_lm_save_fsync(mpath, mlx_caches),
+                                                  teardown=lambda _: remove(mpath)),
+                                  "kvshelf": grown_in_place(KVCache, "kvshelf"),
+                                  "mlx-lm's": grown_in_place(MlxKV, "mlx-lm"),
+                                  "fresh": Timed(lambda sid: store.save(sid, grown_ids, grown), setup_fresh)},
+                                 ctx.reps)
+        base = s["mlx-lm"]
+        return [Row("2", f"{name}, kvshelf KVCache grown in place, {what}", s["kvshelf"], base,
+                    "mlx-lm full re-save+fsync", target, 0.10, extra=hashed["kvshelf"]),
+                Row("2", f"{name}, mlx-lm KVCache grown in place (always hashed), {what}", s["mlx-lm's"], base,
+                    "mlx-lm full re-save+fsync", "(report)", check="none", extra=hashed["mlx-lm"]),
+                Row("2", f"{name}, fresh KVCache objects (every chunk hashed), {what}", s["fresh"], base,
+                    "mlx-lm full re-save+fsync", "(report)", check="none")]
     finally:
         remove(spath)
+        remove(mpath)
         for g in grown:
             g.dispose()
-    return rows

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import data
 from .context import Context
-from .harness import Row, Sample, remove, time_reps, unavailable
+from .harness import Row, remove, time_interleaved
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ def tiny_cache_factory():
     return make
 
 
-def _mlx_lm_side(ctx: Context, snaps, hit, hit_len, miss) -> tuple[Sample, Sample, float]:
+def _mlx_lm_side(snaps, hit, hit_len, miss):
+    """mlx-lm's trie over the same token lists, its answers checked: (the LRUPromptCache, build seconds)."""
     from mlx_lm.models.cache import KVCache, LRUPromptCache
 
     lru = LRUPromptCache(max_size=10**9)
@@ -106,10 +107,7 @@ def _mlx_lm_side(ctx: Context, snaps, hit, hit_len, miss) -> tuple[Sample, Sampl
         raise RuntimeError(f"mlx-lm hit reused {len(hit) - len(rest)} tokens, expected {hit_len}")
     if lru.fetch_nearest_cache("bench-model", miss)[0] is not None:
         raise RuntimeError("mlx-lm found a prefix for the miss prompt")
-    reps = max(ctx.reps, 50)
-    hit_s = time_reps(lambda _: lru.fetch_nearest_cache("bench-model", hit), reps, collect=False)
-    miss_s = time_reps(lambda _: lru.fetch_nearest_cache("bench-model", miss), reps, collect=False)
-    return hit_s, miss_s, build
+    return lru, build
 
 
 CACHE_ROOT = Path(os.environ.get("KVSHELF_BENCH_CACHE", Path(__file__).resolve().parent / ".cache"))
@@ -145,17 +143,17 @@ def _build_index(ctx: Context, path: Path, snaps) -> float:
 
 
 def run(ctx: Context, only: set[str]) -> list[Row]:
+    """kvshelf's lookups (prompt as a list and as an int64 array) and mlx-lm's, hit and miss, interleaved.
+
+    Both targets are ratios to mlx-lm's hit on the same 10,000 entries in the same run: a hit at most 0.4× of it
+    (2 ms where mlx-lm takes 5 ms on the project's VM), a miss at most 0.1× of it (mlx-lm's own miss stops at the
+    first token and is shown beside, for reference)."""
     shape = SHAPES["small" if ctx.workload.name.startswith("small") else "L"]
     snaps, hit, hit_len, miss = snapshot_tokens(shape)
     hit_name = f"lookup hit: {len(hit)}-token prompt, {shape.snapshots:,} snapshots indexed"
     miss_name = f"lookup miss: {len(miss)}-token prompt, {shape.snapshots:,} snapshots indexed"
-    mlx_hit, mlx_miss, mlx_build = _mlx_lm_side(ctx, snaps, hit, hit_len, miss)
+    lru, mlx_build = _mlx_lm_side(snaps, hit, hit_len, miss)
     ctx.facts["lookup_mlx_lm_build_s"] = mlx_build
-    base_name = "mlx-lm LRUPromptCache.fetch_nearest_cache"
-    missing = data.kvshelf_missing(*data.LEGOS, *data.STORE)
-    if missing:
-        return [unavailable("7", hit_name, missing, baseline=mlx_hit, baseline_name=base_name, target="≤ 2 ms"),
-                unavailable("7", miss_name, missing, baseline=mlx_miss, baseline_name=base_name, target="≤ 0.5 ms")]
     # Building 10,000 snapshots costs minutes of fsyncs, and lookup reads only the index, so the built store is
     # kept in benchmarks/.cache and reused while the store code is the same (answers are re-checked every run).
     path = _index_dir(shape)
@@ -183,24 +181,25 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
         if store.lookup(miss) is not None:
             raise RuntimeError("kvshelf found a prefix for the miss prompt")
         del snaps  # only the prompts are needed from here on
-        reps = max(ctx.reps, 50)
-        hit_s = time_reps(lambda _: store.lookup(hit), reps, collect=False)
-        miss_s = time_reps(lambda _: store.lookup(miss), reps, collect=False)
         # The API also takes 1-D integer arrays: a caller holding the prompt as an array skips the list
         # conversion (about 1.5 ms for 32k Python ints on this machine).
         hit_a, miss_a = np.asarray(hit, dtype=np.int64), np.asarray(miss, dtype=np.int64)
-        hit_arr = time_reps(lambda _: store.lookup(hit_a), reps, collect=False)
-        miss_arr = time_reps(lambda _: store.lookup(miss_a), reps, collect=False)
-    except Exception as exc:  # noqa: BLE001
-        return [unavailable("7", n, f"{type(exc).__name__}: {exc}", target=t)
-                for n, t in ((hit_name, "≤ 2 ms"), (miss_name, "≤ 0.5 ms"))]
+        s = time_interleaved({"mlx hit": lambda _: lru.fetch_nearest_cache("bench-model", hit),
+                              "mlx miss": lambda _: lru.fetch_nearest_cache("bench-model", miss),
+                              "hit": lambda _: store.lookup(hit),
+                              "miss": lambda _: store.lookup(miss),
+                              "hit array": lambda _: store.lookup(hit_a),
+                              "miss array": lambda _: store.lookup(miss_a)}, max(ctx.reps, 50), collect=False)
     finally:
         if store is not None:
             store.close()
-    return [Row("7", hit_name, hit_s, mlx_hit, base_name, "≤ 2 ms", 2.0, check="value", notes="prompt as a list"),
-            Row("7", miss_name, miss_s, mlx_miss, base_name, "≤ 0.5 ms", 0.5, check="value",
-                notes="prompt as a list"),
-            Row("7", hit_name, hit_arr, mlx_hit, base_name + " (list)", "≤ 2 ms", 2.0, check="value",
+    base_name = "mlx-lm LRUPromptCache.fetch_nearest_cache, hit prompt"
+    hit_t, miss_t = ("≤ 0.4× mlx-lm hit", 0.4), ("≤ 0.1× mlx-lm hit", 0.1)
+    return [Row("7", hit_name, s["hit"], s["mlx hit"], base_name, *hit_t, notes="prompt as a list"),
+            Row("7", miss_name, s["miss"], s["mlx hit"], base_name, *miss_t, notes="prompt as a list"),
+            Row("7", hit_name, s["hit array"], s["mlx hit"], base_name + " (list)", *hit_t,
                 notes="prompt as an int64 array"),
-            Row("7", miss_name, miss_arr, mlx_miss, base_name + " (list)", "≤ 0.5 ms", 0.5, check="value",
-                notes="prompt as an int64 array")]
+            Row("7", miss_name, s["miss array"], s["mlx hit"], base_name + " (list)", *miss_t,
+                notes="prompt as an int64 array"),
+            Row("7", "mlx-lm LRUPromptCache.fetch_nearest_cache, miss prompt (stops at its first token)",
+                s["mlx miss"], s["mlx hit"], base_name, "(report)", check="none")]

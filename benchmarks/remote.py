@@ -5,7 +5,8 @@
     get -d <chunk value size> -c 1`` on the same server: what one client can GET at that value size (one request
     in flight; the restore pipelines a batch). Target ≥ 70%. ``-c 8`` is recorded in the JSON extras.
 22. Remote ``lookup`` of a 32,768-token prompt (4,096 at ``small``) against a shared index of 200 snapshots sharing
-    prefixes: target ≤ 2 ms (loopback); baseline: the local lookup on an index holding the same snapshots.
+    prefixes, against the local lookup on an index holding the same snapshots, interleaved: target ≤ 2× local
+    (loopback).
 23. TTFT on the synthetic MLA model (1,024 tokens; 256 at ``small``): recompute the prompt vs restore it locally vs
     restore it from the remote tier, each followed by the first decode step (so the restored caches are used).
 
@@ -24,9 +25,12 @@ import numpy as np
 
 from . import data
 from .context import Context
-from .harness import MiB, Row, Sample, time_reps, unavailable
+from .harness import MiB, MissingDependency, Row, Sample, failure_row, time_interleaved, time_reps
 
 SESSIONS = {"small": (8, 32), "L": (64, 512)}
+# measure 22's target, a ratio to the local lookup over the same snapshots timed in the same rounds (it was "≤ 2 ms";
+# an absolute time says more about the machine than about the round trips)
+REMOTE_LOOKUP = ("≤ 2× local lookup", 2.0)
 
 
 class _Server:
@@ -158,21 +162,21 @@ def _lookup_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
         assert hit is not None and hit.length == local_hit.length, (hit, local_hit)
         return hit
 
-    value = time_reps(remote, 50, unit="ms", collect=False)
-    local = time_reps(lambda _: store.lookup(prompt), 50, unit="ms", collect=False)
     as_list = prompt.tolist()
-    value_list = time_reps(lambda _: tier.lookup(LazyTokens(as_list), "", None), 50, unit="ms", collect=False)
-    local_list = time_reps(lambda _: store.lookup(as_list), 50, unit="ms", collect=False)
+    s = time_interleaved({"remote": remote, "local": lambda _: store.lookup(prompt),
+                          "remote list": lambda _: tier.lookup(LazyTokens(as_list), "", None),
+                          "local list": lambda _: store.lookup(as_list)}, 50, collect=False)
     nsk = namespace_key(store.id_key, "")
     probe = RedisRecords(tier.client, tier.keys, nsk)  # counts the round trips of one lookup
     PrefixSearch(probe, nsk, LazyTokens(prompt)).run()
     store.close()
     server.flush()
     what = f"{len(prompt)}-token prompt, {n_snapshots} snapshots"
-    return [Row("22", f"remote lookup, {what} (int array)", value, local, "local lookup (LMDB), same snapshots",
-                target="≤ 2 ms", limit=2.0, check="value", extra={"round_trips": probe.round_trips}),
-            Row("22", f"remote lookup, {what} (Python list)", value_list, local_list,
-                "local lookup (LMDB), same list", target="≤ 2 ms", limit=2.0, check="value")]
+    return [Row("22", f"remote lookup, {what} (int array)", s["remote"], s["local"],
+                "local lookup (LMDB), same snapshots", target=REMOTE_LOOKUP[0], limit=REMOTE_LOOKUP[1],
+                extra={"round_trips": probe.round_trips}),
+            Row("22", f"remote lookup, {what} (Python list)", s["remote list"], s["local list"],
+                "local lookup (LMDB), same list", target=REMOTE_LOOKUP[0], limit=REMOTE_LOOKUP[1])]
 
 
 def _ttft_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
@@ -208,9 +212,8 @@ def _ttft_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
         assert r is not None and r.length == n
         return first_step(r.caches)
 
-    base = time_reps(recompute, ctx.reps)
-    loc = time_reps(local, ctx.reps)
-    rem = time_reps(remote, ctx.reps)
+    s = time_interleaved({"recompute": recompute, "local": local, "remote": remote}, ctx.reps)
+    base, loc, rem = s["recompute"], s["local"], s["remote"]
     a.close()
     b.close()
     server.flush()
@@ -224,8 +227,8 @@ def _ttft_rows(ctx: Context, server: _Server, size: str) -> list[Row]:
 def run(ctx: Context, wanted: set[str]) -> list[Row]:
     size = "small" if ctx.workload.name == "small" else "L"
     if shutil.which("redis-server") is None or shutil.which("redis-benchmark") is None:
-        return [unavailable(m, f"measure {m} (remote)", "redis-server / redis-benchmark not installed")
-                for m in sorted(wanted, key=int)]
+        missing = MissingDependency("redis-server / redis-benchmark not on the PATH")
+        return [failure_row(m, f"measure {m} (remote)", missing) for m in sorted(wanted, key=int)]
     server = _Server(ctx.scratch)
     try:
         rows: list[Row] = []

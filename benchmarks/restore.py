@@ -7,13 +7,11 @@ cache (they were just written and each measure has a warm-up run), as in baselin
 
 from __future__ import annotations
 
-import inspect
-
 import mlx.core as mx
 
 from . import data
 from .context import Context
-from .harness import Row, remove, time_reps, unavailable
+from .harness import Row, Timed, failed, guarded, remove, time_interleaved
 from .save import mlx_lm_save_fsync
 
 
@@ -24,61 +22,49 @@ def eval_caches(caches) -> None:
 def run(ctx: Context, only: set[str]) -> list[Row]:
     w = ctx.workload
     rows: list[Row] = []
-    mlx_base = None
     mlx_path = ctx.scratch.fresh("mlxlm-load").with_suffix(".safetensors")
-    if "4" in only:
-        mlx_lm_save_fsync(mlx_path, data.mlx_lm_caches(ctx.data()))
-        mlx_base = time_reps(lambda _: _mlx_lm_load(mlx_path), ctx.reps)
-    missing = data.kvshelf_missing(*data.LEGOS, *data.STORE)
-    if missing:
-        for m, name in (("4", f"restore + eval, page cache, checksums on, mla-f32 ({w.name})"),
-                        ("5", f"restore_prefix {w.tokens // 4} of {w.tokens} tokens ({w.name})"),
-                        ("6", "restore_batch of 8 unequal sessions"),
-                        ("11", "restore with checksum verification")):
-            if m in only:
-                rows.append(unavailable(m, name, missing, baseline=mlx_base if m == "4" else None,
-                                        baseline_name="mlx-lm load_prompt_cache + eval" if m == "4" else ""))
-        return rows
-
     store_path = ctx.scratch.fresh("store-restore")
     store = ctx.open_store(store_path)
     tokens = ctx.tokens()
     try:
         variants = data.VARIANTS if "4" in only else ("mla-f32",)
-        for i, variant in enumerate(variants):
-            try:  # distinct tokens per variant, so prefix lookups can only pick the MLA session
-                store.save(f"s-{variant}", tokens if i == 0 else ctx.tokens(seed=100 + i), ctx.caches(variant))
-            except Exception as exc:  # noqa: BLE001
-                rows.append(unavailable("4", f"restore + eval, {variant} ({w.name})", f"save failed: {exc}"))
-        full = time_reps(lambda _: eval_caches(store.restore("s-mla-f32").caches), ctx.reps)
+        for i, variant in enumerate(variants):  # distinct tokens per variant: prefix lookups pick the MLA session
+            store.save(f"s-{variant}", tokens if i == 0 else ctx.tokens(seed=100 + i), ctx.caches(variant))
         if "4" in only:
-            for variant in variants:
-                name = f"restore + eval, page cache, checksums on, {variant} ({w.name})"
-                try:
-                    value = full if variant == "mla-f32" else time_reps(
-                        lambda _, v=variant: eval_caches(store.restore(f"s-{v}").caches), ctx.reps)
-                except Exception as exc:  # noqa: BLE001
-                    rows.append(unavailable("4", name, f"{type(exc).__name__}: {exc}"))
-                    continue
-                same = variant == "mla-f32"
-                rows.append(Row("4", name, value, mlx_base,
-                                "mlx-lm load_prompt_cache + eval" + ("" if same else " (f32, more bytes)"),
-                                "≤ 1.0×" if same else "(report)", 1.0 if same else None,
-                                check="ratio" if same else "none"))
-            rows.append(_with_cache_limit(ctx, store, mlx_path))
+            mlx_lm_save_fsync(mlx_path, data.mlx_lm_caches(ctx.data()))
+            rows += guarded("4", f"restore + eval ({w.name})", _restores, ctx, store, variants, mlx_path)
         if "5" in only:
-            rows.append(_prefix(ctx, store, tokens, full))
+            rows += guarded("5", f"restore_prefix ({w.name})", _prefix, ctx, store, tokens)
         if "11" in only:
             store.close()
-            rows.append(_verify_cost(ctx, store_path))
+            rows += guarded("11", f"restore with checksums verified ({w.name})", _verify_cost, ctx, store_path)
             store = ctx.open_store(store_path)
         if "6" in only:
             ctx.drop()
-            rows.append(_batch(ctx, store))
+            rows += guarded("6", "restore_batch of 8 sessions", _batch, ctx, store)
     finally:
         store.close()
         remove(store_path)
         remove(mlx_path)
+    return rows
+
+
+def _restore_case(store, sid: str) -> Timed:
+    return Timed(lambda _: eval_caches(store.restore(sid).caches))
+
+
+def _restores(ctx: Context, store, variants, mlx_path) -> list[Row]:
+    """Every variant's restore and mlx-lm's load of the f32 file, interleaved."""
+    w = ctx.workload
+    s = time_interleaved({"mlx-lm": Timed(lambda _: _mlx_lm_load(mlx_path)),
+                          **{v: _restore_case(store, f"s-{v}") for v in variants}}, ctx.reps)
+    rows = []
+    for variant in variants:
+        same = variant == "mla-f32"
+        rows.append(Row("4", f"restore + eval, page cache, checksums on, {variant} ({w.name})", s[variant],
+                        s["mlx-lm"], "mlx-lm load_prompt_cache + eval" + ("" if same else " (f32, more bytes)"),
+                        "≤ 1.0×" if same else "(report)", 1.0 if same else None, check="ratio" if same else "none"))
+    rows.append(_with_cache_limit(ctx, store, mlx_path))
     return rows
 
 
@@ -93,83 +79,75 @@ def _with_cache_limit(ctx: Context, store, mlx_path) -> Row:
     memory to the OS by default, so every restore into fresh arrays page-faults (and zero-fills) its destination."""
     old = mx.set_cache_limit(2 << 30)
     try:
-        value = time_reps(lambda _: eval_caches(store.restore("s-mla-f32").caches), ctx.reps)
-        base = time_reps(lambda _: _mlx_lm_load(mlx_path), ctx.reps)
+        s = time_interleaved({"kvshelf": _restore_case(store, "s-mla-f32"),
+                              "mlx-lm": Timed(lambda _: _mlx_lm_load(mlx_path))}, ctx.reps)
     finally:
         mx.set_cache_limit(old)
         mx.clear_cache()
-    return Row("4", f"… mla-f32 again with mx.set_cache_limit(2 GiB) on both sides ({ctx.workload.name})", value,
-               base, "mlx-lm load_prompt_cache + eval, same limit", "(report)", check="none")
+    return Row("4", f"… mla-f32 again with mx.set_cache_limit(2 GiB) on both sides ({ctx.workload.name})",
+               s["kvshelf"], s["mlx-lm"], "mlx-lm load_prompt_cache + eval, same limit", "(report)", check="none")
 
 
-def _prefix(ctx: Context, store, tokens, full) -> Row:
+def _prefix(ctx: Context, store, tokens) -> list[Row]:
     w = ctx.workload
     n = w.tokens // 4
     name = f"restore_prefix {n} of {w.tokens} tokens + eval ({w.name})"
     prompt = tokens[: n + 1]  # usable prefix p = min(lcp, len(P) - 1) = n
-    try:
-        got = store.restore_prefix(prompt)
-        if got is None or got.length != n:
-            return unavailable("5", name, f"restore_prefix returned {getattr(got, 'length', None)} tokens, "
-                                          f"expected {n}")
-        value = time_reps(lambda _: eval_caches(store.restore_prefix(prompt).caches), ctx.reps)
-    except Exception as exc:  # noqa: BLE001
-        return unavailable("5", name, f"{type(exc).__name__}: {exc}")
-    return Row("5", name, value, full, f"full restore of {w.tokens} + eval", "≤ 0.35×", 0.35)
+    got = store.restore_prefix(prompt)
+    if got is None or got.length != n:
+        return [failed("5", name, f"restore_prefix returned {getattr(got, 'length', None)} tokens, expected {n}")]
+    s = time_interleaved({"prefix": Timed(lambda _: eval_caches(store.restore_prefix(prompt).caches)),
+                          "full": _restore_case(store, "s-mla-f32")}, ctx.reps)
+    return [Row("5", name, s["prefix"], s["full"], f"full restore of {w.tokens} + eval", "≤ 0.35×", 0.35)]
 
 
-def _verify_cost(ctx: Context, store_path) -> Row:
-    """Reopen the same store with ``verify=False`` (LMDB allows one handle per process, so the verifying one is
-    closed meanwhile), then a fresh verifying handle, and time the same restore through each."""
+def verify_cases(ctx: Context, store_path, sid: str) -> dict[str, Timed]:
+    """The same restore through a verifying handle and a ``verify=False`` one, for ``time_interleaved``. LMDB
+    allows one handle per process, so each repetition opens its handle in the (untimed) setup and closes it after;
+    the files stay in the page cache, so both sides read warm."""
+    def case(**kw) -> Timed:
+        return Timed(lambda st: eval_caches(st.restore(sid).caches),
+                     lambda: ctx.open_store(store_path, **kw), lambda st: st.close())
+
+    return {"checked": case(), "plain": case(verify=False)}
+
+
+def _verify_cost(ctx: Context, store_path) -> list[Row]:
     w = ctx.workload
-    name = f"restore + eval with checksums verified ({w.name})"
-    from kvshelf.store import Store
-
-    if "verify" not in inspect.signature(Store.__init__).parameters:
-        return unavailable("11", name, "the store offers no way to restore without verification")
-    try:
-        with ctx.open_store(store_path, verify=False) as plain:
-            base = time_reps(lambda _: eval_caches(plain.restore("s-mla-f32").caches), ctx.reps)
-        with ctx.open_store(store_path) as checked:
-            value = time_reps(lambda _: eval_caches(checked.restore("s-mla-f32").caches), ctx.reps)
-    except Exception as exc:  # noqa: BLE001
-        return unavailable("11", name, f"{type(exc).__name__}: {exc}")
-    return Row("11", name, value, base, "restore + eval, verification off", "≤ 1.10×", 1.10)
+    s = time_interleaved(verify_cases(ctx, store_path, "s-mla-f32"), ctx.reps)
+    return [Row("11", f"restore + eval with checksums verified ({w.name})", s["checked"], s["plain"],
+                "restore + eval, verification off", "≤ 1.10×", 1.10)]
 
 
-def _batch(ctx: Context, store) -> Row:
+def _batch(ctx: Context, store) -> list[Row]:
     w = ctx.workload
     step = max(1, w.tokens // 16)
     lengths = [step * (i + 1) for i in range(8)]  # 256 .. 2048 at L
     name = f"restore_batch of 8 sessions ({lengths[0]}..{lengths[-1]} tokens) + eval ({w.name})"
     target = "≤ 0.8×"
-    try:
-        ids = []
-        for i, n in enumerate(lengths):
-            arrs = data.latent_data(w, tokens=n, seed_offset=10 + i)
-            caches = data.kvshelf_caches(w, arrs, "mla-f32")
-            sid = f"batch-{i}"
-            store.save(sid, data.token_ids(n, seed=50 + i), caches)
-            for c in caches:
-                c.dispose()
-            ids.append(sid)
-        del arrs, caches
-        mx.clear_cache()
+    ids = []
+    for i, n in enumerate(lengths):
+        arrs = data.latent_data(w, tokens=n, seed_offset=10 + i)
+        caches = data.kvshelf_caches(w, arrs, "mla-f32")
+        sid = f"batch-{i}"
+        store.save(sid, data.token_ids(n, seed=50 + i), caches)
+        for c in caches:
+            c.dispose()
+        ids.append(sid)
+    del arrs, caches
+    mx.clear_cache()
 
-        def separate(_):
-            restored = [store.restore(s).caches for s in ids]
-            merged = []
-            for layer in range(w.layers):
-                batch = restored[0][layer].make_empty_batch()
-                batch.merge_rows([r[layer] for r in restored])
-                merged.append(batch)
-            eval_caches(merged)
+    def separate(_):
+        restored = [store.restore(s).caches for s in ids]
+        merged = []
+        for layer in range(w.layers):
+            batch = restored[0][layer].make_empty_batch()
+            batch.merge_rows([r[layer] for r in restored])
+            merged.append(batch)
+        eval_caches(merged)
 
-        def batched(_):
-            eval_caches(store.restore_batch(ids).caches)
+    def batched(_):
+        eval_caches(store.restore_batch(ids).caches)
 
-        base = time_reps(separate, ctx.reps)
-        value = time_reps(batched, ctx.reps)
-    except Exception as exc:  # noqa: BLE001
-        return unavailable("6", name, f"{type(exc).__name__}: {exc}", target=target)
-    return Row("6", name, value, base, "8 restores + merge_rows + eval", target, 0.8)
+    s = time_interleaved({"separate": separate, "batched": batched}, ctx.reps)
+    return [Row("6", name, s["batched"], s["separate"], "8 restores + merge_rows + eval", target, 0.8)]

@@ -13,7 +13,7 @@ tokens, through ``kvshelf.mlx_lm.resumable_generate`` on a fresh store per repet
 
 Targets: resumed retry ≤ 0.3× from scratch; decode with checkpoints ≥ 0.95× without. Repetitions are
 interleaved (scratch, resumed, with, without in turn) and the first is a warm-up. The retried outputs are compared
-with the uninterrupted run's; a mismatch makes the rows unavailable rather than wrong figures.
+with the uninterrupted run's; a mismatch is a failed row (and a failed run) rather than wrong figures.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .context import Context
-from .harness import Row, Sample, unavailable
+from .harness import Row, Sample, failed, failure_row
 
 _HELPERS = Path(__file__).resolve().parents[1] / "tests" / "helpers"
 TOTAL, KILLED_AT, EVERY = 2000, 1500, 256
@@ -52,8 +52,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
 
         from kvshelf import open_store
         from kvshelf.mlx_lm import model_identity
-    except Exception as exc:  # noqa: BLE001 - no mlx-lm: say so in the row
-        return [unavailable("33", name, f"{type(exc).__name__}: {exc}", target="≤ 0.3× scratch")]
+    except Exception as exc:  # noqa: BLE001 - no mlx-lm: the row says so (a real error fails)
+        return [failure_row("33", name, exc, target="≤ 0.3× scratch")]
     if str(_HELPERS) not in sys.path:
         sys.path.insert(0, str(_HELPERS))
     import tiny_model_dir as tiny
@@ -95,8 +95,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
     ctx.facts["resume"] = {"model": "llama" if small else "llama-bench", "prompt_tokens": len(tokenizer.encode(prompt)),
                            "resumed_from": resumed_from, "total": TOTAL, "killed_at": KILLED_AT, "every": EVERY}
     if mismatches:
-        return [unavailable("33", name, f"{mismatches} resumed retries differ from the uninterrupted run",
-                            target="≤ 0.3× scratch")]
+        return [failed("33", name, f"{mismatches} resumed retries differ from the uninterrupted run",
+                       target="≤ 0.3× scratch")]
     s = {k: Sample("ms" if k in ("scratch", "resumed") else "tok/s", v) for k, v in times.items()}
     return [
         Row("33", name, s["resumed"], s["scratch"], "retry from scratch", "≤ 0.3× scratch", 0.3,

@@ -14,7 +14,7 @@ Every repetition uses a fresh long system prompt and four short user turns after
 
 Targets: disk after restart ≤ 0.25× cold and ≤ 2× the RAM hit. The prefix source of every timed
 request is read from the server's log line and recorded; a repetition whose disk request was not served from disk
-makes the row unavailable rather than a wrong figure.
+is a failed row (and a failed run) rather than a wrong figure.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from .context import Context
-from .harness import Row, Sample, unavailable
+from .harness import Row, Sample, failed, failure_row
 
 _HELPERS = Path(__file__).resolve().parents[1] / "tests" / "helpers"
 USER = ["hello world what is the cache", "and the disk of the store", "one more short question",
@@ -67,8 +67,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
         import mlx_lm  # noqa: F401
 
         from kvshelf.mlx_lm.serve.server import main as _main  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - not landed / no mlx-lm: say so in the row
-        return [unavailable("31", name, f"{type(exc).__name__}: {exc}", target="≤ 0.25× cold")]
+    except Exception as exc:  # noqa: BLE001 - no mlx-lm: the row says so (a real error fails)
+        return [failure_row("31", name, exc, target="≤ 0.25× cold")]
     h, tiny = _harness()
     small = ctx.workload.name == "small"
     n_words = PROMPT_TOKENS.get(ctx.workload.name, 1500)
@@ -106,8 +106,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
             for k, series in times.items():
                 series.append(got[k])
                 sources[k].append(sources_now[k])
-    except Exception as exc:  # noqa: BLE001 - a broken server is a row that says so, not a crashed run
-        return [unavailable("31", name, f"{type(exc).__name__}: {exc}", target="≤ 0.25× cold")]
+    except Exception as exc:  # noqa: BLE001 - a failed row (the run exits non-zero)
+        return [failure_row("31", name, exc, target="≤ 0.25× cold")]
     finally:
         first.kill()
         second.kill()
@@ -117,7 +117,7 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
     expected = {"cold": "none", "ram": "ram", "second": "disk", "restart": "disk"}
     wrong = {k: s for k, s in sources.items() if any(x != expected[k] for x in s)}
     if wrong:
-        return [unavailable("31", name, f"prefix sources not as expected: {wrong}", target="≤ 0.25× cold")]
+        return [failed("31", name, f"prefix sources not as expected: {wrong}", target="≤ 0.25× cold")]
     s = {k: Sample("ms", v) for k, v in times.items()}
     tokens = f"{max(prompt_tokens)}-token prompt"
     extra = {"sources": sources, "cold_prefill_ge_1s": s["cold"].median >= 1000.0}

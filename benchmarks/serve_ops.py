@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .context import Context
-from .harness import Row, Sample, unavailable
+from .harness import Row, Sample, failed, failure_row
 
 _TESTS = Path(__file__).resolve().parents[1] / "tests"
 USER = ["hello world what is the cache", "and the disk of the store", "one more short question"]
@@ -88,8 +88,8 @@ def _warm_rows(ctx: Context, h, tiny, root: Path) -> list[Row]:
         warm.append(t_warm)
         sources.append(line["source"])
     if any(s not in ("disk", "ram") for s in sources):
-        return [unavailable("32", name, f"warmed first requests were not store hits: {sources}",
-                            target="≤ 0.05× cold")]
+        return [failed("32", name, f"warmed first requests were not store hits: {sources}",
+                       target="≤ 0.05× cold")]
     return [Row("32", name, Sample("ms", warm), Sample("ms", cold), "cold first request", "≤ 0.05× cold", 0.05,
                 extra={"sources": sources})]
 
@@ -114,7 +114,7 @@ def _overhead_rows(ctx: Context, h, tiny, root: Path) -> list[Row]:
                 plain.append(t_p)
         sources = {line["source"] for line in k.prefix_lines()[1:]}
     if sources != {"ram"}:
-        return [unavailable("32", name, f"not RAM hits: {sources}", target="≤ 1.02× plain")]
+        return [failed("32", name, f"not RAM hits: {sources}", target="≤ 1.02× plain")]
     return [Row("32", name, Sample("ms", ours), Sample("ms", plain), "plain mlx_lm.server RAM hit",
                 "≤ 1.02× plain (≤ 2%)", 1.02)]
 
@@ -151,8 +151,8 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
         import prometheus_client  # noqa: F401
 
         from kvshelf.mlx_lm.serve.server import main as _main  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - no mlx-lm / prometheus_client: say so in the row
-        return [unavailable("32", "serve: warm-up, instrumentation, duplicate writes", f"{type(exc).__name__}: {exc}")]
+    except Exception as exc:  # noqa: BLE001 - no mlx-lm / prometheus_client: the row says so
+        return [failure_row("32", "serve: warm-up, instrumentation, duplicate writes", exc)]
     h, tiny = _harness()
     root = ctx.scratch.fresh("serve-ops")
     root.mkdir()
@@ -160,6 +160,6 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
     for part in (_warm_rows, _overhead_rows, _replay_rows):
         try:
             rows += part(ctx, h, tiny, root)
-        except Exception as exc:  # noqa: BLE001 - a broken server is a row that says so, not a crashed run
-            rows.append(unavailable("32", f"serve: {part.__name__.strip('_')}", f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - a failed row (the run exits non-zero)
+            rows.append(failure_row("32", f"serve: {part.__name__.strip('_')}", exc))
     return rows
