@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .write_behind import QUEUED, WriteBehindQueue
+from ..store.save import QUEUED, WriteBehindQueue
 
 log = logging.getLogger("kvshelf.generation")
 

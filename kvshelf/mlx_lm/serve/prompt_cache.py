@@ -48,7 +48,7 @@ from typing import Any
 import xxhash
 
 from ...errors import CorruptData, SnapshotNotFound
-from ..write_behind import BUSY, CLOSED, FULL, WriteBehindQueue
+from ...store.save import BUSY, CLOSED, FULL, WriteBehindQueue
 from .prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints
 
 log = logging.getLogger("kvshelf.serve")

@@ -19,10 +19,8 @@
 from __future__ import annotations
 
 import os
-import queue
 import socket
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,6 +36,7 @@ from ..prefix.search import LazyTokens, PrefixSearch
 from ..index.schema import Manifest
 from ..restore.snapshots import Snapshots
 from ..results import PrefixHit, Restored
+from ..save import QUEUED, BackgroundWriter, WriteBehindQueue
 from . import fetch, local
 from .breaker import CircuitBreaker
 from .bytestore import RedisByteStore
@@ -74,10 +73,10 @@ class RemoteTier:
         self.breaker = breaker or CircuitBreaker()
         self.host = f"{socket.gethostname()}:{os.getpid()}"
         self.ctx = self.snapshots = self._lease = self._save = None  # the local store's, given by bind()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._idle = threading.Condition()
-        self._busy = 0
-        self._thread: threading.Thread | None = None
+        # publishing is write-behind: the one queue every such writer composes (save/write_behind.py), its worker a
+        # BackgroundWriter of the tier's own (one thread); the bound is the queue's, in entries
+        self._publishes = WriteBehindQueue(max_entries=queue_size)
+        self._publisher = BackgroundWriter(max_pending_bytes=queue_size + 1)  # never blocks: the queue bounds it
         self._closed = False
         self._memo: OrderedDict[str, tuple[bytes, str]] = OrderedDict()  # remote hit sid -> (nsk, namespace)
         self._memo_lock = threading.Lock()
@@ -97,65 +96,40 @@ class RemoteTier:
         return self
 
     def close(self) -> None:
-        """Publish what is queued (waiting at most ``close_timeout`` seconds), then stop and disconnect."""
+        """Publish what is queued (waiting at most ``close_timeout`` seconds), then stop and disconnect: what could
+        not be published in time is dropped (and counted) when its turn comes, never waited for."""
         if self._closed:
             return
-        self.flush(self.close_timeout)
+        self._publishes.close(self.close_timeout)
         self._closed = True
-        while True:  # what could not be published in time is dropped (and counted), never waited for
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self.counters["publish_dropped"] += 1
-                with self._idle:
-                    self._busy -= 1
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(self.close_timeout)
+        self._publisher.close(self.close_timeout)
         self.client.close()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued publish finished (True) or ``timeout`` passed (False)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self._publishes.flush(timeout)
 
     # ------------------------------------------------------------------ publish (write-behind)
     def saved(self, manifest: Manifest) -> None:
         """Called by the store after a save committed locally: queue it, never wait (full queue → dropped)."""
         if self._closed or manifest.session_id.startswith(IMPORTED):
             return
-        with self._idle:
-            try:
-                self._queue.put_nowait(manifest)
-            except queue.Full:
-                self.counters["publish_dropped"] += 1
-                return
-            self._busy += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvshelf-remote-publish", daemon=True)
-                self._thread.start()
+        said = self._publishes.submit(manifest.snapshot_id, 1,
+                                      lambda: self._publisher.submit(lambda: self._publish_queued(manifest), 1),
+                                      lambda _future: None)
+        if said != QUEUED:  # full (or closing): dropped and counted, never waited for
+            self.counters["publish_dropped"] += 1
 
-    def _run(self) -> None:
-        while True:
-            manifest = self._queue.get()
-            if manifest is None:
-                return
-            try:
-                self.publish(manifest)
-            except Exception:  # a publish never takes the thread down; it is counted and the queue moves on
-                self.counters["publish_failed"] += 1
-            finally:
-                with self._idle:
-                    self._busy -= 1
-                    self._idle.notify_all()
+    def _publish_queued(self, manifest: Manifest) -> bool:
+        """One queued publish, on the publisher's thread; never raises, so the thread serves the next one."""
+        if self._closed:  # close() gave up waiting for it
+            self.counters["publish_dropped"] += 1
+            return False
+        try:
+            return self.publish(manifest)
+        except Exception:  # a publish never takes the thread down; it is counted and the queue moves on
+            self.counters["publish_failed"] += 1
+            return False
 
     def publish(self, manifest: Manifest) -> bool:
         """Upload one locally committed snapshot (missing chunks, then the index entry). False: not published."""
@@ -367,7 +341,7 @@ class RemoteTier:
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
         return {"remote": self.where, "prefix": self.prefix, "breaker": self.breaker.state,
-                "queued": self._queue.qsize(), **self.counters}
+                "queued": self._publishes.pending, **self.counters}
 
 
 __all__ = ["RemoteTier", "IMPORTED"]

@@ -74,12 +74,13 @@ class BackgroundWriter:
         if errors:
             raise errors[0]
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Run what is queued, then stop the thread (waiting at most ``timeout`` seconds for it; None: until done)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
 
 
 __all__ = ["BackgroundWriter"]

@@ -1,14 +1,15 @@
-"""The one write-behind queue of kvshelf's mlx-lm integration: writes to a store that the caller never waits for.
+"""The one write-behind queue: writes the caller never waits for, bounded, one per key, counted.
 
-Why one class: the prompt cache's write-behind (``serve/prompt_cache.py``, which also carries the prefix checkpoints
-of ``--checkpoint-every``) and the generation checkpoint writer (``generation_checkpoint_writer.py``) need the same
-things — a bound on the writes in flight (count and bytes) so that generation never waits for the disk (a write that
+Why one class: every writer behind a caller's back — ``kvshelf serve``'s prompt-cache write-behind
+(``kvshelf/mlx_lm/serve/prompt_cache.py``, which also carries the prefix checkpoints of ``--checkpoint-every``), its
+generation checkpoint writer (``kvshelf/mlx_lm/generation_checkpoint_writer.py``) and the shared tier's publisher
+(``store/remote/tier.py``) — needs the same things — a bound on the writes in flight (count and bytes) so that generation never waits for the disk (a write that
 finds the queue full is refused and counted), at most one write per key in flight, ``flush(timeout)`` at shutdown,
 ``close()`` that stops taking writes, and counts for the metrics and the status page. Each writer composes one
 ``WriteBehindQueue`` and keeps only what is its own (what to write, how to log and count it in its own terms).
 
-The worker thread is the store's background writer: ``start`` (given to ``submit``) must capture the write in the
-calling thread — ``Store.save_async`` and ``save_generation_checkpoint(background=True)`` snapshot and evaluate the
+The worker thread is a ``BackgroundWriter`` (``background.py``: the store's own behind ``save_async``, or the shared
+tier's publisher): ``start`` (given to ``submit``) must capture the write in the calling thread — ``Store.save_async`` and ``save_generation_checkpoint(background=True)`` snapshot and evaluate the
 caches at once, so the caller's later in-place updates cannot leak into the write — and returns the store's future;
 the queue accounts for it until that future is done. A capture deferred to another thread would write whatever the
 caches hold by then.

@@ -1,4 +1,4 @@
-"""The one write-behind queue (``kvshelf.mlx_lm.write_behind``): bounded by count and bytes, one write per key,
+"""The one write-behind queue (``kvshelf.store.save.write_behind``): bounded by count and bytes, one write per key,
 a failed capture leaves it, actions after a key's write run before ``flush`` returns, ``close`` refuses new writes.
 The store's futures are stood in for by ``concurrent.futures.Future`` objects the test completes itself (the
 queue only needs a future; the writers' tests in tests/serve run it against real stores)."""
@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from kvshelf.mlx_lm.write_behind import BUSY, CLOSED, FULL, QUEUED, WriteBehindQueue
+from kvshelf.store.save import BUSY, CLOSED, FULL, QUEUED, WriteBehindQueue
 
 
 def started(futures: list):
