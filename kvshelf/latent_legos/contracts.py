@@ -107,7 +107,7 @@ class EditEpoch(Protocol):
     offset — trim, speculative rollback, prefill padding, row filter / merge / extract into / adopt / restore,
     ``extend``, assigning ``keys`` / ``values`` / ``minimum_reusable_offset``, an encoded row converting (its
     shadow leaves), dispose — and stays the same across appends at the end. Values come from one process-wide
-    counter and are never reused. The store uses it to reuse a grown session's chunk hashes (``store/unchanged.py``),
+    counter and are never reused. The store uses it to reuse a grown session's chunk hashes (``store/save/hash_reuse.py``),
     so a missing bump would store stale bytes: when in doubt a method bumps.
 
     Not covered: writes into arrays a cache hands out (``state``, ``keys``, ``values`` of ``KVCache`` are its

@@ -375,9 +375,9 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
         with open_admin(path, create=True):
             pass
     except CorruptData:  # the index itself is damaged (truncated, overwritten): rebuild next to it
-        from ..store.admin import set_aside_index as move_aside
+        from ..store.admin import set_aside_index
 
-        set_aside = move_aside(str(path))
+        set_aside = set_aside_index(str(path))
     with open_admin(path, create=True) as store:
         try:
             count = store.rebuild_index()

@@ -6,7 +6,7 @@ Steps, in order (each reported with its count and bytes before/after; ``dry_run`
 2. ``densify``    paged snapshots whose pools hold blocks no page uses get a dense block table (``densify.py``).
 3. ``merge``      runs of undersized chunks of one snapshot that no other snapshot shares become one chunk.
 4. ``recompress`` raw chunks not used for ``cold_after`` seconds are stored as zstd (at ``level``) over byte-shuffled
-                  float planes (``Store.rewrite_chunk``: same content hash, the reader handles both); a chunk that does
+                  float planes (``store.admin.rewrite_chunk``: same content hash, the reader handles both); a chunk that does
                   not shrink goes back to raw. Hot chunks stay raw for zero-copy restores.
    ``decompress`` zstd chunks used within the last ``cold_after`` seconds (hot again) go back to raw — only within
                   the space this run has already given back: compaction never ends with a bigger store.
@@ -16,10 +16,10 @@ Steps, in order (each reported with its count and bytes before/after; ``dry_run`
                   compact changes nothing.
 6. ``release``    chunks that steps 2-3 replaced are removed, at least ``grace`` seconds after the last swap.
 7. ``index``      the LMDB file is rewritten by a compacting copy and swapped in atomically — only while this handle
-                  holds the store alone (``Store.exclusive``: the open lock says no other process has it open);
+                  holds the store alone (``store.admin.exclusive``: the open lock says no other process has it open);
                   otherwise skipped with the reason.
 
-Safe beside serving processes: a snapshot is rewritten by ``Store.replace_snapshot`` — new chunks written under the
+Safe beside serving processes: a snapshot is rewritten by ``store.admin.replace_snapshot`` — new chunks written under the
 save gate, then one LMDB transaction swaps the manifest (same snapshot id) after re-checking that the snapshot is
 still its session's latest and unchanged (a save that won the race keeps its snapshot; the rewrite is skipped and
 its chunks unlinked). Snapshots a live reader holds (leases) are skipped; the old chunks are leased across the swap, so
@@ -255,7 +255,7 @@ MIN_LIVE_RATIO = 0.5
 
 
 def _repack(store: Store, dry_run: bool) -> CompactionStep:
-    """``Store.repack`` of what ends smaller: every v1 chunk file (into packs: one file instead of one per chunk)
+    """``store.admin.repack`` of what ends smaller: every v1 chunk file (into packs: one file instead of one per chunk)
     and every pack whose rewrite gives back more than it costs (``admin.reclaimable_packs``: dead chunks, a
     replaced snapshot's manifest); the emptied objects go once no reader holds them. A pack that is all live is
     never rewritten, so a second compact finds nothing to do."""
@@ -282,7 +282,7 @@ def _repack(store: Store, dry_run: bool) -> CompactionStep:
 
 def _compact_index(store: Store, dry_run: bool) -> CompactionStep:
     """Shrink the LMDB file by a compacting copy swapped in — only while this handle holds the store alone
-    (``Store.exclusive``: no other process or handle has it open); otherwise skipped with the reason."""
+    (``store.admin.exclusive``: no other process or handle has it open); otherwise skipped with the reason."""
     step = CompactionStep("index")
     data = os.path.join(store.root, "index", "data.mdb")
     step.bytes_before = step.bytes_after = os.stat(data).st_size

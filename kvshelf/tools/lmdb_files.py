@@ -3,7 +3,7 @@
 LMDB never returns freed pages to the file system; ``env.copy(path, compact=True)`` writes a copy without them.
 Swapping that copy in is only safe when nobody else has the environment open: a process keeps writing to the inode it
 mapped, so its later commits would land in the replaced file and be lost. Who has it open is the store's business
-(``Store.exclusive``: every process with an open handle holds ``locks/open.lock`` shared, so converting it to
+(``store.admin.exclusive``: every process with an open handle holds ``locks/open.lock`` shared, so converting it to
 exclusive without blocking succeeds exactly when no other process has the store open, and openers wait meanwhile);
 compaction does the copy and the swap inside that block, through ``Store.replace_index``. Never forced.
 """

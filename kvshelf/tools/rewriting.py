@@ -3,7 +3,7 @@
 Why its own file: ``compaction.py`` had grown past the size limit holding two concerns, *which* snapshots and chunks
 each step takes (the plan, the order, leases, dry-run accounting, the report) and *how* a snapshot is rewritten at the
 chunk level (dense block tables, merged chunks, zstd estimates). The plan lives in ``compaction.py``; everything here
-works on one snapshot or chunk it is handed and changes the store only through ``Store.replace_snapshot`` (``swap``).
+works on one snapshot or chunk it is handed and changes the store only through ``store.admin.replace_snapshot`` (``swap``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def read_snapshot(store: Store, manifest: Manifest) -> list[list]:
 
 
 def swap(store: Store, old: Manifest, new: Manifest, todo: list[tuple[ChunkRef, list[Piece]]]) -> None:
-    """Write the new chunks and swap the manifest (``Store.replace_snapshot``: save gate held, old chunks leased across
+    """Write the new chunks and swap the manifest (``store.admin.replace_snapshot``: save gate held, old chunks leased across
     the swap and left for a later ``gc``). A snapshot replaced or removed meanwhile raises ``Lost``."""
     if not store.admin.replace_snapshot(old, new, todo):
         raise Lost(f"snapshot {old.snapshot_id} of session {old.session_id!r} was saved again, removed or rewritten "

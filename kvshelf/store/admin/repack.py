@@ -1,4 +1,4 @@
-"""Repacking: v1 chunk files and mostly-dead packs rewritten into fresh packs (``Store.repack``, ``kvshelf compact``).
+"""Repacking: v1 chunk files and mostly-dead packs rewritten into fresh packs (``store.admin.repack``, ``kvshelf compact``).
 
 Why: packs are immutable, so a pack whose chunks were mostly dropped keeps its dead bytes until every chunk it holds
 is gone; and a v1 store keeps one file per chunk. Repacking copies each live chunk's frame as it is (same bytes,

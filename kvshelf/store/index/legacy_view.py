@@ -2,7 +2,7 @@
 
 Why: a writing open upgrades an index of format 1 or 2 in one write transaction (``lmdb_env.Index._check_format``)
 and creates any table added since (``pins``, ``bad_chunks``, ...) when it opens it. A handle that may not write the
-store (``store/access.py``: another user's store, a read-only mount) can do neither — and must not: the upgrade is
+store (``store/liveness/access.py``: another user's store, a read-only mount) can do neither — and must not: the upgrade is
 the owner's next open's — so without this it could not read such a store at all. What the upgrade changes that reads
 depend on is small: the prefix records (format 3 tags them by session lineage and adds ``heads``; format 2 tagged
 them by snapshot, format 1 held bare snapshot ids) and the tables an older index lacks, which are empty there since

@@ -3,7 +3,7 @@
 Why one declared capability instead of catching ``PermissionError`` wherever a write happens: an open that writes
 nothing must be *known* to write nothing (a store shared read-only, owned by another user, or on a read-only mount
 must not be chmod-ed, locked for writing, reaped or sealed), and a call that would write must say so before it starts
-(no half-made pack, no raw ``OSError``). So ``StoreContext.open`` asks :func:`probe` once; every write path checks
+(no half-made pack, no raw ``OSError``). So ``opening.open_context`` asks :func:`probe` once; every write path checks
 ``ctx.access.check(what)`` (the index's write transactions, the save gate, the removers' lock, the reserve, the
 remembered uses, the lease files) and every open-time write is skipped when ``read_only``.
 
