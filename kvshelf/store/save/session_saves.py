@@ -39,10 +39,7 @@ class SessionSaves:
 
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "",
              checkpoints: dict[int, Sequence[Any]] | None = None) -> SnapshotInfo:
-        self.ctx.check_writable("save")
-        inputs.check_session(session_id, namespace)
-        tokens = inputs.check_tokens(tokens)
-        self.ctx.check_scoped("save")
+        tokens = self._checked("save", session_id, tokens, namespace)
         if checkpoints:
             self.checkpoints.ordered(tokens_array(tokens), checkpoints)  # refused before anything is written
         info = self.published(self.saver.write(self.saver.capture(session_id, tokens, caches, namespace)))
@@ -52,10 +49,7 @@ class SessionSaves:
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "",
                    checkpoints: dict[int, Sequence[Any]] | None = None) -> Future:
-        self.ctx.check_writable("save_async")
-        inputs.check_session(session_id, namespace)
-        tokens = inputs.check_tokens(tokens)
-        self.ctx.check_scoped("save_async")
+        tokens = self._checked("save_async", session_id, tokens, namespace)
         cap = self.saver.capture(session_id, tokens, caches, namespace)
         if not checkpoints:
             return self.writer.submit(lambda: self.published(self.saver.write(cap)), cap.nbytes)
@@ -67,6 +61,14 @@ class SessionSaves:
             return info
 
         return self.writer.submit(write_all, cap.nbytes + sum(c.nbytes for c in captured))
+
+    def _checked(self, what: str, session_id: str, tokens: Sequence[int], namespace: str):
+        """A save's checks, before anything is captured or written: a writable handle, the arguments, an identity."""
+        self.ctx.check_writable(what)
+        inputs.check_session(session_id, namespace)
+        tokens = inputs.check_tokens(tokens)
+        self.ctx.check_scoped(what)
+        return tokens
 
     def save_checkpoint(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
                         namespace: str = "") -> SnapshotInfo:
