@@ -88,10 +88,11 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
     pins = Pins(ctx, clock)  # clock: seconds (time.time); tests check pins' TTLs with a fake one
     snapshots = Snapshots(ctx)
     writer = BackgroundWriter(max_pending_bytes)
-    saves_ref: list[SessionSaves] = []  # the prefix checkpoints save through SessionSaves, built below
+    # the prefix checkpoints save through SessionSaves, which needs them back: the closures read ``saves`` (and the
+    # saver), both built below, when a checkpoint is saved
     checkpoints = Checkpoints(lambda: ctx.index, snapshots.scoped_session_key,
-                              lambda *a: saves_ref[0].save_derived(*a), lambda *a: saves_ref[0].saver.capture(*a),
-                              lambda cap: saves_ref[0].published(saves_ref[0].saver.write(cap)))
+                              lambda *a: saves.save_derived(*a), lambda *a: saver.capture(*a),
+                              lambda cap: saves.published(saver.write(cap)))
     removal = Removal(ctx, reclaimer, followers=(pins, checkpoints))
     gc = Gc(ctx, gate, txns, reclaimer)
     full_disk = FullDisk(ctx, txns, removal, gc)  # sizes and takes the reserve from the index
@@ -107,9 +108,7 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
                                                                             saver.write_pack),
                     rewrite_packs=lambda packs: admin.repack(packs=packs),
                     open_remote=lambda remote, prefix: RemoteAdmin(remote, prefix=prefix))
-    saves = SessionSaves(ctx, saver, writer, full_disk.keep_reserve, snapshots.manifest)
-    saves_ref.append(saves)
-    saves.bind_checkpoints(checkpoints)
+    saves = SessionSaves(ctx, saver, writer, checkpoints, full_disk.keep_reserve, snapshots.manifest)
     lookups = Lookups(ctx, txns.uses)
     restores = Restores(ctx, reader, snapshots, lookups.lookup, txns.uses)
     keeping = Keeping(ctx, full_disk, pins, snapshots.scoped_session_key, Checkpoints.drop_quarantined)

@@ -28,14 +28,10 @@ class SessionSaves:
     ``keep_reserve(length)`` is the full disk's (``space/full_disk.py``) and ``manifest(snapshot_id)`` the
     snapshots' (``restore/snapshots.py``): handed in so this room imports neither."""
 
-    def __init__(self, ctx: StoreContext, saver: Saver, writer: BackgroundWriter,
+    def __init__(self, ctx: StoreContext, saver: Saver, writer: BackgroundWriter, checkpoints: Checkpoints,
                  keep_reserve: Callable[[int], None], manifest: Callable[[str], Any]):
-        self.ctx, self.saver, self.writer = ctx, saver, writer
+        self.ctx, self.saver, self.writer, self.checkpoints = ctx, saver, writer, checkpoints
         self.keep_reserve, self.manifest = keep_reserve, manifest
-        self.checkpoints: Checkpoints | None = None  # bound by ``bind_checkpoints`` (they save through this object)
-
-    def bind_checkpoints(self, checkpoints: Checkpoints) -> None:
-        self.checkpoints = checkpoints
 
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "",
              checkpoints: dict[int, Sequence[Any]] | None = None) -> SnapshotInfo:
