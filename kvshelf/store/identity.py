@@ -44,3 +44,60 @@ def namespace_key(identity_key_: bytes, namespace: str) -> bytes:
 
 
 __all__ = ["Identity", "identity_key", "namespace_key"]
+
+
+# --- tenants: a tenant (and a cache salt) is part of the namespace, so of every key in every tier -------------------
+#
+# Why in the namespace: every key the store derives (session keys, prefix records, LRU order, the shared tier's keys
+# through ``namespace_key``) already starts with the (identity, namespace) pair, so a tenant folded into the namespace
+# is part of the key everywhere at once, not a filter applied after a lookup. The default tenant without a salt adds
+# nothing: a store written before tenants existed opens and works exactly as before.
+#
+# A scope is ``TENANT_MARK + "t:" + token`` plus, with a salt, ``SALT_MARK + "s:" + digest``, appended to the
+# caller's namespace. The token is the tenant's name when it is short and printable (so ``kvshelf ls`` can show it),
+# else ``~`` and a digest; a salt is always a digest (it may be a secret of the client's and it is unbounded).
+
+TENANT_MARK = "\x1e"
+SALT_MARK = "\x1f"
+MAX_TENANT_BYTES = 256  # what a request may name (X-Kvshelf-Tenant, the keys file); longer: 400
+_TENANT_TOKEN_BYTES = 64
+
+
+def _digest(kind: str, text: str) -> str:
+    return xxhash.xxh3_128_hexdigest(f"kvshelf-{kind}-v1\x00".encode() + text.encode("utf-8", "surrogatepass"))
+
+
+def tenant_token(tenant: str) -> str:
+    """How ``tenant`` appears inside namespaces: itself when short and printable, else ``~`` + a digest."""
+    raw = tenant.encode("utf-8", "surrogatepass")
+    if 0 < len(raw) <= _TENANT_TOKEN_BYTES and tenant.isprintable() and not tenant.startswith("~"):
+        return tenant
+    return "" if tenant == "" else "~" + _digest("tenant", tenant)
+
+
+def tenant_scope(tenant: str = "", salt: str | None = None) -> str:
+    """The suffix that puts a namespace in ``tenant``'s (and ``salt``'s) scope; ``""`` for the default tenant
+    without a salt. Two different (tenant, salt) pairs never give the same scope."""
+    if tenant == "" and salt is None:
+        return ""
+    scope = TENANT_MARK + "t:" + tenant_token(tenant)
+    return scope + (SALT_MARK + "s:" + _digest("salt", salt) if salt is not None else "")
+
+
+def scoped_namespace(namespace: str, tenant: str = "", salt: str | None = None) -> str:
+    """``namespace`` as seen by ``tenant`` with ``salt``: what save, lookup and restore key by."""
+    return namespace + tenant_scope(tenant, salt)
+
+
+def tenant_of(namespace: str) -> str:
+    """The tenant token a namespace belongs to (``""``: the default tenant); compare with ``tenant_token(name)``."""
+    _base, mark, scope = namespace.rpartition(TENANT_MARK)
+    if not mark or not scope.startswith("t:"):
+        return ""
+    return scope[2:].split(SALT_MARK, 1)[0]
+
+
+def base_namespace(namespace: str) -> str:
+    """The namespace without its tenant scope (what the caller named)."""
+    base, mark, scope = namespace.rpartition(TENANT_MARK)
+    return base if mark and scope.startswith("t:") else namespace
