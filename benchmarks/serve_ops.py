@@ -27,7 +27,7 @@ from pathlib import Path
 from .context import Context
 from .harness import Row, Sample, failed, failure_row
 
-_TESTS = Path(__file__).resolve().parents[1] / "tests"
+_TESTS = Path(__file__).resolve().parents[1] / "tests" / "helpers"
 USER = ["hello world what is the cache", "and the disk of the store", "one more short question"]
 
 
