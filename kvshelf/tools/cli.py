@@ -358,7 +358,7 @@ def cmd_warm(args: argparse.Namespace, pr: Printer) -> int:
     except ValueError as exc:
         raise KvShelfError(f"--chat-template-args: not JSON: {exc}") from None
     items = warm.read_warm_prompts(args.file)
-    identity = model_identity(args.model)
+    identity = model_identity(args.model, model_id=args.model_id, fingerprints=_store_dir(args))
     model, tokenizer = load(args.model)
     with open_store(str(_store_dir(args)), identity=identity) as store:
         store.pins.set_limit(args.max_pinned_bytes)

@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path, metavar="FILE",
                    help='JSON Lines: {"messages": [...]} chat requests or {"prompt": "..."}')
     p.add_argument("--model", required=True, metavar="DIR", help="the model directory the server serves")
+    p.add_argument("--model-id", default=None, metavar="NAME", help="the server's --model-id, if it gives one")
     p.add_argument("--namespace", default="", metavar="NS", help="the server's --cache-namespace (default \"\")")
     p.add_argument("--pin", action="store_true", help="pin the warmed prompts")
     p.add_argument("--ttl", type=_duration, default=None, metavar="DURATION", help="with --pin: the pins' TTL")
