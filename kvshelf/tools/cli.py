@@ -168,6 +168,8 @@ def cmd_verify(args: argparse.Namespace, pr: Printer) -> int:
 def cmd_gc(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
+    if args.incompatible:
+        return _gc_incompatible(args, pr)
     if args.remote:
         doc = admin.remote_gc(args.remote, args.remote_prefix, dry_run=args.dry_run)
 
@@ -187,6 +189,46 @@ def cmd_gc(args: argparse.Namespace, pr: Printer) -> int:
     def human(console) -> None:
         verb = "would remove" if args.dry_run else "removed"
         console.print(f"{verb} {doc['objects']} object(s), {human_bytes(doc['bytes'])}")
+
+    pr.emit(doc, human)
+    return OK
+
+
+def _gc_incompatible(args: argparse.Namespace, pr: Printer) -> int:
+    from . import incompatible
+
+    if args.remote:
+        pr.error("gc --incompatible acts on the local store; the shared tier's entries of other identities are "
+                 "never served and age out by its own eviction")
+        return USAGE
+    keep: dict = {key.lower(): None for key in args.keep_identity}
+    if args.model:
+        try:
+            import mlx_lm  # noqa: F401
+        except ImportError as exc:
+            pr.error(f"gc --incompatible --model needs mlx-lm (pip install 'kvshelf[mlx-lm]'): {exc}")
+            return USAGE
+        keep.update(incompatible.current_identities(
+            _store_dir(args), args.model, model_id=args.model_id, kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+            chat_template=args.chat_template))
+    doc = incompatible.gc_incompatible(_store_dir(args), keep, dry_run=args.dry_run)
+
+    def human(console) -> None:
+        for ident in doc["incompatible"]:
+            console.print(f"identity {ident['identity_key']}  model {ident['model_id']}  "
+                          f"config {ident['config_fingerprint'][:12]}  tokenizer {ident['tokenizer_hash'][:12]}")
+            for s in ident["snapshots"]:
+                console.print(f"  snapshot {s['snapshot_id']}  session {s['session_id']}  "
+                              f"namespace {s['namespace']!r}  tokens {s['tokens']}")
+        if args.dry_run:
+            console.print(f"would remove {doc['snapshots']} snapshot(s) of {len(doc['incompatible'])} identit(ies) "
+                          f"no kept identity can use; kept: {', '.join(doc['kept'])}")
+        else:
+            console.print(f"removed {doc['sessions_deleted']} session(s) ({doc['snapshots']} snapshot(s)) of "
+                          f"{len(doc['incompatible'])} identit(ies); freed {doc['chunks_freed']} chunk(s), "
+                          f"{human_bytes(doc['bytes_freed'])}; gc reclaimed {doc['objects']} object(s), "
+                          f"{human_bytes(doc['bytes'])}")
 
     pr.emit(doc, human)
     return OK

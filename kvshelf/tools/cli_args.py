@@ -101,9 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     _remote_options(p)
     p = add("verify", "Check headers and manifests against the chunks; exit 1 if anything is wrong.")
     p.add_argument("--deep", action="store_true", help="also re-hash every chunk")
-    p = add("gc", "Remove orphan chunks and unreferenced chunks.")
+    p = add("gc", "Remove orphan chunks and unreferenced chunks; with --incompatible, also every snapshot no "
+                  "identity in service can use.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     _remote_options(p)
+    group = p.add_argument_group("--incompatible: the identities in service (the rest is reclaimed)")
+    group.add_argument("--incompatible", action="store_true",
+                       help="remove the snapshots of every identity not named by --model / --keep-identity")
+    group.add_argument("--model", action="append", default=[], metavar="DIR",
+                       help="a model directory in service, fingerprinted as `kvshelf serve` with the options below "
+                            "would (repeatable)")
+    group.add_argument("--model-id", default=None, metavar="NAME", help="the servers' --model-id, if given")
+    group.add_argument("--kv-bits", type=int, default=None, metavar="N", help="the servers' --kv-bits, if given")
+    group.add_argument("--kv-group-size", type=int, default=64, metavar="N", help="their --kv-group-size (64)")
+    group.add_argument("--quantized-kv-start", type=int, default=5000, metavar="N",
+                       help="their --quantized-kv-start (5000)")
+    group.add_argument("--chat-template", default=None, metavar="TEMPLATE", help="their --chat-template, if given")
+    group.add_argument("--keep-identity", action="append", default=[], metavar="KEY",
+                       help="also keep this identity (the 32-hex key a --dry-run lists; repeatable)")
     p = add("repair", "Heal damaged chunks from a good copy (another pack, the shared tier), drop what cannot be read "
                       "(sessions using a chunk with no good copy, quarantined snapshots), reclaim the space, print "
                       "what was done and lost.")
