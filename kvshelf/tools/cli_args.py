@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("demo", "Run the synthetic-model demo on the store (save, restore, prefix reuse, batch restore).")
     p = add("ls", "List stored sessions: namespace, identity, tokens, bytes, times, floor, kinds and formats.")
+    p.add_argument("--ids", action="store_true",
+                   help="print only the session ids, one a line (each pastes into `kvshelf pin ID`)")
     _identity_options(p, required_note="filters; default: every identity")
     _remote_options(p)
     p = add("show", "Show the header of one snapshot (geometry, format, block table, chunks) without loading tensors.")
