@@ -140,3 +140,26 @@ def test_kvshelf_serve_from_a_copied_directory_continues_from_disk(models, tmp_p
         named.chat(msgs2)
         assert named.prefix_lines()[-1]["source"] == "none"
         assert "reason=other_identity" in named.log()  # an asserted name is its own identity
+
+
+def test_two_hosts_with_the_model_at_different_paths_share_through_the_remote_tier(models, tmp_path):
+    """Host A serves the model from one path, host B (its own local store) from another: B's first request is a
+    ``source=remote`` hit on A's prefix; with a path-based identity it was ``other_identity``."""
+    from redis_servers import RedisServer
+
+    here, moved, _ = models
+    remote = RedisServer()
+    try:
+        extra = ("--remote", remote.url, "--remote-prefix", "moves:", "--remote-option", "keep_local=false")
+        msgs = conversation(words(200), ["hello world"], [])
+        with Server(here, tmp_path / "store-a", tmp_path / "a.log", extra=extra) as a:
+            first = a.chat(msgs)
+            a.signal(2)  # closing the store publishes what is queued for the shared tier
+            assert a.wait() == 0
+        with Server(moved, tmp_path / "store-b", tmp_path / "b.log", extra=extra) as b:
+            again = b.chat(msgs)
+            assert again["text"] == first["text"]
+            line = b.prefix_lines()[-1]
+            assert line["source"] == "remote" and line["cached"] == again["cached_tokens"] > 0
+    finally:
+        remote.close()
