@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "encoded latent planes, 21-23, the shared tier on a redis-server, 31, kvshelf serve's time to "
                         "first token, 32, its warm-up, instrumentation overhead and replayed-conversation writes, 33, a "
                         "retried generation resuming from its checkpoint, 34, state checkpoints on a hybrid model, 35, "
-                        "tenant isolation in kvshelf serve, and 36, the model identity of 4 GiB of weights with the fingerprint sidecar warm vs cold)")
+                        "tenant isolation in kvshelf serve, and 36, the model identity of 4 GiB of weights with the "
+                        "fingerprint sidecar warm vs cold)")
     p.add_argument("--size", choices=sorted(data.SIZES), default="L",
                    help="workload: L (4096 tokens, 176 MiB; default), L-large (16,384 tokens, 704 MiB) or small "
                         "(a tiny smoke-test size)")

@@ -15,8 +15,8 @@ them and resumes their retries (docs/RESUMING.md). Private mlx-lm names (``_run_
 ``_tokenize`` and the other hooks) are reached through ``kvshelf.mlx_lm.upstream`` only; the bound address is printed
 once the socket listens (``listening.py``: ``--port 0`` works).
 
-Stores: one handle per model identity (``model_identity``: path or repo, config.json and safetensors headers,
-tokenizer files, KV settings), opened for the default model before the HTTP server starts and lazily for models a
+Stores: one handle per model identity (``model_identity``: the weights' content fingerprint or ``--model-id``,
+config.json and safetensors headers, tokenizer files, KV settings, codec format tags), opened for the default model before the HTTP server starts and lazily for models a
 request names. A store that cannot be opened (busy, damaged, missing permissions) leaves the server on RAM only
 and is retried every ``--store-retry`` seconds. Several servers may share one store directory.
 
