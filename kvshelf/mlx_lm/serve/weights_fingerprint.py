@@ -11,7 +11,7 @@ Why a sidecar: hashing reads every byte (gigabytes), at disk speed, once. The di
 them: a write moves mtime and ctime (ctime cannot be set back from user space, so even ``touch -d`` after an
 in-place edit of the same size is caught), a replacement by rename or a copy gets a new inode, another disk another
 device. What invalidates an entry: any of those fields differing; then the file is hashed again and the entry
-replaced. What it cannot catch: bytes changed under the file system (a raw block-device write, a corrupted disk),
+replaced (entries of files that no longer exist are dropped at the next write, so the sidecar stays small). What it cannot catch: bytes changed under the file system (a raw block-device write, a corrupted disk),
 which no metadata sees; ``kvshelf verify`` of the weights is not this module's job. A stale or damaged sidecar costs
 one re-hash, never a wrong identity: it is only ever a cache of what hashing would say.
 
@@ -105,6 +105,7 @@ class FingerprintSidecar:
         try:
             merged = self._read()
             merged.update(self._entries)
+            merged = {k: v for k, v in merged.items() if os.path.exists(k)}  # bounded: files gone are forgotten
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".fingerprints.", suffix=".tmp")
             with os.fdopen(fd, "w") as f:
