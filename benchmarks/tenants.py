@@ -1,4 +1,4 @@
-"""Measure 35 (on request: ``--only 35``): what tenant isolation costs in ``kvshelf serve``.
+"""Measure 39 (on request: ``--only 39``): what tenant isolation costs in ``kvshelf serve``.
 
 Real server processes on 127.0.0.1, a real HTTP client, the tiny seeded llama directories of the serving tests:
 
@@ -59,8 +59,8 @@ def _salt_rows(ctx: Context, h, tiny, root: Path) -> list[Row]:
                                   "plain": lambda _: _ttft(k, msgs)}, n, warmup=3, collect=False)
         sources = {line["source"] for line in k.prefix_lines()[2:]}
     if sources != {"ram"}:
-        return [failed("35", name, f"not RAM hits: {sources}", target="≤ 1.02×")]
-    return [Row("35", name, times["salted"], times["plain"], "the same RAM hit without a salt", "≤ 1.02×", 1.02)]
+        return [failed("39", name, f"not RAM hits: {sources}", target="≤ 1.02×")]
+    return [Row("39", name, times["salted"], times["plain"], "the same RAM hit without a salt", "≤ 1.02×", 1.02)]
 
 
 def _isolation_rows(ctx: Context, h, tiny, root: Path) -> list[Row]:
@@ -76,14 +76,14 @@ def _isolation_rows(ctx: Context, h, tiny, root: Path) -> list[Row]:
                 s.chat([{"role": "user", "content": "warm"}], max_tokens=1)
                 firsts = [_ttft(s, c, tenant=f"t{i}" if mode == "isolated" else None) for i, c in enumerate(convs)]
             into.extend(firsts[1:])
-    return [Row("35", name, Sample("ms", isolated), Sample("ms", shared), "shared (one tenant)", "report", None)]
+    return [Row("39", name, Sample("ms", isolated), Sample("ms", shared), "shared (one tenant)", "report", None)]
 
 
 def run(ctx: Context, only: set[str]) -> list[Row]:
     try:
         import mlx_lm  # noqa: F401
     except ImportError as exc:
-        return [failure_row("35", "tenants", exc)]
+        return [failure_row("39", "tenants", exc)]
     h, tiny = _harness()
     root = ctx.scratch.fresh("tenants")
     root.mkdir()
@@ -92,5 +92,5 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
         try:
             rows += part(ctx, h, tiny, root)
         except Exception as exc:  # noqa: BLE001 - one part failing must not hide the other's figures
-            rows.append(failure_row("35", f"tenants ({part.__name__})", exc))
+            rows.append(failure_row("39", f"tenants ({part.__name__})", exc))
     return rows

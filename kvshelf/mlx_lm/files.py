@@ -2,7 +2,9 @@
 ``load_prompt_cache`` reads.
 
 mlx-lm's file (0.32.x) is a safetensors file: tensors are the flattened per-layer ``state`` trees, the metadata is
-the flattened ``[user metadata, class names, scalar table]``. It carries no tokens, no identity and no checksum.
+the flattened ``[user metadata, class names, scalar table]``. Files of mlx-lm 0.31 (``[meta_state, user metadata,
+class names]``) are read too, into the same caches (``legacy_prompt_cache.py``); files are always written as 0.32's.
+A file carries no tokens, no identity and no checksum.
 Reading one here checks everything before anything is trusted, and nothing reaches a store until it all passed:
 the safetensors framing (header length, JSON table, every tensor inside the data: a truncated file is
 ``CorruptData``), the metadata layout and the class names (only mlx-lm's cache classes; a missing or foreign class is
@@ -34,6 +36,7 @@ from ..codecs.checksum import checksum
 from ..codecs.snapshot_args import export_path
 from ..codecs.snapshot_file import fsync_dir, normalize_tokens
 from ..errors import CorruptData, IncompatibleFormat, InvalidCacheState, KvShelfError, file_error
+from .legacy_prompt_cache import is_legacy, legacy_layout, legacy_state
 
 CLASSES = ("KVCache", "ConcatenateKVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache",
            "CacheList")
@@ -101,14 +104,14 @@ def is_prompt_cache_file(path: str | os.PathLike[str]) -> bool:
         _, metadata = _table(Path(path))
     except KvShelfError:
         return False
-    return "kvshelf.header" not in metadata and "1.0" in metadata and "2.0" in metadata
+    return "kvshelf.header" not in metadata and (("1.0" in metadata and "2.0" in metadata) or is_legacy(metadata))
 
 
 def _layout(path: Path, metadata: dict[str, str]) -> tuple[dict[str, str], list[str], list[tuple[str, str]]]:
     """(user metadata, class per layer, scalar table) of mlx-lm 0.32's metadata layout."""
     if metadata.get("2.0") != "":
         raise IncompatibleFormat(f"{path}: not an mlx-lm 0.32 prompt-cache file (no scalar table '2.0' in its "
-                                 "metadata; older mlx-lm layouts are not read)")
+                                 "metadata, nor 0.31's class names; other layouts are not read)")
     user, classes, scalars = {}, {}, {}
     for key, value in metadata.items():
         head, _, rest = key.partition(".")
@@ -181,7 +184,12 @@ def read_prompt_cache(path: str | os.PathLike[str], *, tokens: Any = None, verif
     """
     path = Path(path)
     table, metadata = _table(path)
-    user, classes, scalars = _layout(path, metadata)
+    legacy = is_legacy(metadata)
+    if legacy:  # mlx-lm 0.31: meta_state strings instead of a scalar table
+        user, classes, metas = legacy_layout(path, metadata)
+        scalars: list[tuple[str, str]] = []
+    else:
+        user, classes, scalars = _layout(path, metadata)
     for i, name in enumerate(classes):
         _check_class(path, name, f"layer {i}'s class")
     stored = _json(path, user, TOKENS_KEY)
@@ -226,6 +234,9 @@ def read_prompt_cache(path: str | os.PathLike[str], *, tokens: Any = None, verif
     if not isinstance(states, list) or len(states) != len(classes):
         found = len(states) if isinstance(states, list) else 0
         raise IncompatibleFormat(f"{path}: {len(classes)} cache classes but {found} layer states")
+    if legacy:
+        states = [legacy_state(path, name, state, meta, f"layer {i}")
+                  for i, (name, state, meta) in enumerate(zip(classes, states, metas))]
     caches = [_rebuild(path, name, state, f"layer {i}") for i, (name, state) in enumerate(zip(classes, states))]
     for i, cache in enumerate(caches):
         try:

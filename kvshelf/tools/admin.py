@@ -294,8 +294,18 @@ def _header_findings(store: Store) -> list[dict[str, Any]]:
     return out
 
 
+# Findings that need no operator: the damage was already handled and nothing is lost. An orphan object or manifest
+# is what a heal (a damaged chunk re-written under a fresh pack by the next save), a re-save, a quarantine drop or a
+# crash leaves behind: no index record names it, so no session reads it, and `kvshelf gc` reclaims it. A quarantined
+# snapshot is already out of service (no lookup returns it; the next save of its conversation writes it afresh);
+# its bytes are kept as evidence until `kvshelf repair` or `quarantine drop`. Everything else (a damaged chunk a
+# live snapshot still uses, a drifted count, a damaged trailer, an unreadable index) needs an operator.
+HANDLED_KINDS = frozenset({"orphan-object", "orphan-manifest", "quarantined"})
+
+
 def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = lambda _n=1: None) -> dict[str, Any]:
-    """The store's own index/chunk checks plus header checks, each problem with the session it affects."""
+    """The store's own index/chunk checks plus header checks, each problem with the session it affects and whether
+    it needs an operator (``HANDLED_KINDS`` say which do not)."""
     problems = _header_findings(store)
     progress(1)
     for f in store.verify(deep=deep):
@@ -306,7 +316,10 @@ def verify(store: Store, deep: bool = False, progress: Callable[[int], None] = l
             problems.append({"kind": f.kind, "where": f.where, "detail": f.detail, "session_id": session or None,
                              "snapshot_id": snapshot or None, "message": f"{f.kind}: {f.where}: {f.detail}"})
     progress(1)
-    return {"deep": deep, "snapshots": sum(1 for _ in store.admin.iter_manifests(skip_damaged=True)),
+    for p in problems:
+        p["needs_operator"] = p["kind"] not in HANDLED_KINDS
+    return {"deep": deep, "needs_operator": sum(p["needs_operator"] for p in problems),
+            "handled": sum(not p["needs_operator"] for p in problems), "snapshots": sum(1 for _ in store.admin.iter_manifests(skip_damaged=True)),
             "chunks": sum(1 for _ in store.admin.iter_chunks(skip_damaged=True)), "problems": problems}
 
 

@@ -16,6 +16,7 @@ from .cli_args import _expect, _store_dir, build_parser
 from .render import Printer, human_bytes, human_time, kv_table, rows_table, to_data
 
 OK, PROBLEMS, USAGE = 0, 1, 2
+WIDE = 160  # console width from which `kvshelf ls` shows every column
 
 # --- commands --------------------------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace, pr: Printer) -> int:
@@ -37,28 +38,29 @@ def cmd_ls(args: argparse.Namespace, pr: Printer) -> int:
     with admin.open_admin(_store_dir(args)) as store:
         rows = admin.list_sessions(store, **_expect(args))
 
+    if args.ids:  # bare session ids, one a line, each once: what `kvshelf pin ID` takes (scripts, copy and paste)
+        seen = dict.fromkeys(r["session_id"] for r in rows)
+        sys.stdout.write("".join(f"{sid}\n" for sid in seen))
+        return OK
+
     def human(console) -> None:
-        table_rows = [
-            (
-                r["namespace"] or "\"\"",
-                r["session_id"],
-                r["model_id"],
-                r["tokens"],
-                human_bytes(r["bytes_own"]),
-                human_bytes(r["bytes_shared"]),
-                human_time(r["created_at"]),
-                human_time(r["last_used_at"]),
-                r["minimum_reusable_offset"],
-                ",".join(r["kinds"]),
-                ",".join(r["formats"]),
-                _pin_text(r),
-                ",".join(str(k) for k in r.get("checkpoints", [])),
-            )
-            for r in rows
-        ]
-        columns = ("namespace", "session", "model", "tokens", "own", "shared", "created", "last used", "floor",
-                   "kinds", "formats", "pinned", "checkpoints")
-        console.print(rows_table(f"{len(rows)} session(s)", columns, table_rows))
+        full = {
+            "namespace": lambda r: r["namespace"] or "\"\"", "session": lambda r: r["session_id"],
+            "model": lambda r: r["model_id"], "tokens": lambda r: r["tokens"],
+            "own": lambda r: human_bytes(r["bytes_own"]), "shared": lambda r: human_bytes(r["bytes_shared"]),
+            "created": lambda r: human_time(r["created_at"]), "last used": lambda r: human_time(r["last_used_at"]),
+            "floor": lambda r: r["minimum_reusable_offset"], "kinds": lambda r: ",".join(r["kinds"]),
+            "formats": lambda r: ",".join(r["formats"]), "pinned": _pin_text,
+            "checkpoints": lambda r: ",".join(str(k) for k in r.get("checkpoints", [])),
+        }
+        # a narrow console (a pipe: $COLUMNS, else 80) gets the columns an operator acts on; --json has them all
+        columns = list(full) if console.width >= WIDE else ["session", "namespace", "tokens", "own", "last used",
+                                                             "pinned"]
+        table_rows = [tuple(full[c](r) for c in columns) for r in rows]
+        console.print(rows_table(f"{len(rows)} session(s)", columns, table_rows, whole=("session",)))
+        if columns != list(full):
+            console.print(f"(columns for {console.width} characters; COLUMNS={WIDE} or wider shows model, kinds, "
+                          f"formats, sizes and checkpoints; --json shows everything)")
 
     pr.emit({"sessions": rows}, human)
     return OK
@@ -91,16 +93,16 @@ def cmd_show(args: argparse.Namespace, pr: Printer) -> int:
             layer_rows.append((i, e["kind"], e["offset"], e["minimum_reusable_offset"], geometry, fmt,
                                "yes" if e.get("shadow") else "no", table, len(e.get("tensors", []))))
         console.print(rows_table("caches", ("layer", "kind", "offset", "floor", "geometry", "format", "shadow",
-                                            "pages", "tensors"), layer_rows))
+                                            "pages", "tensors"), layer_rows, whole=("kind", "format")))
         chunk_rows = [(c.get("hash"), c.get("start"), c.get("stop"), human_bytes(c.get("nbytes")),
                        human_bytes(c.get("stored_bytes")), c.get("encoding"), c.get("refs"))
                       for c in doc.get("chunks", [])]
         console.print(rows_table("chunks", ("hash", "start", "stop", "bytes", "on disk", "encoding", "refs"),
-                                 chunk_rows))
+                                 chunk_rows, whole=("hash",)))
         if doc.get("checkpoints"):  # the session's checkpoints (docs/CHECKPOINTS.md)
             console.print(rows_table("checkpoints", ("tokens", "snapshot", "bytes"),
                                      [(c["tokens"], c["snapshot_id"], human_bytes(c["nbytes"]))
-                                      for c in doc["checkpoints"]]))
+                                      for c in doc["checkpoints"]], whole=("snapshot",)))
 
     pr.emit(doc, human)
     return OK
@@ -120,7 +122,7 @@ def _remote_ls(args: argparse.Namespace, pr: Printer) -> int:
                       for r in rows]
         console.print(rows_table(f"{len(rows)} remote entr{'y' if len(rows) == 1 else 'ies'}",
                                  ("namespace", "session", "model", "tokens", "bytes", "chunks", "created", "host",
-                                  "broken"), table_rows))
+                                  "broken"), table_rows, whole=("session",)))
 
     pr.emit({"remote": rows}, human)
     return PROBLEMS if any("broken" in r for r in rows) else OK
@@ -154,20 +156,30 @@ def cmd_verify(args: argparse.Namespace, pr: Printer) -> int:
     def human(console) -> None:
         console.print(f"checked {doc['snapshots']} snapshot(s), {doc['chunks']} chunk(s)"
                       f"{' (deep: re-hashed)' if doc['deep'] else ''}")
-        if doc["problems"]:
-            console.print(rows_table(f"{len(doc['problems'])} problem(s)", ("session", "snapshot", "what"),
+        handled = [p for p in doc["problems"] if not p["needs_operator"]]
+        needs = [p for p in doc["problems"] if p["needs_operator"]]
+        if handled:
+            console.print(rows_table(f"{len(handled)} finding(s) already handled, nothing lost (`kvshelf gc` / "
+                                     f"`kvshelf repair` reclaim what they left)", ("session", "snapshot", "what"),
                                      [(p.get("session_id"), p.get("snapshot_id"), p.get("message"))
-                                      for p in doc["problems"]]))
-        else:
+                                      for p in handled], whole=("snapshot",)))
+        if needs:
+            console.print(rows_table(f"{len(needs)} problem(s) need an operator (`kvshelf repair`)",
+                                     ("session", "snapshot", "what"),
+                                     [(p.get("session_id"), p.get("snapshot_id"), p.get("message"))
+                                      for p in needs], whole=("snapshot",)))
+        if not doc["problems"]:
             console.print("no problems found")
 
     pr.emit(doc, human)
-    return PROBLEMS if doc["problems"] else OK
+    return PROBLEMS if doc["needs_operator"] else OK
 
 
 def cmd_gc(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
+    if args.incompatible:
+        return _gc_incompatible(args, pr)
     if args.remote:
         doc = admin.remote_gc(args.remote, args.remote_prefix, dry_run=args.dry_run)
 
@@ -192,6 +204,46 @@ def cmd_gc(args: argparse.Namespace, pr: Printer) -> int:
     return OK
 
 
+def _gc_incompatible(args: argparse.Namespace, pr: Printer) -> int:
+    from . import incompatible
+
+    if args.remote:
+        pr.error("gc --incompatible acts on the local store; the shared tier's entries of other identities are "
+                 "never served and age out by its own eviction")
+        return USAGE
+    keep: dict = {key.lower(): None for key in args.keep_identity}
+    if args.model:
+        try:
+            import mlx_lm  # noqa: F401
+        except ImportError as exc:
+            pr.error(f"gc --incompatible --model needs mlx-lm (pip install 'kvshelf[mlx-lm]'): {exc}")
+            return USAGE
+        keep.update(incompatible.current_identities(
+            _store_dir(args), args.model, model_id=args.model_id, kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+            chat_template=args.chat_template))
+    doc = incompatible.gc_incompatible(_store_dir(args), keep, dry_run=args.dry_run)
+
+    def human(console) -> None:
+        for ident in doc["incompatible"]:
+            console.print(f"identity {ident['identity_key']}  model {ident['model_id']}  "
+                          f"config {ident['config_fingerprint'][:12]}  tokenizer {ident['tokenizer_hash'][:12]}")
+            for s in ident["snapshots"]:
+                console.print(f"  snapshot {s['snapshot_id']}  session {s['session_id']}  "
+                              f"namespace {s['namespace']!r}  tokens {s['tokens']}")
+        if args.dry_run:
+            console.print(f"would remove {doc['snapshots']} snapshot(s) of {len(doc['incompatible'])} identit(ies) "
+                          f"no kept identity can use; kept: {', '.join(doc['kept'])}")
+        else:
+            console.print(f"removed {doc['sessions_deleted']} session(s) ({doc['snapshots']} snapshot(s)) of "
+                          f"{len(doc['incompatible'])} identit(ies); freed {doc['chunks_freed']} chunk(s), "
+                          f"{human_bytes(doc['bytes_freed'])}; gc reclaimed {doc['objects']} object(s), "
+                          f"{human_bytes(doc['bytes'])}")
+
+    pr.emit(doc, human)
+    return OK
+
+
 def cmd_repair(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
@@ -199,23 +251,30 @@ def cmd_repair(args: argparse.Namespace, pr: Printer) -> int:
         doc = admin.repair(store, dry_run=args.dry_run, remote=args.remote, remote_prefix=args.remote_prefix)
 
     def human(console) -> None:
-        would = "would " if args.dry_run else ""
-        rows = [("healed", ", ".join(c["sessions"]), c["chunk"], f"rewritten from its good copy in {c['source']}")
+        dry = args.dry_run  # a dry run says what it would do, in the words of the run that does it
+        rows = [("would heal" if dry else "healed", ", ".join(c["sessions"]), c["chunk"],
+                 f"{'would rewrite' if dry else 'rewritten'} from its good copy in {c['source']}")
                 for c in doc["healed"]]
-        rows += [("lost", r["session_id"], r["snapshot_id"], f"uses damaged chunk(s) {', '.join(r['chunks'])}")
-                 for r in doc["lost"]]
-        rows += [("trailer rewritten", "", p, "its live chunks and manifests copied under fresh trailers")
-                 for p in doc["rewritten_trailers"]]
-        rows += [("orphan checkpoint dropped", "", sid, "its session is gone") for sid in doc["dropped_checkpoints"]]
-        rows += [("quarantine dropped", q["session_id"], q["snapshot_id"], "its evidence may now be reclaimed")
-                 for q in doc["dropped_quarantined"]]
-        console.print(rows_table(f"repair{' (dry run)' if args.dry_run else ''}: {len(doc['healed'])} chunk(s) "
-                                 f"{would}healed, {len(doc['lost'])} session(s) {would}lost, "
-                                 f"{len(doc['dropped_quarantined'])} quarantine record(s) {would}dropped",
-                                 ("action", "session(s)", "snapshot / chunk", "why"), rows))
-        console.print(f"{would}reclaim {doc['reclaimed_objects']} object(s), {human_bytes(doc['reclaimed_bytes'])}"
-                      if args.dry_run else f"reclaimed {doc['reclaimed_objects']} object(s), "
-                                            f"{human_bytes(doc['reclaimed_bytes'])}")
+        rows += [("would drop (lost)" if dry else "dropped (lost)", r["session_id"], r["snapshot_id"],
+                  f"uses damaged chunk(s) {', '.join(r['chunks'])} with no good copy") for r in doc["lost"]]
+        rows += [("would rewrite trailer" if dry else "trailer rewritten", "", p,
+                  "its live chunks and manifests copied under fresh trailers") for p in doc["rewritten_trailers"]]
+        rows += [("would drop orphan checkpoint" if dry else "orphan checkpoint dropped", "", sid,
+                  "its session is gone") for sid in doc["dropped_checkpoints"]]
+        rows += [("would drop quarantine" if dry else "quarantine dropped", q["session_id"], q["snapshot_id"],
+                  "its evidence may then be reclaimed") for q in doc["dropped_quarantined"]]
+        healed, lost, quarantine = len(doc["healed"]), len(doc["lost"]), len(doc["dropped_quarantined"])
+        if dry:
+            title = (f"repair --dry-run (nothing changed): would heal {healed} chunk(s), drop {lost} lost "
+                     f"session(s) and {quarantine} quarantine record(s)")
+        else:
+            title = (f"repair: healed {healed} chunk(s), dropped {lost} lost session(s) and {quarantine} "
+                     f"quarantine record(s)")
+        console.print(rows_table(title, ("action", "session(s)", "snapshot / chunk", "why"), rows,
+                                 whole=("snapshot / chunk",)))
+        console.print(f"would reclaim {doc['reclaimed_objects']} object(s), {human_bytes(doc['reclaimed_bytes'])}"
+                      if dry else f"reclaimed {doc['reclaimed_objects']} object(s), "
+                                  f"{human_bytes(doc['reclaimed_bytes'])}")
         for line in doc["remaining"]:
             console.print(f"still damaged: {line}")
 
@@ -241,9 +300,10 @@ def cmd_quarantine(args: argparse.Namespace, pr: Printer) -> int:
             return
         console.print(rows_table(f"{len(doc['quarantined'])} quarantined snapshot(s)",
                                  ("snapshot", "session", "reason"),
-                                 [(q["snapshot_id"], q["session_id"], q["reason"]) for q in doc["quarantined"]]))
+                                 [(q["snapshot_id"], q["session_id"], q["reason"]) for q in doc["quarantined"]],
+                                 whole=("snapshot",)))
         console.print(rows_table(f"{len(doc['bad_chunks'])} bad chunk cop(ies)", ("chunk", "pack", "reason"),
-                                 [(b["hash"], b["pack"], b["reason"]) for b in doc["bad_chunks"]]))
+                                 [(b["hash"], b["pack"], b["reason"]) for b in doc["bad_chunks"]], whole=("chunk",)))
 
     pr.emit(doc, human)
     return PROBLEMS if args.action == "drop" and args.snapshot is not None and not doc["dropped"] else OK
@@ -290,7 +350,8 @@ def cmd_import(args: argparse.Namespace, pr: Printer) -> int:
 
     def human(console) -> None:
         console.print(rows_table("import", ("file", "status", "session", "detail"),
-                                 [(r["file"], r["status"], r.get("session_id"), r.get("detail", "")) for r in results]))
+                                 [(r["file"], r["status"], r.get("session_id"), r.get("detail", "")) for r in results],
+                                 whole=("session",)))
 
     pr.emit({"results": results, "failed": len(failed)}, human)
     return PROBLEMS if failed else OK
@@ -358,7 +419,7 @@ def cmd_warm(args: argparse.Namespace, pr: Printer) -> int:
     except ValueError as exc:
         raise KvShelfError(f"--chat-template-args: not JSON: {exc}") from None
     items = warm.read_warm_prompts(args.file)
-    identity = model_identity(args.model)
+    identity = model_identity(args.model, model_id=args.model_id, fingerprints=_store_dir(args))
     model, tokenizer = load(args.model)
     with open_store(str(_store_dir(args)), identity=identity) as store:
         store.pins.set_limit(args.max_pinned_bytes)

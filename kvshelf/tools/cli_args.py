@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("demo", "Run the synthetic-model demo on the store (save, restore, prefix reuse, batch restore).")
     p = add("ls", "List stored sessions: namespace, identity, tokens, bytes, times, floor, kinds and formats.")
+    p.add_argument("--ids", action="store_true",
+                   help="print only the session ids, one a line (each pastes into `kvshelf pin ID`)")
     _identity_options(p, required_note="filters; default: every identity")
     _remote_options(p)
     p = add("show", "Show the header of one snapshot (geometry, format, block table, chunks) without loading tensors.")
@@ -101,9 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
     _remote_options(p)
     p = add("verify", "Check headers and manifests against the chunks; exit 1 if anything is wrong.")
     p.add_argument("--deep", action="store_true", help="also re-hash every chunk")
-    p = add("gc", "Remove orphan chunks and unreferenced chunks.")
+    p = add("gc", "Remove orphan chunks and unreferenced chunks; with --incompatible, also every snapshot no "
+                  "identity in service can use.")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     _remote_options(p)
+    group = p.add_argument_group("--incompatible: the identities in service (the rest is reclaimed)")
+    group.add_argument("--incompatible", action="store_true",
+                       help="remove the snapshots of every identity not named by --model / --keep-identity")
+    group.add_argument("--model", action="append", default=[], metavar="DIR",
+                       help="a model directory in service, fingerprinted as `kvshelf serve` with the options below "
+                            "would (repeatable)")
+    group.add_argument("--model-id", default=None, metavar="NAME", help="the servers' --model-id, if given")
+    group.add_argument("--kv-bits", type=int, default=None, metavar="N", help="the servers' --kv-bits, if given")
+    group.add_argument("--kv-group-size", type=int, default=64, metavar="N", help="their --kv-group-size (64)")
+    group.add_argument("--quantized-kv-start", type=int, default=5000, metavar="N",
+                       help="their --quantized-kv-start (5000)")
+    group.add_argument("--chat-template", default=None, metavar="TEMPLATE", help="their --chat-template, if given")
+    group.add_argument("--keep-identity", action="append", default=[], metavar="KEY",
+                       help="also keep this identity (the 32-hex key a --dry-run lists; repeatable)")
     p = add("repair", "Heal damaged chunks from a good copy (another pack, the shared tier), drop what cannot be read "
                       "(sessions using a chunk with no good copy, quarantined snapshots), reclaim the space, print "
                       "what was done and lost.")
@@ -162,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path, metavar="FILE",
                    help='JSON Lines: {"messages": [...]} chat requests or {"prompt": "..."}')
     p.add_argument("--model", required=True, metavar="DIR", help="the model directory the server serves")
+    p.add_argument("--model-id", default=None, metavar="NAME", help="the server's --model-id, if it gives one")
     p.add_argument("--namespace", default="", metavar="NS", help="the server's --cache-namespace (default \"\")")
     p.add_argument("--pin", action="store_true", help="pin the warmed prompts")
     p.add_argument("--ttl", type=_duration, default=None, metavar="DURATION", help="with --pin: the pins' TTL")

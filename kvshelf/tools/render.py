@@ -75,10 +75,10 @@ class Printer:
 
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
+        # piped: $COLUMNS, else 80 (rich's own rule); tables fit it by wrapping cells (``rows_table``), never by
+        # cutting an id, and ``ls --ids`` prints bare ids for scripts
         self.out = Console(highlight=False, markup=False)
-        if not self.out.is_terminal:  # piped: wide enough that tables keep whole ids and hashes
-            self.out = Console(highlight=False, width=200, markup=False)
-        self.err = Console(stderr=True, highlight=False, markup=False)
+        self.err = Console(stderr=True, highlight=False, markup=False, soft_wrap=True)  # an error is one line
 
     def emit(self, doc: Any, human: Callable[[Console], None]) -> None:
         if self.as_json:
@@ -108,19 +108,28 @@ class Printer:
 
 def kv_table(title: str, pairs: Sequence[tuple[str, Any]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("field", style="bold")
-    table.add_column("value")
+    table.add_column("field", style="bold", overflow="fold")
+    table.add_column("value", overflow="fold")
     for key, value in pairs:
         table.add_row(key, "-" if value is None else str(value))
     return table
 
 
-def rows_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+MAX_WHOLE = 56  # an id longer than this folds (``kvshelf ls --ids`` prints any id bare)
+
+
+def rows_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
+               whole: Sequence[str] = ()) -> Table:
+    """A table that fits the console by wrapping cells (``fold``: no character is ever replaced by an ellipsis).
+    ``whole``: columns holding ids a later command takes; each keeps its longest value on one line (a minimum
+    width), so an id is never split, and the other columns wrap around them."""
+    cells = [["-" if v is None else str(v) for v in row] for row in rows]
     table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*("-" if v is None else str(v) for v in row))
+    for i, column in enumerate(columns):
+        widest = max((len(row[i]) for row in cells), default=0)
+        table.add_column(column, overflow="fold", min_width=min(widest, MAX_WHOLE) if column in whole else None)
+    for row in cells:
+        table.add_row(*row)
     return table
 
 

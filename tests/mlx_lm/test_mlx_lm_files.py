@@ -235,3 +235,41 @@ def test_the_inbox_watcher_ingests_mlx_lm_files_that_carry_their_tokens(sessions
     assert "carries no tokens" in (inbox / "failed" / "bare.safetensors.reason.txt").read_text()
     with open_store(str(tmp_path / "store"), identity=Identity("m2")) as store:
         assert_same_caches(store.restore("chat-9").caches, cache)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_031_file_and_a_032_file_of_the_same_caches_import_bit_identically(sessions, name, tmp_path):
+    """mlx-lm 0.31's layout (``meta_state``; written by ``mlx_lm_031_files`` from its documented layout) and 0.32's
+    ``[metadata, classes, scalars]`` file of the same caches give the same caches, the same stored chunks and the
+    same restore; before, a 0.31 file was refused with ``IncompatibleFormat``."""
+    from mlx_lm_031_files import save_prompt_cache_031
+
+    tokens, cache, new = sessions[name]
+    old = tmp_path / f"{name}-031.safetensors"
+    save_prompt_cache_031(old, cache, {"model": name, "chat_template": "plain"})
+    assert "2.0" in mx.load(str(old), return_metadata=True)[1] and is_prompt_cache_file(old)
+    read = read_prompt_cache(old, tokens=tokens)
+    assert read.metadata == {"model": name, "chat_template": "plain"}
+    assert_same_caches(read.caches, read_prompt_cache(new, tokens=tokens).caches)
+    with open_store(str(tmp_path / "store"), identity=Identity(name)) as store:
+        a = import_prompt_cache(store, new, session_id="v032", tokens=tokens)
+        b = import_prompt_cache(store, old, session_id="v031", tokens=tokens)
+        assert store.restore("v031").tokens == store.restore("v032").tokens == tokens
+        assert_same_caches(store.restore("v031").caches, store.restore("v032").caches)
+        assert_same_caches(store.restore("v031").caches, cache)
+    with open_store(str(tmp_path / "store"), admin=True) as admin:
+        ma, mb = admin.admin.manifest(a.snapshot_id), admin.admin.manifest(b.snapshot_id)
+    assert [c.hash for c in ma.chunks] == [c.hash for c in mb.chunks] and ma.entries == mb.entries
+
+
+def test_kvshelf_import_reads_a_031_file(sessions, tmp_path):
+    from mlx_lm_031_files import save_prompt_cache_031
+
+    tokens, cache, _ = sessions["llama"]
+    old = tmp_path / "chat.safetensors"
+    save_prompt_cache_031(old, cache)
+    store = str(tmp_path / "store")
+    doc = run_json("import", str(old), "--store", store, "--model-id", "m", "--tokens", ",".join(map(str, tokens)))
+    assert doc["results"][0]["status"] == "imported" and doc["results"][0]["format"] == "mlx-lm"
+    with open_store(store, identity=Identity("m")) as st:
+        assert_same_caches(st.restore("chat").caches, cache)

@@ -62,6 +62,11 @@ def test_after_a_flipped_chunk_the_next_write_behind_heals_and_a_restart_hits_di
         third.chat(msgs2)
         assert third.prefix_lines()[-1]["source"] == "disk"  # the conversation is a disk hit again
         assert "CorruptData" not in third.log()
+    healed = kvshelf_cli("verify", "--deep", "--store", str(store), "--json")  # before any repair: what the server
+    assert healed.returncode == 0, healed.stdout + healed.stderr          # healed needs no operator (a cron stays
+    found = json.loads(healed.stdout)                                      # quiet), and is still listed
+    assert found["needs_operator"] == 0 and found["handled"] >= 1
+    assert {p["kind"] for p in found["problems"]} <= {"orphan-object", "quarantined"}
     repair = kvshelf_cli("repair", "--store", str(store), "--json")
     assert repair.returncode == 0, repair.stdout + repair.stderr
     assert json.loads(repair.stdout)["lost"] == []  # the write healed everything: nothing had to be dropped

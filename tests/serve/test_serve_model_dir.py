@@ -1,5 +1,6 @@
 """The tiny model directory is a real model (plain mlx_lm.server serves it), and its identity is computed from the
-files that define it: config.json, the safetensors headers (never the weight bytes), the tokenizer files."""
+files that define it: config.json, the safetensors headers, the tokenizer files, and the weights' content
+(``test_serve_identity_moves.py``: copies, other weights, the sidecar)."""
 
 from __future__ import annotations
 
@@ -35,15 +36,15 @@ def _copy(model_dir, dst):
     return dst
 
 
-def test_identity_is_stable_and_names_the_directory(model_dir):
+def test_identity_is_stable_and_names_the_weights_not_the_directory(model_dir):
     a, b = model_identity(model_dir), model_identity(str(model_dir) + "/")
-    assert a == b and a.model_id == str(model_dir.resolve())
+    assert a == b and a.model_id.startswith("weights:") and len(a.model_id) == len("weights:") + 32
     assert len(a.config_fingerprint) == 64 and len(a.tokenizer_hash) == 64
 
 
-def test_weight_bytes_are_never_read(model_dir, tmp_path):
-    """Same header, other weight bytes (here: the data region overwritten) -> the same fingerprint; the file is
-    only read up to its header."""
+def test_the_config_fingerprint_reads_only_headers(model_dir, tmp_path):
+    """Same header, other weight bytes (here: the data region overwritten) -> the same config fingerprint (the
+    model id, a content hash, tells them apart); the fingerprint reads each file only up to its header."""
     other = _copy(model_dir, tmp_path / "other")
     weights = other / "model.safetensors"
     n = struct.unpack("<Q", weights.read_bytes()[:8])[0]
@@ -51,6 +52,7 @@ def test_weight_bytes_are_never_read(model_dir, tmp_path):
         f.seek(8 + n)
         f.write(b"\x7f" * 4096)
     assert model_identity(other).config_fingerprint == model_identity(model_dir).config_fingerprint
+    assert model_identity(other).model_id != model_identity(model_dir).model_id
     with open(weights, "r+b") as f:  # and a file cut right after its header still fingerprints (no data read)
         f.truncate(8 + n)
     assert model_identity(other).config_fingerprint == model_identity(model_dir).config_fingerprint
@@ -74,7 +76,7 @@ def test_config_header_tokenizer_template_and_kv_settings_change_the_identity(mo
     quant = model_identity(model_dir, cache_settings={"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0})
     assert quant.config_fingerprint != base.config_fingerprint and quant.model_id == base.model_id
 
-    seeded = make_model_dir(tmp_path / "seed1", "llama", seed=1)  # same shapes, other values: told apart by path
+    seeded = make_model_dir(tmp_path / "seed1", "llama", seed=1)  # same shapes, other values: told apart by content
     assert model_identity(seeded).config_fingerprint == base.config_fingerprint
     assert model_identity(seeded) != base
 

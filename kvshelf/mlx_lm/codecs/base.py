@@ -60,6 +60,11 @@ class MlxCodec:
 
     kind: str
     cache_type: type
+    # The layout of what this codec writes and reads. Bumped when a codec (or the mlx-lm cache class it mirrors)
+    # changes what a stored snapshot means; served models' identities include every codec's tag, so a bump makes
+    # old snapshots another identity's (a miss, reclaimed by ``kvshelf gc --incompatible``) while an mlx or
+    # mlx-lm patch release that keeps the layout keeps the store.
+    format_tag = 1
     also_matches: tuple[type, ...] = ()
     takes_length = False
 

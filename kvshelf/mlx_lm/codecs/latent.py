@@ -33,6 +33,8 @@ def _provider():
 class LatentAdapterCodec:
     """One adapter class <-> its lego's entry under the adapter kind (see the module docstring)."""
 
+    format_tag = 1  # the layout tag served identities include (``MlxCodec.format_tag`` says why)
+
     def __init__(self, kind: str, adapter: type) -> None:
         self.kind = kind
         self.adapter = adapter

@@ -1,18 +1,22 @@
-"""The store identity of a served model, computed from its files without reading a single weight.
+"""The store identity of a served model: what its weights are, not where they are.
 
 Why: a prompt cache is only valid for the exact model that computed it. mlx-lm's server keys its RAM cache by the
 path strings alone; a persistent, shared store needs more, since a directory can be re-converted, another process
 may serve other weights under the same name, and a different tokenizer or chat template changes what token ids
-mean. Hashing the weights is out of the question (gigabytes at every start-up), so the fingerprint covers what
-identifies them cheaply and exactly: ``config.json`` and every safetensors *header* (8-byte length + JSON: names,
-dtypes, shapes, offsets, metadata). Same-shaped weights with other values have identical headers, so the model id
-keeps the path: a local directory by its real path, a Hugging Face snapshot by ``repo@revision``.
+mean. And a path is the wrong key twice over: the same weights copied to another directory, or mounted at another
+path on a second host sharing the Redis tier, are the same model, while other weights of the same shapes written
+where the old ones were are not.
 
 What goes where (``kvshelf.Identity``):
-- ``model_id``: ``org/name@revision`` for a hub snapshot, else the directory's real path, else the string given.
-- ``config_fingerprint``: sha256 over config.json (canonical JSON), each weight file's name + header, the adapter's
-  config and headers, the draft model's fingerprint, and the KV-cache settings that change what a cache holds
-  (``--kv-bits``, ``--kv-group-size``, ``--quantized-kv-start``), so quantized and full caches never mix.
+- ``model_id``: ``weights:<xxh3-128>``, a content fingerprint of every weight file (``weights_fingerprint.py``;
+  hashed once, then remembered in a sidecar in the store directory keyed by path, size, mtime, ctime and inode), or
+  the name an operator asserts with ``--model-id`` (then nothing is hashed: the operator vouches that the name
+  means those weights). An adapter appends ``+adapter:`` and its own weights' fingerprint.
+- ``config_fingerprint``: sha256 over config.json (canonical JSON), each weight file's name + safetensors header,
+  the adapter's config and headers, the draft model's fingerprint, the KV-cache settings that change what a cache
+  holds (``--kv-bits``, ``--kv-group-size``, ``--quantized-kv-start``) and the cache-format tag of every codec
+  (``MlxCodec.format_tag``: a tag per layout, not the mlx/mlx-lm version string, so a patch release that keeps the
+  layout keeps the store, and a layout change makes old snapshots another identity's).
 - ``tokenizer_hash``: sha256 over the tokenizer files (tokenizer.json, tokenizer_config.json with its chat
   template, chat_template.jinja/json, special tokens, vocab/merges, generation_config.json) plus a template given
   on the command line.
@@ -31,6 +35,7 @@ from typing import Any
 
 from ...errors import CorruptData, KvShelfError
 from ...store.identity import Identity
+from .weights_fingerprint import FingerprintSidecar, weights_fingerprint
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 TOKENIZER_FILES = (
@@ -102,9 +107,17 @@ def _weights_part(h: Any, root: Path, pattern: str) -> int:
     return len(files)
 
 
+def cache_format_tags() -> list[str]:
+    """``kind=tag`` of every codec this mlx-lm plugin registers, sorted: the cache layouts a snapshot may use."""
+    from ..plugin import codecs
+
+    return sorted(f"{c.kind}={getattr(c, 'format_tag', 1)}" for c in codecs())
+
+
 def config_fingerprint(model_dir: Path, *, adapter_dir: Path | None = None, draft_dir: Path | None = None,
                        cache_settings: dict[str, Any] | None = None) -> str:
-    """sha256 (hex) of config.json, the weight headers, the adapter, the draft model and the cache settings."""
+    """sha256 (hex) of config.json, the weight headers, the adapter, the draft model, the cache settings and the
+    codecs' cache-format tags."""
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise ModelFilesError(f"{model_dir} has no config.json: not a model directory")
@@ -124,6 +137,7 @@ def config_fingerprint(model_dir: Path, *, adapter_dir: Path | None = None, draf
         h.update(b"\0draft\0" + config_fingerprint(draft_dir).encode())
     if cache_settings:
         h.update(b"\0cache\0" + json.dumps(cache_settings, sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"\0formats\0" + json.dumps(cache_format_tags(), separators=(",", ":")).encode())
     return h.hexdigest()
 
 
@@ -138,20 +152,24 @@ def tokenizer_hash(model_dir: Path, chat_template: str | None = None) -> str:
 
 def model_identity(model: str | os.PathLike, *, adapter_path: str | os.PathLike | None = None,
                    draft_model: str | os.PathLike | None = None, chat_template: str | None = None,
-                   cache_settings: dict[str, Any] | None = None) -> Identity:
+                   cache_settings: dict[str, Any] | None = None, model_id: str | None = None,
+                   fingerprints: FingerprintSidecar | str | os.PathLike | None = None) -> Identity:
     """The ``Identity`` a server serving ``model`` (with that adapter, draft model, template and cache settings)
-    stores its prompt caches under."""
+    stores its prompt caches under. ``model_id`` asserts the model's name instead of hashing its weights;
+    ``fingerprints`` is the sidecar (or a store directory holding it) that remembers weight digests across starts
+    (``None``: hash every time)."""
+    sidecar = fingerprints if isinstance(fingerprints, FingerprintSidecar) else FingerprintSidecar.in_store(fingerprints)
     model_dir = resolve_model_dir(model)
     adapter_dir = resolve_model_dir(adapter_path) if adapter_path is not None else None
     draft_dir = resolve_model_dir(draft_model) if draft_model is not None else None
-    model_id = model_id_of(model, model_dir)
+    fingerprint = config_fingerprint(model_dir, adapter_dir=adapter_dir, draft_dir=draft_dir,
+                                     cache_settings=cache_settings)  # first: a directory without config.json says so
+    name = model_id if model_id else "weights:" + weights_fingerprint(model_dir, sidecar)
     if adapter_dir is not None:
-        model_id += f"+adapter:{adapter_dir}"
-    return Identity(model_id,
-                    config_fingerprint=config_fingerprint(model_dir, adapter_dir=adapter_dir, draft_dir=draft_dir,
-                                                          cache_settings=cache_settings),
-                    tokenizer_hash=tokenizer_hash(model_dir, chat_template))
+        name += "+adapter:" + weights_fingerprint(adapter_dir, sidecar)
+    sidecar.save()
+    return Identity(name, config_fingerprint=fingerprint, tokenizer_hash=tokenizer_hash(model_dir, chat_template))
 
 
-__all__ = ["ModelFilesError", "config_fingerprint", "model_id_of", "model_identity", "resolve_model_dir",
-           "safetensors_header", "tokenizer_hash"]
+__all__ = ["ModelFilesError", "cache_format_tags", "config_fingerprint", "model_id_of", "model_identity",
+           "resolve_model_dir", "safetensors_header", "tokenizer_hash"]

@@ -15,8 +15,8 @@ them and resumes their retries (docs/RESUMING.md). Private mlx-lm names (``_run_
 ``_tokenize`` and the other hooks) are reached through ``kvshelf.mlx_lm.upstream`` only; the bound address is printed
 once the socket listens (``listening.py``: ``--port 0`` works).
 
-Stores: one handle per model identity (``model_identity``: path or repo, config.json and safetensors headers,
-tokenizer files, KV settings), opened for the default model before the HTTP server starts and lazily for models a
+Stores: one handle per model identity (``model_identity``: the weights' content fingerprint or ``--model-id``,
+config.json and safetensors headers, tokenizer files, KV settings, codec format tags), opened for the default model before the HTTP server starts and lazily for models a
 request names. A store that cannot be opened (busy, damaged, missing permissions) leaves the server on RAM only
 and is retried every ``--store-retry`` seconds. Several servers may share one store directory.
 
@@ -80,10 +80,16 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvshelf serve", add_help=False,
+    # allow_abbrev=False: options this parser does not know go to mlx_lm.server, so a prefix must never match
+    # here (mlx-lm's --model would otherwise be taken as an abbreviation of --model-id)
+    p = argparse.ArgumentParser(prog="kvshelf serve", add_help=False, allow_abbrev=False,
                                 description="mlx-lm's OpenAI-compatible server with a persistent, shared prompt "
                                             "cache. Options not listed here go to mlx_lm.server unchanged.")
     p.add_argument("--store", required=True, metavar="DIR", help="kvshelf store directory (shared by servers)")
+    p.add_argument("--model-id", default=None, metavar="NAME",
+                   help="the model's identity in the store, asserted (default: a content fingerprint of the weight "
+                        "files, hashed once and remembered in the store directory); servers giving the same NAME "
+                        "share caches, so give it only to identical weights")
     p.add_argument("--max-bytes", type=parse_size, default=None, metavar="N",
                    help="disk budget of the store (e.g. 20G); least recently used prompt caches are evicted")
     p.add_argument("--cache-namespace", default="", metavar="NS",
@@ -158,8 +164,9 @@ class StoreOpener:
 
     def __init__(self, store_dir: str, cli_args: argparse.Namespace, *, max_bytes: int | None, retry: float,
                  remote: str | None = None, remote_prefix: str = "kvshelf:", remote_options: dict | None = None,
-                 max_pinned_bytes: int | None = None):
+                 max_pinned_bytes: int | None = None, model_id: str | None = None):
         self.store_dir, self.cli_args, self.max_bytes, self.retry = store_dir, cli_args, max_bytes, retry
+        self.model_id = model_id  # --model-id: the default model's asserted identity
         self.remote, self.remote_prefix, self.remote_options = remote, remote_prefix, dict(remote_options or {})
         self.max_pinned_bytes = max_pinned_bytes
         self._by_key: dict[Any, Any] = {}
@@ -174,8 +181,11 @@ class StoreOpener:
         if getattr(a, "kv_bits", None) is not None:
             settings = {"kv_bits": a.kv_bits, "kv_group_size": a.kv_group_size,
                         "quantized_kv_start": a.quantized_kv_start}
+        # --model-id names the default model only: another model a request loads is fingerprinted by content.
+        asserted = self.model_id if model_path == getattr(a, "model", None) else None
         return model_identity(model_path, adapter_path=adapter_path, draft_model=draft_path,
-                              chat_template=getattr(a, "chat_template", None) or None, cache_settings=settings)
+                              chat_template=getattr(a, "chat_template", None) or None, cache_settings=settings,
+                              model_id=asserted, fingerprints=self.store_dir)
 
     def open_now(self, model_key: Any):
         """Open the store for ``model_key`` or raise ``StartupError`` (the default model, before listening)."""
@@ -264,7 +274,8 @@ class Serving:
         else:
             self.opener = StoreOpener(opts.store, cli, max_bytes=opts.max_bytes, retry=opts.store_retry,
                                       remote=opts.remote, remote_prefix=opts.remote_prefix,
-                                      remote_options=opts.remote_options, max_pinned_bytes=opts.max_pinned_bytes)
+                                      remote_options=opts.remote_options, max_pinned_bytes=opts.max_pinned_bytes,
+                                      model_id=opts.model_id)
         self.metrics = ServeMetrics(self.state)
         min_write = opts.min_write_tokens if opts.min_write_tokens is not None else opts.min_disk_tokens
         self.tiered = TieredPromptCache(ram, store_for=self.opener, namespace=opts.cache_namespace,

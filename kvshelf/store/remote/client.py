@@ -66,13 +66,17 @@ def connect(remote: str | Sequence[str] | Any, *, cluster: bool | None = None,
     if not isinstance(remote, str):
         raise RemoteConfigError(f"remote must be a URL, a list of seed nodes or a redis client, got "
                                 f"{type(remote).__name__}")
-    parts = urlsplit(remote)
+    try:
+        parts = urlsplit(remote)
+        parts.port  # noqa: B018 - parsed lazily: a bad port raises here, not deep inside redis-py
+    except ValueError as exc:  # one line naming the URL (without its password), never a traceback
+        raise RemoteConfigError(f"remote URL {redact(remote)!r} cannot be parsed: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme in ("redis+cluster", "rediss+cluster"):
         cluster, scheme = True, scheme.split("+")[0]
     if scheme not in ("redis", "rediss", "unix", "valkey", "valkeys"):
-        raise RemoteConfigError(f"remote URL {remote!r}: scheme must be redis://, rediss://, redis+cluster:// "
-                                f"or unix://")
+        raise RemoteConfigError(f"remote URL {redact(remote)!r}: scheme must be redis://, rediss://, "
+                                f"redis+cluster:// or unix://")
     scheme = {"valkey": "redis", "valkeys": "rediss"}.get(scheme, scheme)
     url = urlunsplit((scheme, parts.netloc, parts.path, parts.query, parts.fragment))
     try:
@@ -87,12 +91,17 @@ def redact(remote: Any) -> str:
     """The URL without its password (for messages, stats and the CLI)."""
     if not isinstance(remote, str):
         return repr(remote) if isinstance(remote, (list, tuple)) else type(remote).__name__
-    parts = urlsplit(remote)
+    try:
+        parts = urlsplit(remote)
+        port = parts.port
+    except ValueError:  # unparseable: where a password would be is unknown, so only the scheme and the host part
+        scheme, sep, rest = remote.partition("://")
+        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else remote
     if parts.password is None:
         return remote
     user = parts.username or ""
     host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    netloc = f"{user}:***@{host}" + (f":{port}" if port else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
