@@ -111,3 +111,27 @@ def test_another_image_or_swapped_images_never_hit_and_the_text_before_is_shared
         reader = tiered(store)  # a text prompt that is the text before the image (and more) shares it too
         got, rest = reader.fetch_nearest_cache(KEY, TEXT + [70, 71])
         assert got[0].offset == len(TEXT) and rest == [70, 71]
+
+
+def test_an_image_prompt_is_shared_through_the_shared_tier(llama, tmp_path):
+    from redis_servers import RedisServer
+
+    server = RedisServer()
+    ident = Identity("tiny-llama", "cfg", "tok")
+    try:
+        tokens, key = prompt(1)
+        with open_store(tmp_path / "a", identity=ident, remote=server.url) as a:
+            writer = tiered(a)
+            writer.scopes.take(key)
+            writer.insert_cache(KEY, list(key), filled(llama, tokens))
+            assert writer.flush(timeout=60) and a.tier.flush(30)
+        with open_store(tmp_path / "b", identity=ident, remote=server.url) as b:  # another host: nothing local
+            reader = tiered(b)
+            got, rest = reader.fetch_nearest_cache(KEY, key + [7])
+            assert reader.counters["remote_hits"] == 1 and got[0].offset == len(key) and rest == [7]
+            assert same(forward(llama, [7], got), forward(llama, [7], filled(llama, tokens)))
+            other = tiered(b)  # another image through the shared tier: only the text before it
+            got, _rest = other.fetch_nearest_cache(KEY, prompt(2)[1])
+            assert got[0].offset == len(TEXT)
+    finally:
+        server.close()
