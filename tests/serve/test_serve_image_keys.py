@@ -135,3 +135,21 @@ def test_an_image_prompt_is_shared_through_the_shared_tier(llama, tmp_path):
             assert got[0].offset == len(TEXT)
     finally:
         server.close()
+
+
+def test_a_stored_prefix_never_ends_on_half_an_image_id(llama, tmp_path):
+    """Two images whose 60-bit ids share their upper 30 bits: the stored tokens agree one position into the image.
+    The hit must stop at the image's start, never serve the other image's first row."""
+    start = len(TEXT)
+    ids = [-1 - ((5 << 30) | 1), -1 - ((5 << 30) | 2)]
+    keys = [TEXT + [n] * 6 + [20, 30] for n in ids]
+    tokens = TEXT + [PATCH] * 6 + [20, 30]
+    assert storable_key(keys[0])[start] == storable_key(keys[1])[start]  # the upper halves agree
+    with open_store(tmp_path / "store", identity=Identity("tiny-llama", "cfg", "tok")) as store:
+        writer = tiered(store)
+        writer.scopes.take(keys[0])
+        writer.insert_cache(KEY, list(keys[0]), filled(llama, tokens))
+        assert writer.flush(timeout=60)
+        reader = tiered(store)
+        got, rest = reader.fetch_nearest_cache(KEY, keys[1])
+        assert got[0].offset == start and rest == keys[1][start:]
