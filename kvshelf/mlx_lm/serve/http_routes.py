@@ -81,7 +81,7 @@ def handler_class(base: type, serving: Any) -> type:
             if session_path(self.path.split("?", 1)[0].rstrip("/")):
                 sessions.answer(self, "DELETE", super().end_headers)
             else:
-                self._reject(RequestRejected(404, "not found"))
+                self.send_error(404)
 
         def validate_model_parameters(self):  # mlx-lm calls it once the body is parsed; ValueError -> its 400
             super().validate_model_parameters()
