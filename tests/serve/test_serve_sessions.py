@@ -181,6 +181,8 @@ def test_tenants_the_admin_gate_and_odd_ids(model, tmp_path):
         mine = longest(server, as_alice)
         sid = quote(mine["session_id"], safe="")
         assert sessions(server, as_bob) == []  # bob sees none of alice's
+        status, body = call(server, "GET", "/kvshelf/sessions?cache_salt=team-1", headers=as_alice)
+        assert status == 200 and json.loads(body)["sessions"] == []  # a salted scope is another scope
         assert call(server, "POST", f"/kvshelf/sessions/{sid}/export", headers=as_bob)[0] == 404
         assert call(server, "DELETE", f"/kvshelf/sessions/{sid}", headers=as_bob)[0] == 404
         assert call(server, "POST", f"/kvshelf/sessions/{sid}/fork?to=x", headers=as_bob)[0] == 404
