@@ -163,6 +163,30 @@ def find_session(store: Store, session_id: str, **filters: str | None) -> dict[s
     return {f: getattr(m, f) for f in IDENTITY_FIELDS} | {"snapshot_id": m.snapshot_id}
 
 
+def delete_session(path: str | os.PathLike[str], session_id: str, **filters: str | None) -> dict[str, Any]:
+    """``kvshelf delete SESSION``: the session the filters make unambiguous (every identity and namespace is
+    searched, as ``kvshelf export`` does), deleted through a handle opened under its own identity (deleting is an
+    identity-scoped call). ``SnapshotNotFound`` when no session has that id."""
+    require_text(session_id, "session_id")
+    with open_admin(path) as store:
+        found = [m for m in manifests(store, **filters) if m.session_id == session_id]
+    if not found:
+        raise SnapshotNotFound(f"delete: no session {session_id!r} in the store at {path}"
+                               + (f" matching {_describe(filters)}" if any(filters.values()) else ""))
+    if len(found) > 1:
+        scopes = "; ".join(f"model_id={m.model_id!r} namespace={m.namespace!r}" for m in found)
+        raise KvShelfError(f"delete: session {session_id!r} exists under several identities/namespaces ({scopes}); "
+                           "narrow it with --model-id/--namespace")
+    m = found[0]
+    from ..store import Identity
+
+    ident = Identity(m.model_id, config_fingerprint=m.config_fingerprint, tokenizer_hash=m.tokenizer_hash)
+    with open_store(str(path), identity=ident) as store:
+        store.delete(session_id, m.namespace)
+    return {"session_id": session_id, "namespace": m.namespace, "model_id": m.model_id,
+            "snapshot_id": m.snapshot_id, "tokens": m.length}
+
+
 def show(store: Store, target: str, **filters: str | None) -> dict[str, Any]:
     """The header of one snapshot (from its manifest: no tensor is read) and its chunks with their encodings."""
     m = resolve(store, target, **filters)
@@ -404,5 +428,5 @@ def rebuild_index(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 __all__ = ["repair", "quarantine_ls", "quarantine_drop",
-           "open_admin", "list_sessions", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
+           "open_admin", "list_sessions", "delete_session", "show", "stats", "verify", "gc", "rebuild_index", "find_session",
            "resolve", "format_of", "orphans", "chunk_totals", "StoreMissing"]

@@ -391,6 +391,15 @@ def cmd_pin(args: argparse.Namespace, pr: Printer) -> int:
     return OK
 
 
+def cmd_delete(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    doc = admin.delete_session(_store_dir(args), args.session, **_expect(args))
+    pr.emit(doc, lambda c: c.print(f"deleted {doc['session_id']!r} (namespace {doc['namespace']!r}, model "
+                                   f"{doc['model_id']}); `kvshelf gc` reclaims what no other session uses"))
+    return OK
+
+
 def cmd_unpin(args: argparse.Namespace, pr: Printer) -> int:
     from . import admin
 
@@ -434,7 +443,7 @@ def cmd_warm(args: argparse.Namespace, pr: Printer) -> int:
 COMMANDS = {
     "demo": cmd_demo, "ls": cmd_ls, "show": cmd_show, "stats": cmd_stats, "verify": cmd_verify, "gc": cmd_gc,
     "compact": cmd_compact, "export": cmd_export, "import": cmd_import, "rebuild-index": cmd_rebuild_index,
-    "watch": cmd_watch, "pin": cmd_pin, "unpin": cmd_unpin, "warm": cmd_warm, "repair": cmd_repair,
+    "watch": cmd_watch, "delete": cmd_delete, "pin": cmd_pin, "unpin": cmd_unpin, "warm": cmd_warm, "repair": cmd_repair,
     "quarantine": cmd_quarantine,
 }
 

@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pin lapses this long after the session's last use (e.g. 7d; default never)")
     p.add_argument("--max-pinned-bytes", type=int, default=None, metavar="BYTES",
                    help="refuse the pin when pins would hold more than this")
+    p = add("delete", "Delete a session (its latest snapshot and its checkpoints); chunks no other session uses are "
+                      "freed, `kvshelf gc` reclaims what is left.")
+    p.add_argument("session", help="session id")
+    _identity_options(p, required_note="default: the only identity and namespace holding the session")
     p = add("unpin", "Drop a session's pin; the budget may evict it again.")
     p.add_argument("session", help="session id")
     p.add_argument("--namespace", default="", metavar="NS", help='the session\'s namespace (default "")')

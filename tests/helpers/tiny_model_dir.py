@@ -72,7 +72,10 @@ _MAMBA2 = dict(  # noqa: C408 - pure state-space layers (ArraysCache only)
     num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True,
     tie_word_embeddings=True, time_step_limit=[0.0, 1e9], time_step_rank=4, chunk_size=64,
 )
-CONFIGS = {"llama": _LLAMA, "llama-bench": _LLAMA_BENCH, "llama-kv": _LLAMA_KV, "qwen3_next": _QWEN3_NEXT, "mamba2": _MAMBA2}
+# Llama 3.1's scaled RoPE: its frequencies are an array built in the constructor, outside the parameters
+_LLAMA_ROPE_SCALED = dict(_LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+CONFIGS = {"llama": _LLAMA, "llama-rope-scaled": _LLAMA_ROPE_SCALED, "llama-bench": _LLAMA_BENCH, "llama-kv": _LLAMA_KV, "qwen3_next": _QWEN3_NEXT, "mamba2": _MAMBA2}
 _KEEP_AROUND = ("norm", "A_log", "D", "dt_bias", "bias")
 
 

@@ -20,7 +20,7 @@ from tools_data import (
 from kvshelf import open_store  # noqa: E402
 from kvshelf.store.index.schema import ChunkRef  # noqa: E402
 
-SUBCOMMANDS = ["demo", "ls", "show", "stats", "verify", "gc", "compact", "export", "import", "rebuild-index", "watch"]
+SUBCOMMANDS = ["demo", "ls", "show", "stats", "verify", "gc", "compact", "export", "import", "delete", "rebuild-index", "watch"]
 
 
 @pytest.fixture(scope="module")

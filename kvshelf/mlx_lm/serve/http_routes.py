@@ -17,6 +17,7 @@ from typing import Any
 
 from .metrics import CONTENT_TYPE
 from .request_context import DEFAULT_CONTEXT, RequestContext, RequestRejected
+from .session_routes import SessionRoutes, claims as session_path
 from .status_page import render
 
 HEADER = "X-Kvshelf-Prefix"
@@ -40,9 +41,14 @@ ADMIN_PATHS = ("/metrics", "/kvshelf", "/kvshelf/stats")
 def handler_class(base: type, serving: Any) -> type:
     """mlx-lm's ``APIHandler`` subclass for ``serving`` (a ``server.Serving``: metrics, status, prompt cache)."""
 
+    sessions = SessionRoutes(serving)  # /kvshelf/sessions: sessions as files (session_routes.py)
+
     class KvShelfHandler(base):
         def do_GET(self):  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0].rstrip("/") or "/"
+            if session_path(path):
+                sessions.answer(self, "GET", super().end_headers)
+                return
             if path in ADMIN_PATHS:
                 try:
                     serving.admin.check(self.headers)
@@ -61,12 +67,21 @@ def handler_class(base: type, serving: Any) -> type:
         def do_POST(self):  # noqa: N802
             _current.ctx = None  # a keep-alive connection's previous request must not lend its context
             _current.request_context = None
+            if session_path(self.path.split("?", 1)[0].rstrip("/")):
+                sessions.answer(self, "POST", super().end_headers)
+                return
             try:  # authentication and the tenant header before the body is read: a 401 costs no parsing
                 _current.request_context = serving.contexts.from_headers(self.headers)
             except RequestRejected as exc:
                 self._reject(exc)
                 return
             super().do_POST()
+
+        def do_DELETE(self):  # noqa: N802
+            if session_path(self.path.split("?", 1)[0].rstrip("/")):
+                sessions.answer(self, "DELETE", super().end_headers)
+            else:
+                self.send_error(404)
 
         def validate_model_parameters(self):  # mlx-lm calls it once the body is parsed; ValueError -> its 400
             super().validate_model_parameters()

@@ -42,13 +42,14 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import xxhash
 
 from ...errors import CorruptData, SnapshotNotFound
 from ...store.save import BUSY, CLOSED, FULL, WriteBehindQueue
+from .image_keys import storable_key, trusted_length
 from .prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints
 from .request_scopes import RequestScopes
 
@@ -192,13 +193,14 @@ class TieredPromptCache:
         ram_len = len(tokens) - len(rest) if cache is not None else 0
         source, cached = ("ram", ram_len) if cache is not None else ("none", 0)
         reason, prefix_checkpoint = None, False
-        if len(tokens) - 1 > ram_len and _storable(tokens):
-            restored, reason = self._from_disk(model, tokens, ram_len, namespace)
+        stored = storable_key(tokens)  # image prompts: mlx-lm's negative ids mapped to storable ones (image_keys.py)
+        if len(tokens) - 1 > ram_len and stored is not None:
+            restored, reason = self._from_disk(model, stored, ram_len, namespace)
             if restored is not None:
                 cache, cached, source, prefix_checkpoint = restored
                 rest = tokens[cached:]
                 self.counters["checkpoint_hits"] += prefix_checkpoint
-        elif not _storable(tokens):
+        elif stored is None:
             reason = "unstorable_tokens"
         self.counters[f"{source}_hits" if source != "none" else "misses"] += 1
         if source != "none":
@@ -282,6 +284,7 @@ class TieredPromptCache:
                 hit = store.lookup(tokens, namespace)
                 if hit is None:  # why (store.explain_miss): another identity's, below a floor, an uncuttable state
                     return None, store.explain_miss(tokens, namespace)
+                hit = replace(hit, length=trusted_length(tokens, hit.length))  # never half an image's id
                 if hit.length <= ram_len:
                     return None, "nothing_stored"
                 if hit.length < self.min_disk_tokens:
@@ -319,10 +322,12 @@ class TieredPromptCache:
             self.log.warning("kvshelf prefix checkpoints dropped (%d tokens): %s: %s", len(tokens), type(exc).__name__,
                              exc)
             prefix_checkpoints = {}
-        if not tokens or not _storable(tokens):  # image placeholders are negative ids: RAM only
+        stored = storable_key(tokens) if tokens else None  # image prompts mapped (image_keys.py); None: RAM only
+        if stored is None:
             self.counters["writes_skipped_unstorable"] += 1
             self.observer.observe_write("unstorable", 0, len(tokens))
             return
+        tokens = stored
         if len(tokens) < self.min_write_tokens:
             self.counters["writes_skipped_short"] += 1
             self.observer.observe_write("below_min_write_tokens", 0, len(tokens))
@@ -409,10 +414,6 @@ class TieredPromptCache:
                       self.counters["writes_done"], self.counters["writes_failed"],
                       self.counters["writes_skipped_full"], self.queue.pending, self.counters["writes_duplicate"])
         return flushed
-
-
-def _storable(tokens: Sequence[int]) -> bool:
-    return all(t >= 0 for t in tokens)
 
 
 __all__ = ["COUNTERS", "FetchOutcome", "MISS_REASONS", "SOURCES", "TieredPromptCache", "WRITE_OUTCOMES", "prompt_key",

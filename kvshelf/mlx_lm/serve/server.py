@@ -58,6 +58,7 @@ from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
 from ..upstream import response_generator_base, run_http_server
 from .listening import reporting_server_class
+from .loaded_model import settle_arrays
 from .startup import StartupError
 from .status_page import status
 from .generations import ServeGenerations, generation_checkpoint_every_arg  # generation checkpoints (RESUMING.md)
@@ -369,6 +370,9 @@ def _run_function(opts: argparse.Namespace, made: list):
             except Exception as exc:  # noqa: BLE001 - whatever mlx-lm raised, the operator reads one line
                 raise StartupError(f"--model {cli.model}: the model does not load: {type(exc).__name__}: "
                                    f"{exc}") from None
+            # loaded in this thread, served from mlx-lm's: no array may stay bound to this thread's stream
+            settle_arrays(model_provider.model)
+            settle_arrays(model_provider.draft_model)
         ram = mlx_server.LRUPromptCache(cli.prompt_cache_size)
         serving = Serving(opts, cli, ram, distributed=model_provider.is_distributed, bind_host=host)
         warning = serving.admin.startup_warning()
