@@ -24,6 +24,7 @@ from ..errors import InvalidCacheState, WrongArgumentType
 from .assembly import assemble, bind_remote
 from .generations import GenerationCheckpoint, GenerationCheckpoints
 from .identity import Identity
+from .identity import tenant_namespace as scope  # ``tenant=``: the tenant is part of the namespace, so of every key
 from .index.protocol import IndexStore
 from .liveness.open_lock import StoreBusy
 from .opening import open_context
@@ -122,77 +123,80 @@ class Store:
 
     # ------------------------------------------------------------------ saving (save/session_saves.py)
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "",
-             checkpoints: dict[int, Sequence[Any]] | None = None) -> SnapshotInfo:
+             checkpoints: dict[int, Sequence[Any]] | None = None, *, tenant: str = "") -> SnapshotInfo:
         """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written).
         ``checkpoints={k: caches_at_k}`` also saves the state after ``tokens[:k]`` (docs/CHECKPOINTS.md)."""
-        return self._parts.saves.save(session_id, tokens, caches, namespace, checkpoints)
+        return self._parts.saves.save(session_id, tokens, caches, scope(namespace, tenant), checkpoints)
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
-                   namespace: str = "", checkpoints: dict[int, Sequence[Any]] | None = None) -> Future:
+                   namespace: str = "", checkpoints: dict[int, Sequence[Any]] | None = None, *,
+                   tenant: str = "") -> Future:
         """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures.
         ``checkpoints`` as in ``save``: captured now too, written right after the session."""
-        return self._parts.saves.save_async(session_id, tokens, caches, namespace, checkpoints)
+        return self._parts.saves.save_async(session_id, tokens, caches, scope(namespace, tenant), checkpoints)
 
     def save_checkpoint(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
-                        namespace: str = "") -> SnapshotInfo:
+                        namespace: str = "", *, tenant: str = "") -> SnapshotInfo:
         """Save ``caches`` (the state after ``tokens`` = the session's first k tokens) as a prefix checkpoint of the
         existing session at k: lookups reuse it for prompts that match those k tokens (docs/CHECKPOINTS.md)."""
-        return self._parts.saves.save_checkpoint(session_id, tokens, caches, namespace)
+        return self._parts.saves.save_checkpoint(session_id, tokens, caches, scope(namespace, tenant))
 
-    def list_checkpoints(self, session_id: str, namespace: str = "") -> list[CheckpointInfo]:
+    def list_checkpoints(self, session_id: str, namespace: str = "", *, tenant: str = "") -> list[CheckpointInfo]:
         """The session's prefix checkpoints (``CheckpointInfo``: length, snapshot id, bytes referenced), by length."""
-        return self._parts.saves.list_checkpoints(session_id, namespace)
+        return self._parts.saves.list_checkpoints(session_id, scope(namespace, tenant))
 
     def flush(self) -> None:
         """Wait for every queued ``save_async``; re-raise the first failure."""
         self._parts.saves.flush()
 
     # ------------------------------------------------------------------ lookup (prefix/lookups.py)
-    def lookup(self, prompt_tokens: Sequence[int], namespace: str = "") -> PrefixHit | None:
+    def lookup(self, prompt_tokens: Sequence[int], namespace: str = "", *, tenant: str = "") -> PrefixHit | None:
         """The longest usable stored prefix of the prompt, or None. Reads no chunks. A list prompt is converted (and
         checked) only as far as the lookup reads it, so a miss costs microseconds however long the prompt."""
-        return self._parts.lookups.lookup(prompt_tokens, namespace)
+        return self._parts.lookups.lookup(prompt_tokens, scope(namespace, tenant))
 
-    def explain_miss(self, prompt_tokens: Sequence[int], namespace: str = "") -> str:
+    def explain_miss(self, prompt_tokens: Sequence[int], namespace: str = "", *, tenant: str = "") -> str:
         """Why ``lookup`` finds no usable prefix of the prompt: ``"nothing_stored"``, ``"other_identity"`` (a stored
         prefix of another model identity), ``"below_floor"`` (shorter than the snapshot's minimum_reusable_offset) or
         ``"not_exact_length"`` (recurrent or rotating state, and the prompt diverges before its end). Call it on a
         miss only: it searches again without the usability rules (``prefix/explain.py``)."""
-        return self._parts.lookups.explain_miss(prompt_tokens, namespace)
+        return self._parts.lookups.explain_miss(prompt_tokens, scope(namespace, tenant))
 
     # ------------------------------------------------------------------ restoring (restore/restores.py)
-    def restore(self, session_id: str, namespace: str = "") -> Restored:
+    def restore(self, session_id: str, namespace: str = "", *, tenant: str = "") -> Restored:
         """The session's latest snapshot, whole."""
-        return self._parts.restores.restore(session_id, namespace)
+        return self._parts.restores.restore(session_id, scope(namespace, tenant))
 
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
         return self._parts.restores.restore_snapshot(snapshot_id, length)
 
-    def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "") -> Restored | None:
+    def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "", *,
+                       tenant: str = "") -> Restored | None:
         """Caches for the longest usable stored prefix of the prompt (reading only the chunks covering it)."""
-        return self._parts.restores.restore_prefix(prompt_tokens, namespace)
+        return self._parts.restores.restore_prefix(prompt_tokens, scope(namespace, tenant))
 
     def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]]) -> RestoredBatch:
         """Several rows restored straight into one batched cache per layer, rows in request order."""
         return self._parts.restores.restore_batch(requests)
 
-    def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
-        """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""
-        return self._parts.restores.sessions(namespace)
+    def sessions(self, namespace: str | None = None, *, tenant: str | None = None) -> list[SessionInfo]:
+        """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first; with
+        ``tenant``, only that tenant's (its every namespace when ``namespace`` is None)."""
+        return self._parts.restores.sessions(namespace, tenant)
 
     # ------------------------------------------------------------------ what is kept (space/keeping.py)
-    def delete(self, session_id: str, namespace: str = "") -> None:
+    def delete(self, session_id: str, namespace: str = "", *, tenant: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
-        self._parts.keeping.delete(session_id, namespace)
+        self._parts.keeping.delete(session_id, scope(namespace, tenant))
 
-    def pin(self, session_id: str, namespace: str = "", ttl: float | None = None):
+    def pin(self, session_id: str, namespace: str = "", ttl: float | None = None, *, tenant: str = ""):
         """Never evict the session (budget, LRU) until ``unpin`` or ``ttl`` seconds after its last use."""
-        return self._parts.keeping.pin(session_id, namespace, ttl)
+        return self._parts.keeping.pin(session_id, scope(namespace, tenant), ttl)
 
-    def unpin(self, session_id: str, namespace: str = "") -> bool:
+    def unpin(self, session_id: str, namespace: str = "", *, tenant: str = "") -> bool:
         """Drop the session's pin (False when it had none); the budget may evict it again."""
-        return self._parts.keeping.unpin(session_id, namespace)
+        return self._parts.keeping.unpin(session_id, scope(namespace, tenant))
 
     # ------------------------------------------------------------------ integrity (integrity/, admin/surface.py)
     def stats(self) -> dict[str, Any]:
