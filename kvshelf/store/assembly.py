@@ -67,6 +67,7 @@ class Collaborators:
     restores: Restores
     keeping: Keeping
     writer: BackgroundWriter
+    budget: Budget
 
     def close(self) -> None:
         if self.ctx.closed:
@@ -98,7 +99,8 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
     full_disk = FullDisk(ctx, txns, removal, gc)  # sizes and takes the reserve from the index
     quarantine = Quarantine(ctx, txns, full_disk, removal)
     reader = Reader(ctx, leases, snapshots, quarantine)
-    saver = Saver(ctx, gate, txns, reclaimer, Budget(ctx, txns, reclaimer, removal, pins))
+    budget = Budget(ctx, txns, reclaimer, removal, pins)
+    saver = Saver(ctx, gate, txns, reclaimer, budget)
     swap = IndexSwap(ctx, gate, txns, writer.flush)
     verifier = Verifier(ctx, gate, reclaimer)
     admin = StoreAdmin(ctx, snapshots=snapshots, leases=leases, reclaimer=reclaimer, txns=txns, gate=gate,
@@ -115,7 +117,7 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
     if not ctx.read_only:  # once per index: v1 manifest files get the checksum rebuilds need
         seal_v1_manifests(ctx.index, ctx.bytes)
     return Collaborators(ctx, gate, txns, leases, pins, checkpoints, quarantine, repair, admin, saves, lookups,
-                         restores, keeping, writer)
+                         restores, keeping, writer, budget)
 
 
 def bind_remote(parts: Collaborators, remote: Any, prefix: str, options: dict[str, Any]) -> None:

@@ -114,6 +114,7 @@ class StoreContext:
     chunk_tokens: int = 256
     verify_reads: bool = True
     max_bytes: int | None = None
+    tenant_max_bytes: dict[str, int] = field(default_factory=dict)  # tenant token -> quota ("*": every tenant's)
     lease_seconds: float = 600.0
     block: int = 16  # prefix records' block size (prefix/hashing.py)
     counters: Counters = field(default_factory=Counters)

@@ -31,6 +31,7 @@ from .opening import open_context
 from .prefix.hashing import BLOCK_TOKENS
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .save.checkpoints import CheckpointInfo
+from .space.budget import tenant_limits
 
 # Names that were ``Store`` methods before the offline tools' calls moved to ``store.admin`` (and before "blob"
 # became "chunk"): deprecated, kept for one release, each warning and answering with the ``store.admin`` call.
@@ -50,13 +51,14 @@ class Store:
     ``byte_store`` replaces the local directory of packs by any ``ByteStore`` and ``index_store`` the LMDB index by
     any ``IndexStore`` (``MemoryIndexStore``: a throwaway store); the store speaks only those two protocols. The
     directory still holds the locks (and, by default, both of them). ``clock`` (seconds, like ``time.time``) is
-    what pin expiry reads: a test advances its own instead of sleeping.
+    what pin expiry reads: a test advances its own instead of sleeping. ``tenant_max_bytes`` (an int for every tenant, or
+    ``{tenant: bytes}``) is each tenant's quota (``set_tenant_limit``).
     """
 
     def __init__(self, path: str | os.PathLike, identity: Identity | None, *, max_bytes: int | None = None,
                  chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
                  map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
-                 admin: bool = False, byte_store=None, index_store=None, clock=None):
+                 admin: bool = False, byte_store=None, index_store=None, clock=None, tenant_max_bytes=None):
         if index_store is not None and not isinstance(index_store, IndexStore):
             raise WrongArgumentType(f"index_store must be a kvshelf IndexStore, got {type(index_store).__name__}")
         if admin and identity is not None:
@@ -69,7 +71,8 @@ class Store:
             raise InvalidCacheState(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
         ctx, gate = open_context(path, identity, provider or default_provider, byte_store, index_store, map_size,
                                  chunk_tokens=chunk_tokens, verify_reads=verify, max_bytes=max_bytes,
-                                 lease_seconds=lease_seconds, block=BLOCK_TOKENS)
+                                 lease_seconds=lease_seconds, block=BLOCK_TOKENS,
+                                 tenant_max_bytes=tenant_limits(tenant_max_bytes))
         self._parts = parts = assemble(ctx, gate, max_pending_bytes=max_pending_bytes, clock=clock)
         self._ctx, self._generations = ctx, GenerationCheckpoints(self)
         self.root, self.identity, self.id_key, self.identity_blind = ctx.root, identity, ctx.id_key, admin
@@ -197,6 +200,11 @@ class Store:
     def unpin(self, session_id: str, namespace: str = "", *, tenant: str = "") -> bool:
         """Drop the session's pin (False when it had none); the budget may evict it again."""
         return self._parts.keeping.unpin(session_id, scope(namespace, tenant))
+
+    def set_tenant_limit(self, tenant: str, max_bytes: int | None) -> None:
+        """``tenant``'s quota (``"*"``: every tenant's default; None drops it): over it, the tenant's own LRU
+        unpinned sessions are evicted after its saves, never another tenant's (``space/budget.py``)."""
+        self._parts.budget.set_tenant_limit(tenant, max_bytes)
 
     # ------------------------------------------------------------------ integrity (integrity/, admin/surface.py)
     def stats(self) -> dict[str, Any]:

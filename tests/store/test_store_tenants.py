@@ -51,3 +51,28 @@ def test_a_full_length_namespace_fits_inside_a_tenant_and_bad_tenants_are_refuse
                 store.save("s", token_ids(16), mla(16), tenant=bad)
         with pytest.raises(InvalidCacheState, match="namespace"):
             store.save("s", token_ids(16), mla(16), "n" * 257, tenant="t")
+
+
+PER_TOKEN = 2 * (64 + 32) * 4  # two f32 MLA layers of widths 64 + 32
+SNAP = 48 * PER_TOKEN
+
+
+def test_a_tenant_flooding_the_store_evicts_only_its_own_sessions(tmp_path):
+    with open_test_store(tmp_path / "s", chunk_tokens=16, tenant_max_bytes={"a": 3 * SNAP}) as store:
+        for i in range(4):
+            store.save(f"b-{i}", token_ids(48, seed=100 + i), mla(48, seed=100 + i), tenant="b")
+        store.save("a-pinned", token_ids(48, seed=50), mla(48, seed=50), tenant="a")
+        store.pin("a-pinned", tenant="a")
+        for i in range(30):  # ten times its quota
+            store.save(f"a-{i}", token_ids(48, seed=i), mla(48, seed=i), tenant="a")
+            used = sum(s.nbytes for s in store.sessions(tenant="a"))
+            assert used <= 3 * SNAP
+        assert {s.session_id for s in store.sessions(tenant="b")} == {f"b-{i}" for i in range(4)}
+        assert {s.session_id for s in store.sessions(tenant="a")} == {"a-pinned", "a-28", "a-29"}  # the pin counts
+        assert store.counters["evicted"] == 28
+        store.set_tenant_limit("*", SNAP)  # every tenant's default quota, from its next save
+        store.save("b-4", token_ids(48, seed=104), mla(48, seed=104), tenant="b")
+        assert [s.session_id for s in store.sessions(tenant="b")] == ["b-4"]
+        assert len(store.sessions(tenant="a")) == 3  # a's own quota still applies to a alone
+        with pytest.raises(InvalidCacheState, match="quota"):
+            store.set_tenant_limit("a", -1)
