@@ -8,7 +8,7 @@ bound method (a prefix checkpoint saves through ``SessionSaves``; a delete drops
 Order: ``Reclaimer``, ``Transactions`` (+ ``UseBook``), ``Leases``, ``Pins``, ``Snapshots``, ``SessionSaves``'s
 writer, ``Checkpoints``, ``Removal`` (pins and prefix checkpoints follow a dropped session), ``Gc``, ``FullDisk``,
 ``Quarantine``, ``Reader``, ``Saver`` (+ ``Budget``), ``IndexSwap``, ``Verifier``, ``StoreAdmin``, ``Repair``,
-then the public-call collaborators: ``SessionSaves``, ``Lookups``, ``Restores``, ``Keeping``.
+then the public-call collaborators: ``SessionSaves``, ``Lookups``, ``Restores``, ``Keeping``, ``TenantForget``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .admin.forget import TenantForget
 from .admin.index_swap import IndexSwap
 from .admin.surface import StoreAdmin
 from .context import StoreContext
@@ -68,6 +69,7 @@ class Collaborators:
     keeping: Keeping
     writer: BackgroundWriter
     budget: Budget
+    forget: TenantForget
 
     def close(self) -> None:
         if self.ctx.closed:
@@ -117,7 +119,7 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
     if not ctx.read_only:  # once per index: v1 manifest files get the checksum rebuilds need
         seal_v1_manifests(ctx.index, ctx.bytes)
     return Collaborators(ctx, gate, txns, leases, pins, checkpoints, quarantine, repair, admin, saves, lookups,
-                         restores, keeping, writer, budget)
+                         restores, keeping, writer, budget, TenantForget(ctx, txns, removal))
 
 
 def bind_remote(parts: Collaborators, remote: Any, prefix: str, options: dict[str, Any]) -> None:

@@ -206,6 +206,11 @@ class Store:
         unpinned sessions are evicted after its saves, never another tenant's (``space/budget.py``)."""
         self._parts.budget.set_tenant_limit(tenant, max_bytes)
 
+    def forget_tenant(self, tenant: str) -> dict[str, int]:
+        """Remove every snapshot, checkpoint, pin and shared-tier entry of ``tenant`` (every identity; with encryption
+        its data key first): counts of what went. Chunks left unreferenced are ``gc``'s (``admin/forget.py``)."""
+        return self._parts.forget.forget(tenant)
+
     # ------------------------------------------------------------------ integrity (integrity/, admin/surface.py)
     def stats(self) -> dict[str, Any]:
         """Totals, deduplication, budget, chunk and orphan counts, and this handle's counters."""
@@ -242,18 +247,19 @@ class Store:
     # ------------------------------------------------------------------ generation checkpoints (generations/)
     def save_generation_checkpoint(self, key: str, tokens: Sequence[int], caches: Sequence[Any], *,
                                    prompt_length: int, pending_token: int, sampler_state: bytes | None,
-                                   background: bool = False):
+                                   background: bool = False, tenant: str = ""):
         """A checkpoint of an in-flight generation under continuation ``key`` (docs/RESUMING.md)."""
         return self._generations.save(key, tokens, caches, prompt_length=prompt_length, pending_token=pending_token,
-                                      sampler_state=sampler_state, background=background)
+                                      sampler_state=sampler_state, background=background, tenant=tenant)
 
-    def find_generation_checkpoint(self, key: str, prompt_tokens: Sequence[int]) -> GenerationCheckpoint | None:
+    def find_generation_checkpoint(self, key: str, prompt_tokens: Sequence[int], *,
+                                   tenant: str = "") -> GenerationCheckpoint | None:
         """The longest generation checkpoint of ``key`` for exactly this prompt, restored, or None."""
-        return self._generations.find(key, prompt_tokens)
+        return self._generations.find(key, prompt_tokens, tenant)
 
-    def drop_generation_checkpoints(self, key: str) -> int:
+    def drop_generation_checkpoints(self, key: str, *, tenant: str = "") -> int:
         """Delete every generation checkpoint of ``key`` (its generation completed); how many there were."""
-        return self._generations.drop(key)
+        return self._generations.drop(key, tenant)
 
 
 def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,

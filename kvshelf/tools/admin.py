@@ -359,6 +359,37 @@ def remote_stats(remote: str, prefix: str | None = None) -> dict[str, Any]:
         return tier.stats()
 
 
+def remote_forget_tenant(remote: str, tenant: str, prefix: str | None = None) -> int:
+    """``kvshelf forget --tenant T --remote URL``: the tier's entries of ``tenant`` (``RemoteAdmin.forget_tenant``)."""
+    from ..store import tenant_token
+
+    with remote_admin(remote, prefix) as tier:
+        return tier.forget_tenant(tenant_token(tenant))
+
+
+def of_tenant(rows: list[dict[str, Any]], tenant: str | None) -> list[dict[str, Any]]:
+    """The rows (``list_sessions``'s, ``entries``') whose namespace is in ``tenant``'s scope; all when None."""
+    from ..store import tenant_of, tenant_token
+
+    if tenant is None:
+        return rows
+    token = tenant_token(tenant)
+    return [r for r in rows if "namespace" in r and tenant_of(r["namespace"]) == token]
+
+
+def tenant_totals(store: Store) -> dict[str, dict[str, int]]:
+    """Per tenant token (``""``: the default tenant): its sessions, checkpoints and the bytes its snapshots
+    reference — what ``kvshelf stats`` shows per tenant."""
+    from ..store import tenant_of
+
+    out: dict[str, dict[str, int]] = {}
+    for m in store.admin.iter_manifests():
+        row = out.setdefault(tenant_of(m.namespace), {"sessions": 0, "checkpoints": 0, "bytes": 0})
+        row["checkpoints" if is_checkpoint(m.session_id) else "sessions"] += 1
+        row["bytes"] += m.nbytes
+    return dict(sorted(out.items()))
+
+
 def remote_gc(remote: str, prefix: str | None = None, dry_run: bool = False, wait: float = 10.0) -> dict[str, Any]:
     with remote_admin(remote, prefix) as tier:
         return tier.gc(dry_run=dry_run, wait=wait)

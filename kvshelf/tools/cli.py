@@ -35,7 +35,7 @@ def cmd_ls(args: argparse.Namespace, pr: Printer) -> int:
     if args.remote:
         return _remote_ls(args, pr)
     with admin.open_admin(_store_dir(args)) as store:
-        rows = admin.list_sessions(store, **_expect(args))
+        rows = admin.of_tenant(admin.list_sessions(store, **_expect(args)), args.tenant)
 
     def human(console) -> None:
         table_rows = [
@@ -112,6 +112,7 @@ def _remote_ls(args: argparse.Namespace, pr: Printer) -> int:
     wanted = {k: v for k, v in _expect(args).items() if k in ("model_id", "namespace")}
     rows = [r for r in admin.remote_sessions(args.remote, args.remote_prefix)
             if all(r.get(k) == v for k, v in wanted.items())]
+    rows = rows if args.tenant is None else admin.of_tenant(rows, args.tenant)
 
     def human(console) -> None:
         table_rows = [(r.get("namespace", "?") or "\"\"", r.get("session_id", "?"), r.get("model_id", "?"),
@@ -137,9 +138,14 @@ def cmd_stats(args: argparse.Namespace, pr: Printer) -> int:
         return PROBLEMS if doc["broken_entries"] else OK
     with admin.open_admin(_store_dir(args)) as store:
         doc = admin.stats(store, max_bytes=args.max_bytes)
+        doc["tenants"] = admin.tenant_totals(store)
 
     def human(console) -> None:
-        console.print(kv_table("store", [(k, human_bytes(v) if k.endswith("bytes") else v) for k, v in doc.items()]))
+        console.print(kv_table("store", [(k, human_bytes(v) if k.endswith("bytes") else v) for k, v in doc.items()
+                                         if k != "tenants"]))
+        console.print(rows_table("tenants", ("tenant", "sessions", "checkpoints", "bytes"),
+                                 [(t or "(default)", r["sessions"], r["checkpoints"], human_bytes(r["bytes"]))
+                                  for t, r in doc["tenants"].items()]))
 
     pr.emit(doc, human)
     return PROBLEMS if doc.get("orphan_count") else OK
@@ -340,6 +346,20 @@ def cmd_unpin(args: argparse.Namespace, pr: Printer) -> int:
     return OK if dropped else PROBLEMS
 
 
+def cmd_forget(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    if args.remote:
+        doc = {"tenant": args.tenant, "remote_entries": admin.remote_forget_tenant(args.remote, args.tenant,
+                                                                                   args.remote_prefix)}
+    else:
+        with admin.open_admin(_store_dir(args)) as store:
+            doc = {"tenant": args.tenant, **store.forget_tenant(args.tenant)}
+    pr.emit(doc, lambda c: c.print(f"forgot tenant {args.tenant!r}: " + ", ".join(
+        f"{k}={v}" for k, v in doc.items() if k != "tenant")))
+    return OK
+
+
 def cmd_warm(args: argparse.Namespace, pr: Printer) -> int:
     import json
 
@@ -374,7 +394,7 @@ COMMANDS = {
     "demo": cmd_demo, "ls": cmd_ls, "show": cmd_show, "stats": cmd_stats, "verify": cmd_verify, "gc": cmd_gc,
     "compact": cmd_compact, "export": cmd_export, "import": cmd_import, "rebuild-index": cmd_rebuild_index,
     "watch": cmd_watch, "pin": cmd_pin, "unpin": cmd_unpin, "warm": cmd_warm, "repair": cmd_repair,
-    "quarantine": cmd_quarantine,
+    "quarantine": cmd_quarantine, "forget": cmd_forget,
 }
 
 

@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("demo", "Run the synthetic-model demo on the store (save, restore, prefix reuse, batch restore).")
     p = add("ls", "List stored sessions: namespace, identity, tokens, bytes, times, floor, kinds and formats.")
     _identity_options(p, required_note="filters; default: every identity")
+    p.add_argument("--tenant", default=None, metavar="T", help="only this tenant's sessions (every namespace of it)")
     _remote_options(p)
     p = add("show", "Show the header of one snapshot (geometry, format, block table, chunks) without loading tensors.")
     p.add_argument("target", metavar="SESSION|SNAPSHOT", help="a session id (its latest snapshot) or a snapshot id")
@@ -154,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pin lapses this long after the session's last use (e.g. 7d; default never)")
     p.add_argument("--max-pinned-bytes", type=int, default=None, metavar="BYTES",
                    help="refuse the pin when pins would hold more than this")
+    p = add("forget", "Forget a tenant: remove every snapshot, checkpoint, pin (and with --remote, every shared-tier "
+                      "entry) of it; with encryption at rest its data key is destroyed first. Chunks left "
+                      "unreferenced go at the next gc.")
+    p.add_argument("--tenant", required=True, metavar="T", help="the tenant to forget")
+    _remote_options(p)
     p = add("unpin", "Drop a session's pin; the budget may evict it again.")
     p.add_argument("session", help="session id")
     p.add_argument("--namespace", default="", metavar="NS", help='the session\'s namespace (default "")')
