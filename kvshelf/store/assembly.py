@@ -116,10 +116,13 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
     lookups = Lookups(ctx, txns.uses)
     restores = Restores(ctx, reader, snapshots, lookups.lookup, txns.uses)
     keeping = Keeping(ctx, full_disk, pins, snapshots.scoped_session_key, Checkpoints.drop_quarantined)
+    def destroy_key(token: str) -> bool:  # encryption at rest: forget_tenant destroys the tenant's data key first
+        return ctx.keys is not None and ctx.keys.destroy(token)
+
     if not ctx.read_only:  # once per index: v1 manifest files get the checksum rebuilds need
         seal_v1_manifests(ctx.index, ctx.bytes)
     return Collaborators(ctx, gate, txns, leases, pins, checkpoints, quarantine, repair, admin, saves, lookups,
-                         restores, keeping, writer, budget, TenantForget(ctx, txns, removal))
+                         restores, keeping, writer, budget, TenantForget(ctx, txns, removal, destroy_key))
 
 
 def bind_remote(parts: Collaborators, remote: Any, prefix: str, options: dict[str, Any]) -> None:

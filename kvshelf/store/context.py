@@ -122,6 +122,7 @@ class StoreContext:
     # index transaction (transaction bodies take it)
     closed: bool = False
     tier: Any = None  # the shared tier (remote/tier.py), bound by open_store(remote=...): restores fall back on it
+    keys: Any = None  # the KeyRing (objects/sealing.py) of a store encrypted at rest; None: a plaintext store
     access: Access | None = None  # whether this process may write the store (access.py); None: writable
 
     @property

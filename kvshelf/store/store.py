@@ -52,13 +52,15 @@ class Store:
     any ``IndexStore`` (``MemoryIndexStore``: a throwaway store); the store speaks only those two protocols. The
     directory still holds the locks (and, by default, both of them). ``clock`` (seconds, like ``time.time``) is
     what pin expiry reads: a test advances its own instead of sleeping. ``tenant_max_bytes`` (an int for every tenant, or
-    ``{tenant: bytes}``) is each tenant's quota (``set_tenant_limit``).
+    ``{tenant: bytes}``) is each tenant's quota (``set_tenant_limit``). ``key`` (32 bytes, or a passphrase str)
+    encrypts chunks at rest, per tenant (``objects/sealing.py``; docs/API.md, "Encryption at rest").
     """
 
     def __init__(self, path: str | os.PathLike, identity: Identity | None, *, max_bytes: int | None = None,
                  chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
                  map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
-                 admin: bool = False, byte_store=None, index_store=None, clock=None, tenant_max_bytes=None):
+                 admin: bool = False, byte_store=None, index_store=None, clock=None, tenant_max_bytes=None,
+                 key: bytes | str | None = None):
         if index_store is not None and not isinstance(index_store, IndexStore):
             raise WrongArgumentType(f"index_store must be a kvshelf IndexStore, got {type(index_store).__name__}")
         if admin and identity is not None:
@@ -72,7 +74,7 @@ class Store:
         ctx, gate = open_context(path, identity, provider or default_provider, byte_store, index_store, map_size,
                                  chunk_tokens=chunk_tokens, verify_reads=verify, max_bytes=max_bytes,
                                  lease_seconds=lease_seconds, block=BLOCK_TOKENS,
-                                 tenant_max_bytes=tenant_limits(tenant_max_bytes))
+                                 tenant_max_bytes=tenant_limits(tenant_max_bytes), key=key)
         self._parts = parts = assemble(ctx, gate, max_pending_bytes=max_pending_bytes, clock=clock)
         self._ctx, self._generations = ctx, GenerationCheckpoints(self)
         self.root, self.identity, self.id_key, self.identity_blind = ctx.root, identity, ctx.id_key, admin

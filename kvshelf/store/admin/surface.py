@@ -128,7 +128,7 @@ class StoreAdmin:
         Unleased, so a re-encoding (``rewrite_chunk``, repack) may move the chunk between reading its location and
         opening the object: a missing object is only called corrupt once the index, read again, still places the
         chunk there; otherwise the new location is opened (re-encoding is invisible to readers)."""
-        return open_chunk(self.ctx.index, self.ctx.bytes, hash_, verify)
+        return open_chunk(self.ctx.index, self.ctx.bytes, hash_, verify, self.ctx.keys)
 
     def summaries(self) -> dict[str, Summary]:
         """Every indexed snapshot's summary record, all identities: snapshot id -> ``Summary``."""

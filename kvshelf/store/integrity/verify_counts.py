@@ -308,7 +308,7 @@ def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
                                                   f"{meta.stored_bytes}")
     if deep:
         try:
-            with open_chunk(ctx.index, ctx.bytes, h, verify=True) as reader:
+            with open_chunk(ctx.index, ctx.bytes, h, verify=True, keyring=ctx.keys) as reader:
                 reader.read_into([None] * len(reader.tensors))
         except (KvShelfError, ObjectMissing, OSError) as exc:
             return Finding("corrupt-chunk", f"chunk {h}", _without(str(exc), h))

@@ -26,7 +26,9 @@ class Missing(KvShelfError):
 
 def filler(tier, refs):
     """The ``fill(dest, by_hash)`` for ``local.build_caches`` that suits this client and snapshot."""
-    if tier.direct and direct.supported(tier.client) and len({r.hash for r in refs}) == len(refs):
+    # a sealed chunk is opened whole before anything reads it: no streaming straight from the socket
+    streams = tier.direct and tier.ctx.keys is None and direct.supported(tier.client)
+    if streams and len({r.hash for r in refs}) == len(refs):
         return lambda dest, by_hash: fill_direct(tier, dest, by_hash)
     return local.fill_from(fetch_ahead(tier, refs))
 
@@ -108,7 +110,7 @@ def verified(tier, batch, values):
             tier.counters["missing_chunks"] += 1
             raise Missing(f"remote chunk {r.hash} is gone (evicted or flushed)")
         try:
-            chunk = local.RemoteChunk(value, r.hash)
+            chunk = local.RemoteChunk(value, r.hash, tier.ctx.keys)
         except CorruptData:
             tier.counters["corrupt_chunks"] += 1
             tier.client.delete(tier.keys.chunk(r.hash))
