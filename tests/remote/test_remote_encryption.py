@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 from redis_servers import redis_server  # noqa: F401  (fixture)
-from store_cases import flip_chunk_byte
+from store_cases import chunk_file, flip_chunk_byte
 from test_remote_faults import CHUNK, IDENTITY, bits_of, caches_for, host, tokens
 
 from kvshelf import open_store
 from kvshelf.errors import CorruptData, EncryptionKeyError, KvShelfError
+from kvshelf.store.objects.sealing import SEAL_MAGIC
 from kvshelf.store.remote.maintenance import RemoteAdmin
 
 KEY = bytes(range(32))
@@ -157,3 +158,37 @@ def test_forget_destroys_the_key_so_a_copy_taken_before_cannot_be_read(tmp_path,
             assert name  # bob's open
     assert not any("alice" in p.name for p in (root / "keys").iterdir())
     assert os.listdir(root / "keys")
+
+
+def test_verify_without_the_key_checks_the_rest_and_says_what_it_skipped(tmp_path):
+    root, toks = tmp_path / "s", tokens(96, seed=45)
+    with open_store(root, IDENTITY, chunk_tokens=32, key=KEY) as store:
+        info = store.save("s", toks, caches_for(toks), tenant="alice")
+        chunks = {r.hash for r in store.admin.manifest(info.snapshot_id).all_chunks}
+    with open_store(root, admin=True) as blind:
+        assert blind.verify() == []  # index, ledger, packs, sizes: no key needed
+        deep = blind.verify(deep=True)
+        assert {f.kind for f in deep} == {"not-checked"} and {f.where for f in deep} == {f"chunk {h}" for h in chunks}
+        assert all("need the store's key" in f.detail for f in deep)
+        assert blind.admin.bad_chunks() == []  # nothing was marked bad for want of a key
+    with open_store(root, IDENTITY, chunk_tokens=32, key=KEY) as store:
+        assert store.verify(deep=True) == []
+
+
+def test_a_recompressed_sealed_chunk_stays_sealed(tmp_path):
+    toks = tokens(96, seed=46)
+    blocks = plaintext_blocks(caches_for(toks))
+    with open_store(tmp_path / "s", IDENTITY, chunk_tokens=32, key=KEY) as store:
+        info = store.save("s", toks, caches_for(toks))
+        for r in store.admin.manifest(info.snapshot_id).all_chunks:
+            assert store.admin.rewrite_chunk(r.hash, "zstd") is not None
+        store.gc(dry_run=False)
+        for r in store.admin.manifest(info.snapshot_id).all_chunks:  # each recompressed copy sealed again
+            path, offset, _length = chunk_file(store, r.hash)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                assert f.read(len(SEAL_MAGIC)) == SEAL_MAGIC
+            assert store.admin.chunk_info(r.hash).encoding == "zstd"
+        assert leaks(pack_bytes(tmp_path / "s"), blocks) == 0
+        assert bits_of(store.restore("s").caches) == bits_of(caches_for(toks))
+        assert store.verify(deep=True) == []
