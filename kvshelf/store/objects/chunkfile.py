@@ -254,8 +254,12 @@ class ChunkReader:
         """Open the sealed envelope and read on from its plaintext; the first 16 bytes of the plain frame."""
         if self.keys is None or self.name is None:
             raise EncryptionKeyError(f"chunk {where} is sealed (encryption at rest): reading it needs the store's key")
-        blob = self._pread(self.base, self.length)
-        self.kid = blob[len(SEAL_MAGIC):len(SEAL_MAGIC) + 16]
+        blob = bytearray(self.length)  # read once, opened in place of a copy
+        try:
+            self.source.read_into(self.base, [memoryview(blob)])
+        except CorruptData:
+            raise CorruptData(f"chunk {where} is truncated") from None
+        self.kid = bytes(blob[len(SEAL_MAGIC):len(SEAL_MAGIC) + 16])
         content, plain = self.keys.open_chunk(self.name, blob, where)
         if self.expect_hash is not None:
             self.expect_hash = content

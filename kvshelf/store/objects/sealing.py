@@ -73,26 +73,31 @@ class TenantKey:
         """The chunk's keyed name (module docstring)."""
         return hmac.new(self._name_key, bytes.fromhex(content_hash), hashlib.sha256).digest()[:16].hex()
 
-    def seal(self, name: str, content_hash: str, frame: list) -> bytes:
-        """The sealed envelope of one chunk frame (a list of buffers, joined once here)."""
+    def seal(self, name: str, content_hash: str, frame: list) -> bytearray:
+        """The sealed envelope of one chunk frame (a list of buffers, joined once here; the cipher writes straight
+        into the envelope)."""
         nonce = os.urandom(12)
         head = SEAL_MAGIC + self.kid + nonce
         body = b"".join([bytes.fromhex(content_hash), *frame])
-        return head + self._aead.encrypt(nonce, body, head + bytes.fromhex(name))
+        out = bytearray(HEAD + len(body) + TAG)
+        out[:HEAD] = head
+        self._aead.encrypt_into(nonce, body, head + bytes.fromhex(name), memoryview(out)[HEAD:])
+        return out
 
     def open(self, name: str, blob: bytes | memoryview, where: str) -> tuple[str, memoryview]:
         """(content hash, frame) of a sealed chunk named ``name``; ``CorruptData`` when the tag fails, and when the
         name is not the keyed name of the content hash inside."""
-        blob = bytes(blob)
+        blob = memoryview(blob).cast("B")
         if len(blob) < HEAD + TAG + 16:
             raise CorruptData(f"sealed chunk {where} is truncated ({len(blob)} bytes)")
-        head, nonce = blob[:HEAD], blob[HEAD - 12:HEAD]
+        head, nonce = bytes(blob[:HEAD]), bytes(blob[HEAD - 12:HEAD])
+        plain = bytearray(len(blob) - HEAD - TAG)
         try:
-            plain = self._aead.decrypt(nonce, blob[HEAD:], head + bytes.fromhex(name))
+            self._aead.decrypt_into(nonce, blob[HEAD:], head + bytes.fromhex(name), plain)
         except InvalidTag:
             raise CorruptData(f"sealed chunk {where} fails its authentication tag (damaged, truncated or not this "
                               f"chunk)") from None
-        content = plain[:16].hex()
+        content = bytes(plain[:16]).hex()
         if self.name(content) != name:
             raise CorruptData(f"sealed chunk {where}: its content hash does not give its name")
         return content, memoryview(plain)[16:]
