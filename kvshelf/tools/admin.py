@@ -20,11 +20,11 @@ from typing import Any
 import msgspec
 
 from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, file_error
-from ..store import Store, StoreBusy, open_store
+from ..store import Store, StoreBusy, open_store, read_key_file
 from ..store.identity import identity_key
 from ..store.index import Manifest, is_checkpoint, parent_of
 from . import lmdb_files
-from .paths import require_path, require_text
+from .paths import KEY_FILE_VAR, require_path, require_text
 
 _SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}$")
 IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash", "namespace")
@@ -49,7 +49,8 @@ def open_admin(path: str | os.PathLike[str], *, create: bool = False) -> Iterato
     if not create and not is_store(path):
         raise StoreMissing(f"no kvshelf store at {path} (expected {Path(path) / 'index' / 'data.mdb'}); "
                            f"pass --store DIR or set KVSHELF_STORE")
-    store = open_store(str(path), admin=True)
+    key_file = os.environ.get(KEY_FILE_VAR)  # --encryption-key-file sets it: an encrypted store's chunks then read
+    store = open_store(str(path), admin=True, key=read_key_file(key_file) if key_file else None)
     try:
         yield store
     finally:

@@ -8,10 +8,12 @@ Exit codes: 0 all is well, 1 problems found (corruption, orphans, a failed impor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from ..errors import KvShelfError, file_error
+from .paths import KEY_FILE_VAR
 from .cli_args import _expect, _store_dir, build_parser
 from .render import Printer, human_bytes, human_time, kv_table, rows_table, to_data
 
@@ -416,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["serve"]:  # its options are mlx_lm.server's too: not parsed here
         return cmd_serve(argv[1:])
     args = build_parser().parse_args(argv)
+    if getattr(args, "encryption_key_file", None) is not None:  # read by admin.open_admin, for this process only
+        os.environ[KEY_FILE_VAR] = str(args.encryption_key_file)
     pr = Printer(as_json=args.json)
     try:
         return COMMANDS[args.command](args, pr)

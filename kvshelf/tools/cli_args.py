@@ -58,6 +58,9 @@ def _common() -> argparse.ArgumentParser:
         help=f"store directory (default: ${ENV_VAR}, else {default_store_path()})",
     )
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    common.add_argument("--encryption-key-file", type=Path, default=None, metavar="FILE",
+                        help="the key of a store encrypted at rest (32 bytes, 64 hex digits or a passphrase; default "
+                             "$KVSHELF_ENCRYPTION_KEY_FILE): without it, chunk contents are not read")
     return common
 
 

@@ -65,3 +65,23 @@ def test_the_cli_lists_counts_and_forgets_a_tenant(tmp_path, redis_server):
     assert set(run_json("stats", *where)["tenants"]) == {"", "bob"}
     with RemoteAdmin(redis_server.url) as admin:
         assert tenants_in(admin) == {"", tenant_token("bob")}
+
+
+def test_the_cli_reads_an_encrypted_store_with_its_key_file(tmp_path):
+    from kvshelf import open_store
+    from test_remote_faults import IDENTITY
+
+    toks = tokens(96, seed=32)
+    key_file = tmp_path / "key"
+    key_file.write_text(bytes(range(32)).hex() + "\n")  # 64 hex digits: a raw key written as text
+    with open_store(tmp_path / "s", IDENTITY, chunk_tokens=32, key=bytes(range(32))) as store:
+        store.save("c", toks, caches_for(toks), tenant="alice")
+    where = ("--store", str(tmp_path / "s"))
+    blind = run_json("verify", *where, "--deep", expect_rc=1)  # without the key: the plaintext checks it skipped
+    assert blind["problems"] and {f["kind"] for f in blind["problems"]} == {"not-checked"}
+    assert run_json("verify", *where, "--deep", "--encryption-key-file", str(key_file))["problems"] == []
+    key_file.write_text("not the passphrase")
+    wrong = run_json("verify", *where, "--encryption-key-file", str(key_file), expect_rc=1)
+    assert wrong["error"] == "EncryptionKeyError" and str(tmp_path / "s") in wrong["message"]
+    assert "not the passphrase" not in wrong["message"]
+    assert run_json("forget", *where, "--tenant", "alice")["key_destroyed"] == 1  # no key needed to destroy one

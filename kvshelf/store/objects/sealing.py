@@ -249,6 +249,30 @@ class KeyRing:
             return []
 
 
+def read_key_file(path: str) -> bytes | str:
+    """An encryption key file (``--encryption-key-file``, ``KVSHELF_ENCRYPTION_KEY_FILE``): exactly 32 bytes are a raw
+    key, 64 hexadecimal digits (a newline may follow) a raw key written as text, anything else a UTF-8 passphrase (one
+    trailing newline dropped). ``EncryptionKeyError`` naming the file — never its contents — when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 16)
+    except OSError as exc:
+        raise EncryptionKeyError(f"cannot read the encryption key file {path}: {exc.strerror or exc}") from None
+    if len(raw) == KEY_BYTES:
+        return raw
+    text = raw[:-1] if raw.endswith(b"\n") else raw
+    if len(text) == 2 * KEY_BYTES and all(c in b"0123456789abcdefABCDEF" for c in text):
+        return bytes.fromhex(text.decode())
+    try:
+        passphrase = text.decode("utf-8")
+    except UnicodeDecodeError:
+        raise EncryptionKeyError(f"the encryption key file {path} is neither 32 bytes, 64 hex digits nor UTF-8 "
+                                 f"text") from None
+    if not passphrase:
+        raise EncryptionKeyError(f"the encryption key file {path} is empty")
+    return passphrase
+
+
 def _write_new(directory: str, name: str, data: bytes) -> bool:
     """Write ``directory/name`` durably, only if it does not exist (link of a synced temporary): False if it did."""
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -269,4 +293,4 @@ def _write_new(directory: str, name: str, data: bytes) -> bool:
     return made
 
 
-__all__ = ["HEAD", "KeyRing", "SEAL_MAGIC", "TenantKey", "is_sealed", "key_id"]
+__all__ = ["HEAD", "KeyRing", "SEAL_MAGIC", "TenantKey", "is_sealed", "key_id", "read_key_file"]
