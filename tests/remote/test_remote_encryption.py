@@ -192,3 +192,15 @@ def test_a_recompressed_sealed_chunk_stays_sealed(tmp_path):
         assert leaks(pack_bytes(tmp_path / "s"), blocks) == 0
         assert bits_of(store.restore("s").caches) == bits_of(caches_for(toks))
         assert store.verify(deep=True) == []
+
+
+def test_a_key_forgotten_by_another_handle_is_gone_for_this_one_too(tmp_path):
+    toks = tokens(64, seed=47)
+    with open_store(tmp_path / "s", IDENTITY, chunk_tokens=32, key=KEY) as store:
+        store.save("s", toks, caches_for(toks), tenant="alice")
+        kid_before = set(store._ctx.keys.key_ids())
+        os.unlink(tmp_path / "s" / "keys" / kid_before.pop())  # as another process's forget_tenant does
+        with pytest.raises(EncryptionKeyError, match="forgotten"):
+            store.restore("s", tenant="alice")
+        store.save("t", toks, caches_for(toks), tenant="alice")  # a fresh key, never the destroyed one
+        assert bits_of(store.restore("t", tenant="alice").caches) == bits_of(caches_for(toks))

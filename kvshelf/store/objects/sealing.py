@@ -189,7 +189,7 @@ class KeyRing:
     def for_tenant(self, token: str) -> TenantKey:
         """The tenant's data key, made (random, wrapped, durable) on its first use."""
         kid = key_id(token)
-        got = self._keys.get(kid)
+        got = self._cached(kid)
         if got is not None:
             return got
         kek = self._check_unlocked("a save")
@@ -203,8 +203,17 @@ class KeyRing:
             _write_new(self.dir, kid.hex(), nonce + kek.encrypt(nonce, data_key, b"kvshelf-data-key-v1" + kid))
         return self.by_id(kid, "a save")  # whichever process created it first: its key is the tenant's
 
+    def _cached(self, kid: bytes) -> TenantKey | None:
+        """A key this handle opened, while its file still exists: another process's ``forget_tenant`` destroys it
+        for every handle (one ``stat`` per save or chunk read), so none seals new chunks under a forgotten key."""
+        got = self._keys.get(kid)
+        if got is not None and not os.path.exists(os.path.join(self.dir, kid.hex())):
+            self._keys.pop(kid, None)
+            return None
+        return got
+
     def by_id(self, kid: bytes, what: str = "reading a chunk") -> TenantKey:
-        got = self._keys.get(bytes(kid))
+        got = self._cached(bytes(kid))
         if got is not None:
             return got
         kek = self._check_unlocked(what)
