@@ -43,7 +43,8 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "serve_ops": ("32",),  # kvshelf serve: warm-up TTFT, /metrics + header overhead, bytes of a replay
     "resume": ("33",),  # generation checkpoints: a retried generation resumes
     "checkpoints": ("34",),  # hybrid models: reuse on a thinking-style replay, prefill cost, bytes per checkpoint
-    "encryption": ("35",),  # encryption at rest: save and warm restore with a key vs without
+    "tenants": ("35",),  # tenant isolation in kvshelf serve: a salted RAM hit, the TTFT price of isolation
+    "encryption": ("36",),  # encryption at rest: save and warm restore with a key vs without
     "remote": ("21", "22", "23"),  # the shared tier: needs redis-server / redis-benchmark
 }
 KNOWN = tuple(sorted({*ALL, *(m for ms in OPTIONAL.values() for m in ms)}, key=int))

@@ -1,4 +1,4 @@
-"""Measure 35: encryption at rest (``open_store(path, key=...)``) against the same store without a key.
+"""Measure 36: encryption at rest (``open_store(path, key=...)``) against the same store without a key.
 
 Both sides save the same MLA f32 session into a fresh store per repetition (durable: pack fsynced, LMDB commit) and
 restore it warm (page cache) with ``mx.eval`` of what comes back; the two sides are interleaved. The encrypted side
@@ -40,7 +40,7 @@ def _encryption(ctx: Context) -> list[Row]:
     target = "≤ 1.15× without a key"
     saves = time_interleaved({"plain": _save_case(ctx, tokens, caches),
                               "sealed": _save_case(ctx, tokens, caches, key=KEY)}, ctx.reps)
-    rows = [Row("35", f"durable save, encrypted at rest, MLA f32 ({w.name})", saves["sealed"], saves["plain"],
+    rows = [Row("36", f"durable save, encrypted at rest, MLA f32 ({w.name})", saves["sealed"], saves["plain"],
                 "the same save without a key", target, 1.15)]
     paths = {side: ctx.scratch.fresh(f"store-enc-{side}") for side in ("plain", "sealed")}
     stores = {"plain": ctx.open_store(paths["plain"]), "sealed": ctx.open_store(paths["sealed"], key=KEY)}
@@ -53,10 +53,10 @@ def _encryption(ctx: Context) -> list[Row]:
         for side, store in stores.items():
             store.close()
             remove(paths[side])
-    rows.append(Row("35", f"warm restore + eval, encrypted at rest, MLA f32 ({w.name})", restores["sealed"],
+    rows.append(Row("36", f"warm restore + eval, encrypted at rest, MLA f32 ({w.name})", restores["sealed"],
                     restores["plain"], "the same restore without a key", target, 1.15))
     return rows
 
 
 def run(ctx: Context, only: set[str]) -> list[Row]:
-    return guarded("35", "encryption at rest", _encryption, ctx) if "35" in only else []
+    return guarded("36", "encryption at rest", _encryption, ctx) if "36" in only else []

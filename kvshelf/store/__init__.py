@@ -14,7 +14,7 @@ docs/ARCHITECTURE.md is the map of the rooms.
 
 from .base import syncs
 from .generations import GenerationCheckpoint, continuation_key
-from .identity import Identity, base_namespace, scoped_namespace, tenant_of, tenant_scope, tenant_token
+from .identity import MAX_TENANT_BYTES, Identity, base_namespace, scoped_namespace, tenant_of, tenant_scope, tenant_token
 from .index.schema import BlobRef, ChunkMeta, ChunkRef, Manifest
 from .liveness.open_lock import StoreBusy
 from .objects.local import LocalByteStore
@@ -25,6 +25,7 @@ from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, Sess
 from .store import Store, open_store
 
 __all__ = [
+    "MAX_TENANT_BYTES",
     "base_namespace",
     "scoped_namespace",
     "tenant_of",

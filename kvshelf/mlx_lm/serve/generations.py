@@ -65,8 +65,9 @@ def resumable(args: Any) -> bool:
     return (not sampled or args.seed is not None) and not args.logprobs and args.top_logprobs <= 0
 
 
-def request_key(identity: Any, prompt: list[int], args: Any, cli_args: Any = None) -> str:
-    """The continuation key of a request (see the module docstring)."""
+def request_key(identity: Any, prompt: list[int], args: Any, cli_args: Any = None, scope: str = "") -> str:
+    """The continuation key of a request (see the module docstring); ``scope`` is its tenant scope
+    (``RequestContext.scope``): another tenant's identical request never resumes this one's generation."""
     s, lg = args.sampling, args.logits
     bias = None if lg.logit_bias is None else sorted([int(k), float(v)] for k, v in lg.logit_bias.items())
     fields = {
@@ -90,6 +91,8 @@ def request_key(identity: Any, prompt: list[int], args: Any, cli_args: Any = Non
     }
     if args.seed is not None:
         fields["seed"] = int(args.seed)
+    if scope:
+        fields["scope"] = scope
     if cli_args is not None:
         fields["kv"] = [getattr(cli_args, "kv_bits", None), getattr(cli_args, "kv_group_size", None),
                         getattr(cli_args, "quantized_kv_start", None)]
@@ -200,7 +203,8 @@ class ServeGenerations:
                                 tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
                                 prompt=prompt)
         rqueue.put(ctx)
-        key = request_key(store.identity, prompt, args, cli)
+        context = getattr(req, "kvshelf_context", None)
+        key = request_key(store.identity, prompt, args, cli, getattr(context, "scope", ""))
         found = self._find(store, key, prompt)
         if found is not None:
             cache, cached = found.caches, len(prompt)

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from .metrics import CONTENT_TYPE
+from .request_context import DEFAULT_CONTEXT, RequestContext, RequestRejected
 from .status_page import render
 
 HEADER = "X-Kvshelf-Prefix"
@@ -28,12 +29,26 @@ def set_current_context(ctx: Any) -> None:
     _current.ctx = ctx
 
 
+def current_request_context() -> RequestContext:
+    """The tenant/salt/key context of the request this handler thread is serving (``request_context.py``)."""
+    return getattr(_current, "request_context", None) or DEFAULT_CONTEXT
+
+
+ADMIN_PATHS = ("/metrics", "/kvshelf", "/kvshelf/stats")
+
+
 def handler_class(base: type, serving: Any) -> type:
     """mlx-lm's ``APIHandler`` subclass for ``serving`` (a ``server.Serving``: metrics, status, prompt cache)."""
 
     class KvShelfHandler(base):
         def do_GET(self):  # noqa: N802 - http.server's name
             path = self.path.split("?", 1)[0].rstrip("/") or "/"
+            if path in ADMIN_PATHS:
+                try:
+                    serving.admin.check(self.headers)
+                except RequestRejected as exc:
+                    self._reject(exc)
+                    return
             if path == "/metrics":
                 self._reply(200, CONTENT_TYPE, serving.metrics.exposition())
             elif path == "/kvshelf":
@@ -45,14 +60,41 @@ def handler_class(base: type, serving: Any) -> type:
 
         def do_POST(self):  # noqa: N802
             _current.ctx = None  # a keep-alive connection's previous request must not lend its context
+            _current.request_context = None
+            try:  # authentication and the tenant header before the body is read: a 401 costs no parsing
+                _current.request_context = serving.contexts.from_headers(self.headers)
+            except RequestRejected as exc:
+                self._reject(exc)
+                return
             super().do_POST()
+
+        def validate_model_parameters(self):  # mlx-lm calls it once the body is parsed; ValueError -> its 400
+            super().validate_model_parameters()
+            try:
+                _current.request_context = serving.contexts.with_body(current_request_context(), self.body)
+            except RequestRejected as exc:
+                raise ValueError(exc.message) from None
+
+        def _reject(self, exc: RequestRejected) -> None:
+            body = json.dumps({"error": {"message": exc.message, "type": "invalid_request_error"
+                                         if exc.status == 400 else "authentication_error"}}).encode()
+            self.close_connection = True  # the body of a rejected POST may be unread
+            self.send_response(exc.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            if exc.status == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            super().end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
 
         def end_headers(self):
             if self.command == "POST":
                 ctx, _current.ctx = getattr(_current, "ctx", None), None
                 if ctx is not None and getattr(ctx, "prompt", None) is not None:
                     wait = STREAM_WAIT if getattr(self, "stream", False) and not _has_images(self) else 0.0
-                    outcome = serving.tiered.outcome_for(ctx.prompt, timeout=wait)
+                    outcome = serving.tiered.outcome_for(ctx.prompt, timeout=wait,
+                                                         scope=current_request_context().scope)
                     if outcome is not None:
                         self.send_header(HEADER, outcome.header())
                         self.send_header("Access-Control-Expose-Headers", HEADER)
@@ -80,4 +122,4 @@ def _has_images(handler: Any) -> bool:
         for m in messages)
 
 
-__all__ = ["HEADER", "handler_class", "set_current_context"]
+__all__ = ["ADMIN_PATHS", "HEADER", "current_request_context", "handler_class", "set_current_context"]

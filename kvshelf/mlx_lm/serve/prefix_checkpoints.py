@@ -66,27 +66,29 @@ class HeldPrefixCheckpoints:
         self._held: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def hold(self, tokens: Sequence[int], cache: Any) -> None:
+    def hold(self, tokens: Sequence[int], cache: Any, scope: str = "") -> None:
         """Keep the layers of ``cache`` (the batch generator's extracted copy) that cannot be cut; None for the
-        others."""
+        others. Held per tenant ``scope``: only that tenant's session write takes it."""
         from ..prefix_checkpoints import cuttable
 
         small = [None if cuttable(c) else c for c in cache]
         with self._lock:
-            self._held[tuple(tokens)] = small
-            self._held.move_to_end(tuple(tokens))
+            key = (scope, tuple(tokens))
+            self._held[key] = small
+            self._held.move_to_end(key)
             while len(self._held) > self.limit:
                 self._held.popitem(last=False)
 
-    def take_for(self, tokens: Sequence[int], cache: Sequence[Any]) -> dict[int, Any]:
+    def take_for(self, tokens: Sequence[int], cache: Sequence[Any], scope: str = "") -> dict[int, Any]:
         """``{k: caches_at_k}`` of every held checkpoint that is a proper prefix of ``tokens`` (taken: no longer
         held), its attention layers cut from ``cache``, the caches after ``tokens``."""
         from ..prefix_checkpoints import checkpoint_caches
 
         n = len(tokens)
         with self._lock:
-            mine = [key for key in self._held if len(key) < n and list(key) == list(tokens[:len(key)])]
-            held = {len(key): self._held.pop(key) for key in mine}
+            mine = [key for key in self._held
+                    if key[0] == scope and len(key[1]) < n and list(key[1]) == list(tokens[:len(key[1])])]
+            held = {len(key[1]): self._held.pop(key) for key in mine}
         return {k: checkpoint_caches(small, cache, k) for k, small in held.items()}
 
     def __len__(self) -> int:

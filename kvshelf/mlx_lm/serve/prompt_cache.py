@@ -50,18 +50,20 @@ import xxhash
 from ...errors import CorruptData, SnapshotNotFound
 from ...store.save import BUSY, CLOSED, FULL, WriteBehindQueue
 from .prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints
+from .request_scopes import RequestScopes
 
 log = logging.getLogger("kvshelf.serve")
 
 COUNTERS = ("fetches", "ram_hits", "disk_hits", "remote_hits", "misses", "disk_tokens", "ram_tokens",
             "remote_tokens", "lookup_errors", "writes_queued", "writes_done", "writes_failed", "writes_skipped_full",
             "writes_skipped_unstorable", "writes_duplicate", "writes_skipped_short", "bytes_written",
-            "store_unavailable", "checkpoint_hits")  # checkpoint_hits: prefixes from a prefix checkpoint
+            "store_unavailable", "checkpoint_hits", "writes_skipped_scope")  # checkpoint_hits: prefixes from a prefix checkpoint
 SOURCES = ("ram", "disk", "remote", "none")
 # why a request got nothing: the metric label ``reason`` of kvshelf_misses_total and the log line's reason=
 MISS_REASONS = ("nothing_stored", "other_identity", "below_floor", "not_exact_length", "below_min_disk_tokens",
                 "store_unavailable", "damaged_entry", "unstorable_tokens")
-WRITE_OUTCOMES = ("saved", "duplicate", "queue_full", "failed", "below_min_write_tokens", "unstorable")
+WRITE_OUTCOMES = ("saved", "duplicate", "queue_full", "failed", "below_min_write_tokens", "unstorable",
+                  "unknown_tenant")
 OUTCOMES_KEPT = 1024  # fetch outcomes waiting for their HTTP handler (a handler that never asks: dropped)
 
 
@@ -92,9 +94,10 @@ class _NoObserver:
         return None
 
 
-def prompt_key(tokens: Sequence[int]) -> int:
-    """The key a fetch outcome is kept under until the request's handler asks for it (the same prompt list)."""
-    return hash((len(tokens), tuple(tokens)))
+def prompt_key(tokens: Sequence[int], scope: str = "") -> int:
+    """The key a fetch outcome is kept under until the request's handler asks for it (the same prompt list, the same
+    tenant scope: another tenant's handler never claims it)."""
+    return hash((scope, len(tokens), tuple(tokens)))
 
 
 def session_id_for(tokens: Sequence[int]) -> str:
@@ -151,6 +154,18 @@ class TieredPromptCache:
         self.queue = WriteBehindQueue(max_entries=queue_entries, max_bytes=queue_bytes, logger=self.log)
         # --checkpoint-every's prefix checkpoint inserts, held until their session's (prefix_checkpoints.py)
         self.prefix_checkpoints = HeldPrefixCheckpoints()
+        # the tenant scope of each call (request_scopes.py): part of the RAM key, the store namespace and the outcome
+        self.scopes = RequestScopes()
+
+    def announce_scope(self, scope: str) -> None:
+        """The request tokenized last on this thread has tenant scope ``scope`` (``RequestContext.scope``): its
+        fetch, and the inserts of its caches, are keyed by it in every tier."""
+        self.scopes.announce(scope)
+
+    @staticmethod
+    def _ram_key(model: Any, scope: str) -> Any:
+        """The RAM tier's model key: mlx-lm's own for the default scope, (model, scope) for a tenant's."""
+        return (model, scope) if scope else model
 
     # ------------------------------------------------------------------ LRUPromptCache's interface
     def __len__(self) -> int:
@@ -171,12 +186,14 @@ class TieredPromptCache:
         ``(None, tokens)``. Disk is asked only when it could beat RAM."""
         t0 = time.perf_counter()
         self.counters["fetches"] += 1
-        cache, rest = self.ram.fetch_nearest_cache(model, tokens)
+        scope = self.scopes.take(tokens)
+        namespace = self.namespace + scope
+        cache, rest = self.ram.fetch_nearest_cache(self._ram_key(model, scope), tokens)
         ram_len = len(tokens) - len(rest) if cache is not None else 0
         source, cached = ("ram", ram_len) if cache is not None else ("none", 0)
         reason, prefix_checkpoint = None, False
         if len(tokens) - 1 > ram_len and _storable(tokens):
-            restored, reason = self._from_disk(model, tokens, ram_len)
+            restored, reason = self._from_disk(model, tokens, ram_len, namespace)
             if restored is not None:
                 cache, cached, source, prefix_checkpoint = restored
                 rest = tokens[cached:]
@@ -192,7 +209,7 @@ class TieredPromptCache:
         seconds = time.perf_counter() - t0
         outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time(),
                                prefix_checkpoint)
-        self._keep_outcome(tokens, outcome)
+        self._keep_outcome(tokens, outcome, scope)
         self.observer.observe_fetch(outcome)
         self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f%s%s", source, cached, len(tokens),
                       ram_len, seconds * 1e3, f" reason={reason}" if reason else "",
@@ -200,8 +217,8 @@ class TieredPromptCache:
         return cache, rest
 
     # ------------------------------------------------------------------ outcomes for the HTTP handler
-    def _keep_outcome(self, tokens: Sequence[int], outcome: FetchOutcome) -> None:
-        key = prompt_key(tokens)
+    def _keep_outcome(self, tokens: Sequence[int], outcome: FetchOutcome, scope: str) -> None:
+        key = prompt_key(tokens, scope)
         with self._outcome_cond:
             self._outcomes.setdefault(key, deque(maxlen=16)).append(outcome)
             self._outcomes.move_to_end(key)
@@ -209,10 +226,11 @@ class TieredPromptCache:
                 self._outcomes.popitem(last=False)
             self._outcome_cond.notify_all()
 
-    def outcome_for(self, tokens: Sequence[int], timeout: float = 0.0) -> FetchOutcome | None:
-        """The (oldest unclaimed) fetch outcome of this prompt, waiting up to ``timeout`` seconds for the fetch
-        (mlx-lm may hand a streaming handler its context just before the fetch). Each outcome is claimed once."""
-        key = prompt_key(tokens)
+    def outcome_for(self, tokens: Sequence[int], timeout: float = 0.0, scope: str = "") -> FetchOutcome | None:
+        """The (oldest unclaimed) fetch outcome of this prompt in this tenant scope, waiting up to ``timeout`` seconds
+        for the fetch (mlx-lm may hand a streaming handler its context just before the fetch). Each outcome is
+        claimed once."""
+        key = prompt_key(tokens, scope)
         deadline = time.monotonic() + timeout
         with self._outcome_cond:
             while True:
@@ -231,11 +249,17 @@ class TieredPromptCache:
                      cache_type: str = "assistant") -> None:
         """Into RAM (mlx-lm's rules), then written behind to the store: snapshotted now, written later. A
         prefix checkpoint insert (``--checkpoint-every``) is held for its session's write instead."""
-        if cache_type == PREFIX_CHECKPOINT:
-            self.prefix_checkpoints.hold(tokens, prompt_cache)
+        scope = self.scopes.scope_of(tokens)
+        if scope is None:  # two tenants' requests match these tokens, or none does: stored nowhere, never wrongly
+            self.counters["writes_skipped_scope"] += 1
+            self.observer.observe_write("unknown_tenant", 0, len(tokens))
+            self.log.debug("kvshelf insert skipped: its tenant cannot be told (%d tokens)", len(tokens))
             return
-        self._write_behind(model, tokens, prompt_cache)
-        self.ram.insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        if cache_type == PREFIX_CHECKPOINT:
+            self.prefix_checkpoints.hold(tokens, prompt_cache, scope)
+            return
+        self._write_behind(model, tokens, prompt_cache, self.namespace + scope, scope)
+        self.ram.insert_cache(self._ram_key(model, scope), tokens, prompt_cache, cache_type=cache_type)
 
     # ------------------------------------------------------------------ disk tier
     def _store(self, model: Any):
@@ -248,16 +272,16 @@ class TieredPromptCache:
             self.counters["store_unavailable"] += 1
         return store
 
-    def _from_disk(self, model: Any, tokens: list[int], ram_len: int):
+    def _from_disk(self, model: Any, tokens: list[int], ram_len: int, namespace: str):
         """((caches, length, source), None) for a usable store prefix longer than RAM's, else (None, reason)."""
         store = self._store(model)
         if store is None:
             return None, "store_unavailable"
         for _attempt in range(2):
             try:
-                hit = store.lookup(tokens, self.namespace)
+                hit = store.lookup(tokens, namespace)
                 if hit is None:  # why (store.explain_miss): another identity's, below a floor, an uncuttable state
-                    return None, store.explain_miss(tokens, self.namespace)
+                    return None, store.explain_miss(tokens, namespace)
                 if hit.length <= ram_len:
                     return None, "nothing_stored"
                 if hit.length < self.min_disk_tokens:
@@ -275,21 +299,22 @@ class TieredPromptCache:
                 return None, "damaged_entry" if damaged else "store_unavailable"
         return None, "nothing_stored"
 
-    def _already_stored(self, store, tokens: list[int]) -> bool:
+    def _already_stored(self, store, tokens: list[int], namespace: str) -> bool:
         """True when the store can give back exactly these tokens' caches: a lookup of the tokens plus one token
         whose longest usable prefix is all of ``tokens`` (token-verified, no chunk read, nothing hashed). That
         snapshot may be longer (a later turn, trimmable); recurrent or rotating layers are usable only at their
         exact length, so for them it is a snapshot of exactly these tokens."""
         try:
-            hit = store.lookup([*tokens, 0], self.namespace)
+            hit = store.lookup([*tokens, 0], namespace)
         except Exception:  # noqa: BLE001 - cannot tell: write it (the store replaces, chunks are shared anyway)
             return False
         return hit is not None and hit.length == len(tokens)
 
-    def _write_behind(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
+    def _write_behind(self, model: Any, tokens: list[int], prompt_cache: list[Any], namespace: str,
+                      scope: str) -> None:
         try:
             held = self.prefix_checkpoints
-            prefix_checkpoints = held.take_for(tokens, prompt_cache) if len(held) else {}
+            prefix_checkpoints = held.take_for(tokens, prompt_cache, scope) if len(held) else {}
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be cut: the session is still written
             self.log.warning("kvshelf prefix checkpoints dropped (%d tokens): %s: %s", len(tokens), type(exc).__name__,
                              exc)
@@ -306,20 +331,21 @@ class TieredPromptCache:
         if store is None:
             return
         session = session_id_for(tokens)
-        if self.queue.busy(session) or self._already_stored(store, tokens):
+        queued_as = f"{scope}\x00{session}"  # one write per (tenant scope, session) in flight
+        if self.queue.busy(queued_as) or self._already_stored(store, tokens, namespace):
             self._duplicate(tokens)
             return
         nbytes = sum(int(getattr(c, "nbytes", 0) or 0) for c in prompt_cache)
 
         def start():
-            return store.save_async(session, list(tokens), prompt_cache, namespace=self.namespace,
+            return store.save_async(session, list(tokens), prompt_cache, namespace=namespace,
                                     **({"checkpoints": prefix_checkpoints} if prefix_checkpoints else {}))
 
         def finished(future) -> None:
             self._finished(future, len(tokens), len(prefix_checkpoints))
 
         try:
-            said = self.queue.submit(session, nbytes, start, finished)
+            said = self.queue.submit(queued_as, nbytes, start, finished)
         except Exception as exc:  # noqa: BLE001 - e.g. a cache class no codec knows, a closed store
             self.counters["writes_failed"] += 1
             self.observer.observe_write("failed", 0, len(tokens))

@@ -49,7 +49,9 @@ import mlx_lm.server as mlx_server  # this module is the serving entry point: no
 from ...errors import KvShelfError
 from ...store import open_store
 from . import startup, warm
-from .http_routes import handler_class, set_current_context
+from .admin_gate import AdminGate
+from .http_routes import current_request_context, handler_class, set_current_context
+from .request_context import DEFAULT_CONTEXT, ApiKeys, RequestContexts, read_secret_file
 from .metrics import ServeMetrics
 from .prefix_checkpoints import needs_prefix_checkpoints, split_segments
 from .model_identity import model_identity
@@ -119,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvshelf-log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="kvshelf's own log level (default INFO: one line per request; DEBUG adds the "
                         "write-behinds)")
+    # --- tenants and the admin pages (request_context.py, admin_gate.py, docs/SECURITY.md) ---
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="'KEY TENANT [MAX_BYTES]' per line (or JSON): requests need 'Authorization: Bearer KEY' "
+                        "and the key's tenant is theirs; tenants never share a cached prefix")
+    p.add_argument("--admin-token", default=None, metavar="TOKEN",
+                   help="/metrics, /kvshelf and the session endpoints need 'Authorization: Bearer TOKEN' "
+                        "(without it they answer only on a loopback bind)")
+    p.add_argument("--admin-token-file", default=None, metavar="FILE",
+                   help="--admin-token read from a file's first line (keeps it out of the process list)")
     # --- generation checkpoints (generations.py) ---
     p.add_argument("--generation-checkpoint-every", type=generation_checkpoint_every_arg, default=256, metavar="N",
                    help="checkpoint running greedy/seeded requests every N tokens so that a retry after a crash "
@@ -241,8 +252,12 @@ class Serving:
     """What one ``kvshelf serve`` process adds to mlx-lm: the store opener, the tiered prompt cache (around the
     ``LRUPromptCache`` mlx-lm's ``run`` would build), the metrics and the status document."""
 
-    def __init__(self, opts: argparse.Namespace, cli: argparse.Namespace, ram, *, distributed: bool):
+    def __init__(self, opts: argparse.Namespace, cli: argparse.Namespace, ram, *, distributed: bool,
+                 bind_host: str = "127.0.0.1"):
         self.opts, self.cli = opts, cli
+        # the request-context seam: every route builds its tenant/salt/key here (request_context.py)
+        self.contexts = RequestContexts(getattr(opts, "api_keys_table", None))
+        self.admin = AdminGate(getattr(opts, "admin_token_value", None), bind_host)
         if distributed:  # every rank holds its own shard of the KV heads: one identity cannot name them; RAM only
             log.warning("kvshelf serve: distributed serving keeps prompt caches in RAM only (no disk tier)")
             self.opener = _NoStore()
@@ -295,6 +310,8 @@ def _generator_class(serving_of: dict) -> type:
             super().__init__(model_provider, self.kvshelf.tiered)
 
         def generate(self, request, generation_args, progress_callback=None):
+            # the handler's request context travels with the request to the generation thread (tokenize_request)
+            request.kvshelf_context = current_request_context()
             set_current_context(None)
             ctx, response = super().generate(request, generation_args, progress_callback)
             set_current_context(ctx)  # the handler's thread: its X-Kvshelf-Prefix header names this request's fetch
@@ -302,6 +319,8 @@ def _generator_class(serving_of: dict) -> type:
 
         def tokenize_request(self, tokenizer, request, args):  # --checkpoint-every (serve/prefix_checkpoints.py)
             prompt, segments, types, *rest = super().tokenize_request(tokenizer, request, args)
+            # the fetch that follows on this thread is this request's: key it by its tenant scope in every tier
+            self.kvshelf.tiered.announce_scope(getattr(request, "kvshelf_context", DEFAULT_CONTEXT).scope)
             every = self.kvshelf.prefix_checkpoint_every(self.model_provider.model)
             if every:
                 segments, types = split_segments(segments, types, every)
@@ -340,7 +359,10 @@ def _run_function(opts: argparse.Namespace, made: list):
                 raise StartupError(f"--model {cli.model}: the model does not load: {type(exc).__name__}: "
                                    f"{exc}") from None
         ram = mlx_server.LRUPromptCache(cli.prompt_cache_size)
-        serving = Serving(opts, cli, ram, distributed=model_provider.is_distributed)
+        serving = Serving(opts, cli, ram, distributed=model_provider.is_distributed, bind_host=host)
+        warning = serving.admin.startup_warning()
+        if warning:
+            log.warning("%s", warning)
         made.append(serving.tiered)
         if cli.model is not None and not model_provider.is_distributed:
             store = serving.opener.open_now((cli.model, cli.adapter_path, cli.draft_model))
@@ -385,6 +407,14 @@ def _check_before_start(opts: argparse.Namespace, rest: list[str]) -> None:
             raise StartupError(f"--warm-prompts: {exc}") from None
         if model is None:
             raise StartupError("--warm-prompts needs --model (the prompts are prefilled with the default model)")
+    if opts.admin_token is not None and opts.admin_token_file is not None:
+        raise StartupError("give --admin-token or --admin-token-file, not both")
+    try:
+        opts.admin_token_value = (read_secret_file(opts.admin_token_file, "--admin-token-file")
+                                  if opts.admin_token_file is not None else opts.admin_token)
+        opts.api_keys_table = ApiKeys.read(opts.api_keys, parse_size) if opts.api_keys is not None else None
+    except KvShelfError as exc:
+        raise StartupError(str(exc)) from None
     if opts.pin_ttl is not None and not opts.pin_warm:
         raise StartupError("--pin-ttl applies to --pin-warm: give both or neither")
 
