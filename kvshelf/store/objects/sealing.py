@@ -48,6 +48,12 @@ _CHECK = b"kvshelf-master-key-check-v1"
 SCRYPT = {"n": 1 << 15, "r": 8, "p": 1}
 
 
+class MissingDataKey(EncryptionKeyError, CorruptData):
+    """A sealed chunk names a data key the store does not hold: its tenant was forgotten, or the key id bytes were
+    damaged. Both an ``EncryptionKeyError`` and ``CorruptData``: a restore treats the chunk as unreadable (its snapshot
+    quarantined, the copy marked bad, as for a failed tag), never as garbage."""
+
+
 def _hkdf(key: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(key)
 
@@ -221,8 +227,8 @@ class KeyRing:
             with open(os.path.join(self.dir, bytes(kid).hex()), "rb") as f:
                 wrapped = f.read()
         except FileNotFoundError:
-            raise EncryptionKeyError(f"the store at {self.root} holds no data key {bytes(kid).hex()} (its tenant "
-                                     f"was forgotten, or the chunk comes from another store)") from None
+            raise MissingDataKey(f"the store at {self.root} holds no data key {bytes(kid).hex()} (its tenant was "
+                                 f"forgotten, or the chunk is damaged or comes from another store)") from None
         try:
             data_key = kek.decrypt(wrapped[:12], wrapped[12:], b"kvshelf-data-key-v1" + bytes(kid))
         except InvalidTag:
@@ -302,4 +308,4 @@ def _write_new(directory: str, name: str, data: bytes) -> bool:
     return made
 
 
-__all__ = ["HEAD", "KeyRing", "SEAL_MAGIC", "TenantKey", "is_sealed", "key_id", "read_key_file"]
+__all__ = ["HEAD", "KeyRing", "MissingDataKey", "SEAL_MAGIC", "TenantKey", "is_sealed", "key_id", "read_key_file"]

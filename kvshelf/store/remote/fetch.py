@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from ...errors import CorruptData, KvShelfError
+from ...errors import CorruptData, EncryptionKeyError, KvShelfError
 from ..base import seams
 from . import direct, local
 
@@ -22,6 +22,11 @@ from . import direct, local
 
 class Missing(KvShelfError):
     """A remote record or chunk that was there at lookup time is gone now."""
+
+
+class NotOurs(KvShelfError):
+    """A remote chunk sealed under a data key this store does not hold (another store's keys, a forgotten tenant):
+    a miss for this host, and never damage — the entry stays for the hosts that hold the key."""
 
 
 def filler(tier, refs):
@@ -111,6 +116,9 @@ def verified(tier, batch, values):
             raise Missing(f"remote chunk {r.hash} is gone (evicted or flushed)")
         try:
             chunk = local.RemoteChunk(value, r.hash, tier.ctx.keys)
+        except EncryptionKeyError:  # sealed under a key this store does not hold (another store's, or forgotten):
+            tier.counters["missing_chunks"] += 1  # a miss for this host, never deleted from the tier
+            raise NotOurs(f"remote chunk {r.hash} is sealed under a data key this store does not hold") from None
         except CorruptData:
             tier.counters["corrupt_chunks"] += 1
             tier.client.delete(tier.keys.chunk(r.hash))
@@ -129,6 +137,8 @@ def good_copy(client, keys, hash_: str, counters: dict | None = None) -> local.R
         return None
     try:
         chunk = local.RemoteChunk(value, hash_)
+    except EncryptionKeyError:  # sealed: not a copy this caller can verify (nor damage to delete)
+        return None
     except CorruptData:
         if counters is not None:
             counters["corrupt_chunks"] += 1
