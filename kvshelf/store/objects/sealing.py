@@ -149,17 +149,23 @@ class KeyRing:
                 raise EncryptionKeyError(f"the store at {root} is not encrypted") from None
             record = cls._new_master(root, key)
         except (OSError, ValueError) as exc:
-            raise EncryptionKeyError(f"the key record of the store at {root} cannot be read ({exc})") from None
-        if (record.get("kdf") == "scrypt") != isinstance(key, str):
+            raise EncryptionKeyError(f"the key record keys/master of the store at {root} cannot be read "
+                                     f"({type(exc).__name__})") from None
+        if not isinstance(record, dict) or record.get("kdf") not in ("scrypt", "raw"):
+            raise EncryptionKeyError(f"the key record keys/master of the store at {root} is damaged")
+        if (record["kdf"] == "scrypt") != isinstance(key, str):
             raise EncryptionKeyError(f"wrong key for the store at {root}: it was encrypted with "
-                                     f"{'a passphrase' if record.get('kdf') == 'scrypt' else 'a 32-byte key'}")
-        kek = AESGCM(cls._kek_bytes(key, record))
-        check = bytes.fromhex(record["check"])
+                                     f"{'a passphrase' if record['kdf'] == 'scrypt' else 'a 32-byte key'}")
         try:
+            kek = AESGCM(cls._kek_bytes(key, record))
+            check = bytes.fromhex(record["check"])
             if kek.decrypt(check[:12], check[12:], _CHECK) != _CHECK:
                 raise InvalidTag
         except InvalidTag:
-            raise EncryptionKeyError(f"wrong key for the store at {root}: the key check fails") from None
+            raise EncryptionKeyError(f"wrong key for the store at {root}: the key check fails (or keys/master is "
+                                     f"damaged)") from None
+        except (KeyError, ValueError, TypeError, OverflowError, MemoryError):  # a damaged record's fields
+            raise EncryptionKeyError(f"the key record keys/master of the store at {root} is damaged") from None
         return cls(root, kek)
 
     @staticmethod
