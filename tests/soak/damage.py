@@ -131,7 +131,9 @@ def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, ta
                 at = rng.randrange(*span)
         data[at] ^= 1 << rng.randrange(8)
         path.write_bytes(bytes(data))
-        if group == "blob":
+        if group == "blob" and path.relative_to(trial).parts[0] == "keys":  # an encrypted store's key records
+            row = "flip: key files"
+        elif group == "blob":
             row = _pack_row(orig, at) or (
                 "flip: tombstones" if "tomb" in str(path.relative_to(trial)) else
                 "flip: blob headers" if at < _header_end(orig) else "flip: chunk bytes")

@@ -159,6 +159,8 @@ class KeyRing:
         try:
             kek = AESGCM(cls._kek_bytes(key, record))
             check = bytes.fromhex(record["check"])
+            if len(check) < 12 + TAG:
+                raise InvalidTag
             if kek.decrypt(check[:12], check[12:], _CHECK) != _CHECK:
                 raise InvalidTag
         except InvalidTag:
@@ -236,8 +238,10 @@ class KeyRing:
             raise MissingDataKey(f"the store at {self.root} holds no data key {bytes(kid).hex()} (its tenant was "
                                  f"forgotten, or the chunk is damaged or comes from another store)") from None
         try:
+            if len(wrapped) != 12 + KEY_BYTES + TAG:  # truncated or padded: damaged, and AES-GCM needs 12 bytes
+                raise InvalidTag
             data_key = kek.decrypt(wrapped[:12], wrapped[12:], b"kvshelf-data-key-v1" + bytes(kid))
-        except InvalidTag:
+        except (InvalidTag, ValueError):
             raise EncryptionKeyError(f"data key {bytes(kid).hex()} of the store at {self.root} does not open with "
                                      f"this master key (damaged, or from another store)") from None
         got = self._keys[bytes(kid)] = TenantKey(bytes(kid), data_key)
