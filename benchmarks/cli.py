@@ -45,6 +45,7 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "checkpoints": ("34",),  # hybrid models: reuse on a thinking-style replay, prefill cost, bytes per checkpoint
     "tenants": ("39",),  # tenant isolation in kvshelf serve: a salted RAM hit, the TTFT price of isolation
     "identity": ("38",),  # serve start-up: the weights' content fingerprint, sidecar warm vs cold (4 GiB)
+    "encryption": ("37",),  # encryption at rest: save and warm restore with a key vs without
     "remote": ("21", "22", "23"),  # the shared tier: needs redis-server / redis-benchmark
 }
 KNOWN = tuple(sorted({*ALL, *(m for ms in OPTIONAL.values() for m in ms)}, key=int))

@@ -34,6 +34,11 @@ class CorruptData(KvShelfError):
     """Stored bytes failed verification: a checksum, a truncated file, a header that does not decode."""
 
 
+class EncryptionKeyError(KvShelfError):
+    """A store encrypted at rest opened without its key or with a wrong one, or a chunk whose tenant's data key was
+    destroyed (``forget_tenant``): never garbage, never a raw exception. The message names the store, never a key."""
+
+
 class IdentityMismatch(KvShelfError):
     """A snapshot was made under another model identity or namespace than the caller expects."""
 
@@ -78,6 +83,7 @@ __all__ = [
     "WrongArgumentType",
     "CacheRangeError",
     "IncompatibleFormat",
+    "EncryptionKeyError",
     "CorruptData",
     "IdentityMismatch",
     "SnapshotNotFound",

@@ -20,6 +20,7 @@ from .liveness.open_lock import StoreBusy
 from .objects.local import LocalByteStore
 from .objects.memory import MemoryByteStore
 from .objects.protocol import ByteStore
+from .objects.sealing import read_key_file
 from .results import Finding, GcReport, PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .store import Store, open_store
 
@@ -50,5 +51,6 @@ __all__ = [
     "StoreBusy",
     "continuation_key",
     "open_store",
+    "read_key_file",
     "syncs",
 ]

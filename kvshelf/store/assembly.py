@@ -8,7 +8,7 @@ bound method (a prefix checkpoint saves through ``SessionSaves``; a delete drops
 Order: ``Reclaimer``, ``Transactions`` (+ ``UseBook``), ``Leases``, ``Pins``, ``Snapshots``, ``SessionSaves``'s
 writer, ``Checkpoints``, ``Removal`` (pins and prefix checkpoints follow a dropped session), ``Gc``, ``FullDisk``,
 ``Quarantine``, ``Reader``, ``Saver`` (+ ``Budget``), ``IndexSwap``, ``Verifier``, ``StoreAdmin``, ``Repair``,
-then the public-call collaborators: ``SessionSaves``, ``Lookups``, ``Restores``, ``Keeping``.
+then the public-call collaborators: ``SessionSaves``, ``Lookups``, ``Restores``, ``Keeping``, ``TenantForget``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .admin.forget import TenantForget
 from .admin.index_swap import IndexSwap
 from .admin.surface import StoreAdmin
 from .context import StoreContext
@@ -67,6 +68,8 @@ class Collaborators:
     restores: Restores
     keeping: Keeping
     writer: BackgroundWriter
+    budget: Budget
+    forget: TenantForget
 
     def close(self) -> None:
         if self.ctx.closed:
@@ -98,7 +101,8 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
     full_disk = FullDisk(ctx, txns, removal, gc)  # sizes and takes the reserve from the index
     quarantine = Quarantine(ctx, txns, full_disk, removal)
     reader = Reader(ctx, leases, snapshots, quarantine)
-    saver = Saver(ctx, gate, txns, reclaimer, Budget(ctx, txns, reclaimer, removal, pins))
+    budget = Budget(ctx, txns, reclaimer, removal, pins)
+    saver = Saver(ctx, gate, txns, reclaimer, budget)
     swap = IndexSwap(ctx, gate, txns, writer.flush)
     verifier = Verifier(ctx, gate, reclaimer)
     admin = StoreAdmin(ctx, snapshots=snapshots, leases=leases, reclaimer=reclaimer, txns=txns, gate=gate,
@@ -112,10 +116,13 @@ def assemble(ctx: StoreContext, gate: SaveGate, *, max_pending_bytes: int, clock
     lookups = Lookups(ctx, txns.uses)
     restores = Restores(ctx, reader, snapshots, lookups.lookup, txns.uses)
     keeping = Keeping(ctx, full_disk, pins, snapshots.scoped_session_key, Checkpoints.drop_quarantined)
+    def destroy_key(token: str) -> bool:  # encryption at rest: forget_tenant destroys the tenant's data key first
+        return ctx.keys is not None and ctx.keys.destroy(token)
+
     if not ctx.read_only:  # once per index: v1 manifest files get the checksum rebuilds need
         seal_v1_manifests(ctx.index, ctx.bytes)
     return Collaborators(ctx, gate, txns, leases, pins, checkpoints, quarantine, repair, admin, saves, lookups,
-                         restores, keeping, writer)
+                         restores, keeping, writer, budget, TenantForget(ctx, txns, removal, destroy_key))
 
 
 def bind_remote(parts: Collaborators, remote: Any, prefix: str, options: dict[str, Any]) -> None:

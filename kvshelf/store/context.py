@@ -114,6 +114,7 @@ class StoreContext:
     chunk_tokens: int = 256
     verify_reads: bool = True
     max_bytes: int | None = None
+    tenant_max_bytes: dict[str, int] = field(default_factory=dict)  # tenant token -> quota ("*": every tenant's)
     lease_seconds: float = 600.0
     block: int = 16  # prefix records' block size (prefix/hashing.py)
     counters: Counters = field(default_factory=Counters)
@@ -121,6 +122,7 @@ class StoreContext:
     # index transaction (transaction bodies take it)
     closed: bool = False
     tier: Any = None  # the shared tier (remote/tier.py), bound by open_store(remote=...): restores fall back on it
+    keys: Any = None  # the KeyRing (objects/sealing.py) of a store encrypted at rest; None: a plaintext store
     access: Access | None = None  # whether this process may write the store (access.py); None: writable
 
     @property

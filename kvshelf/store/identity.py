@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
-from .inputs import check_identity_field
+from .inputs import MAX_TENANT_BYTES, TENANT_MARK, check_identity_field, check_namespace, check_tenant
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ def namespace_key(identity_key_: bytes, namespace: str) -> bytes:
     return xxhash.xxh3_128_digest(identity_key_ + b"\x00ns\x00" + namespace.encode("utf-8", "surrogatepass"))
 
 
-__all__ = ["Identity", "identity_key", "namespace_key"]
+__all__ = ["MAX_TENANT_BYTES", "Identity", "base_namespace", "identity_key", "namespace_key", "scoped_namespace",
+           "tenant_namespace", "tenant_of", "tenant_scope", "tenant_token"]
 
 
 # --- tenants: a tenant (and a cache salt) is part of the namespace, so of every key in every tier -------------------
@@ -57,9 +58,7 @@ __all__ = ["Identity", "identity_key", "namespace_key"]
 # caller's namespace. The token is the tenant's name when it is short and printable (so ``kvshelf ls`` can show it),
 # else ``~`` and a digest; a salt is always a digest (it may be a secret of the client's and it is unbounded).
 
-TENANT_MARK = "\x1e"
-SALT_MARK = "\x1f"
-MAX_TENANT_BYTES = 256  # what a request may name (X-Kvshelf-Tenant, the keys file); longer: 400
+SALT_MARK = "\x1f"  # TENANT_MARK and MAX_TENANT_BYTES (what a request may name; longer: 400) live in inputs.py
 _TENANT_TOKEN_BYTES = 64
 
 
@@ -87,6 +86,14 @@ def tenant_scope(tenant: str = "", salt: str | None = None) -> str:
 def scoped_namespace(namespace: str, tenant: str = "", salt: str | None = None) -> str:
     """``namespace`` as seen by ``tenant`` with ``salt``: what save, lookup and restore key by."""
     return namespace + tenant_scope(tenant, salt)
+
+
+def tenant_namespace(namespace: str, tenant: str = "") -> str:
+    """The library's ``tenant=`` keyword: ``namespace`` in ``tenant``'s scope, both checked first (a bad tenant is an
+    ``InvalidCacheState`` naming it, not a mangled key). The default tenant leaves the namespace to the room's check."""
+    if tenant == "":
+        return namespace
+    return scoped_namespace(check_namespace(namespace), check_tenant(tenant))
 
 
 def tenant_of(namespace: str) -> str:

@@ -35,6 +35,9 @@ from .results import PrefixHit
 MAX_SESSION_ID_BYTES = 448
 MAX_NAMESPACE_BYTES = 256
 MAX_IDENTITY_FIELD_BYTES = 1024
+MAX_TENANT_BYTES = 256
+MAX_SCOPE_BYTES = 128  # a tenant scope: mark + "t:" + token (<= 64 bytes or "~" + 32 hex) + salt mark + "s:" + 32 hex
+TENANT_MARK = "\x1e"  # where a namespace's tenant scope starts (identity.py composes scopes)
 
 SNAPSHOT_ID_HEX = 32
 
@@ -65,9 +68,22 @@ def check_session_id(session_id: Any) -> str:
 
 
 def check_namespace(namespace: Any) -> str:
-    """A namespace: str (empty is the default namespace), <= 256 UTF-8 bytes, no NUL, no lone surrogate."""
+    """A namespace: str (empty is the default namespace), <= 256 UTF-8 bytes, no NUL, no lone surrogate. A tenant's
+    scope (``identity.tenant_scope``, starting at ``TENANT_MARK``) may add up to ``MAX_SCOPE_BYTES`` more: the
+    caller's namespace keeps its full 256 bytes inside a tenant (keys carry only the namespace's hash)."""
+    if isinstance(namespace, str) and TENANT_MARK in namespace:
+        base, _mark, scope = namespace.rpartition(TENANT_MARK)
+        _text(base, "namespace", MAX_NAMESPACE_BYTES, empty=True)
+        _text(scope, "namespace's tenant scope", MAX_SCOPE_BYTES, empty=True)
+        return namespace
     _text(namespace, "namespace", MAX_NAMESPACE_BYTES, empty=True)
     return namespace
+
+
+def check_tenant(tenant: Any) -> str:
+    """A tenant name: str (empty is the default tenant), <= 256 UTF-8 bytes, no NUL, no lone surrogate."""
+    _text(tenant, "tenant", MAX_TENANT_BYTES, empty=True)
+    return tenant
 
 
 def check_optional_namespace(namespace: Any) -> str | None:
@@ -203,7 +219,9 @@ def check_requests(requests: Any) -> None:
 __all__ = [
     "MAX_IDENTITY_FIELD_BYTES",
     "MAX_NAMESPACE_BYTES",
+    "MAX_SCOPE_BYTES",
     "MAX_SESSION_ID_BYTES",
+    "MAX_TENANT_BYTES",
     "TOKEN_ID_LIMIT",
     "check_hit",
     "check_identity_field",
@@ -215,5 +233,6 @@ __all__ = [
     "check_session",
     "check_session_id",
     "check_snapshot_id",
+    "check_tenant",
     "check_tokens",
 ]

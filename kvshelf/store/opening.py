@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from ..codecs import CodecProvider
-from ..errors import FileAccessError, FileMissing, KvShelfError, file_error
+from ..errors import EncryptionKeyError, FileAccessError, FileMissing, KvShelfError, file_error
 from .base.syncs import ensure_dir
 from .context import StoreContext
 from .identity import Identity
@@ -31,6 +31,7 @@ from .liveness.removers_lock import RemoversLock
 from .liveness.save_gate import SaveGate
 from .objects.local import LocalByteStore
 from .objects.protocol import ByteStore, capability
+from .objects.sealing import KeyRing
 from .prefix import records
 
 
@@ -42,12 +43,31 @@ def open_context(path, identity: Identity | None, provider: CodecProvider, byte_
     (``_open_read_only``). An ``OSError`` on the way (a store this process may not even read, a parent it may not
     create in) leaves as a ``FileAccessError`` naming the path and the open."""
     root = os.path.abspath(os.fspath(path))
+    key = options.pop("key", None)
     try:
-        return _open(root, identity, provider, byte_store, index_store, map_size, **options)
+        keys = open_keys(root, key, blind=identity is None)  # before any lock: a wrong key leaves nothing held
+        ctx, gate = _open(root, identity, provider, byte_store, index_store, map_size, **options)
+        ctx.keys = keys
+        return ctx, gate
     except KvShelfError:
         raise
     except OSError as exc:
         raise file_error(exc, f"opening the store at {root}") from exc
+
+
+def open_keys(root: str, key: Any, *, blind: bool) -> KeyRing | None:
+    """The store's ``KeyRing`` (encryption at rest, ``objects/sealing.py``): opened with ``key`` (the first keyed
+    open of a store makes it encrypted), or None for a plaintext store opened without one. An encrypted store opened
+    without its key: ``EncryptionKeyError`` naming it — except identity-blind (offline tools), which get a locked
+    ring: what needs no plaintext works, a chunk read says it needs the key."""
+    if key is not None:
+        return KeyRing.open(root, key)
+    if not KeyRing.encrypted(root):
+        return None
+    if blind:
+        return KeyRing.locked(root)
+    raise EncryptionKeyError(f"the store at {root} is encrypted at rest: open it with its key "
+                             f"(open_store(..., key=...), kvshelf serve --encryption-key-file)")
 
 
 def close_context(ctx: StoreContext) -> None:

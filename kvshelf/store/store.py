@@ -24,12 +24,14 @@ from ..errors import InvalidCacheState, WrongArgumentType
 from .assembly import assemble, bind_remote
 from .generations import GenerationCheckpoint, GenerationCheckpoints
 from .identity import Identity
+from .identity import tenant_namespace as scope  # ``tenant=``: the tenant is part of the namespace, so of every key
 from .index.protocol import IndexStore
 from .liveness.open_lock import StoreBusy
 from .opening import open_context
 from .prefix.hashing import BLOCK_TOKENS
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .save.checkpoints import CheckpointInfo
+from .space.budget import tenant_limits
 
 # Names that were ``Store`` methods before the offline tools' calls moved to ``store.admin`` (and before "blob"
 # became "chunk"): deprecated, kept for one release, each warning and answering with the ``store.admin`` call.
@@ -49,13 +51,16 @@ class Store:
     ``byte_store`` replaces the local directory of packs by any ``ByteStore`` and ``index_store`` the LMDB index by
     any ``IndexStore`` (``MemoryIndexStore``: a throwaway store); the store speaks only those two protocols. The
     directory still holds the locks (and, by default, both of them). ``clock`` (seconds, like ``time.time``) is
-    what pin expiry reads: a test advances its own instead of sleeping.
+    what pin expiry reads: a test advances its own instead of sleeping. ``tenant_max_bytes`` (an int for every tenant, or
+    ``{tenant: bytes}``) is each tenant's quota (``set_tenant_limit``). ``key`` (32 bytes, or a passphrase str)
+    encrypts chunks at rest, per tenant (``objects/sealing.py``; docs/API.md, "Encryption at rest").
     """
 
     def __init__(self, path: str | os.PathLike, identity: Identity | None, *, max_bytes: int | None = None,
                  chunk_tokens: int = 256, verify: bool = True, provider: CodecProvider | None = None,
                  map_size: int = 64 << 30, max_pending_bytes: int = 2 << 30, lease_seconds: float = 600.0,
-                 admin: bool = False, byte_store=None, index_store=None, clock=None):
+                 admin: bool = False, byte_store=None, index_store=None, clock=None, tenant_max_bytes=None,
+                 key: bytes | str | None = None):
         if index_store is not None and not isinstance(index_store, IndexStore):
             raise WrongArgumentType(f"index_store must be a kvshelf IndexStore, got {type(index_store).__name__}")
         if admin and identity is not None:
@@ -68,7 +73,8 @@ class Store:
             raise InvalidCacheState(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
         ctx, gate = open_context(path, identity, provider or default_provider, byte_store, index_store, map_size,
                                  chunk_tokens=chunk_tokens, verify_reads=verify, max_bytes=max_bytes,
-                                 lease_seconds=lease_seconds, block=BLOCK_TOKENS)
+                                 lease_seconds=lease_seconds, block=BLOCK_TOKENS,
+                                 tenant_max_bytes=tenant_limits(tenant_max_bytes), key=key)
         self._parts = parts = assemble(ctx, gate, max_pending_bytes=max_pending_bytes, clock=clock)
         self._ctx, self._generations = ctx, GenerationCheckpoints(self)
         self.root, self.identity, self.id_key, self.identity_blind = ctx.root, identity, ctx.id_key, admin
@@ -122,77 +128,90 @@ class Store:
 
     # ------------------------------------------------------------------ saving (save/session_saves.py)
     def save(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "",
-             checkpoints: dict[int, Sequence[Any]] | None = None) -> SnapshotInfo:
+             checkpoints: dict[int, Sequence[Any]] | None = None, *, tenant: str = "") -> SnapshotInfo:
         """Persist the caches for ``tokens`` as the session's latest snapshot (only new chunks are written).
         ``checkpoints={k: caches_at_k}`` also saves the state after ``tokens[:k]`` (docs/CHECKPOINTS.md)."""
-        return self._parts.saves.save(session_id, tokens, caches, namespace, checkpoints)
+        return self._parts.saves.save(session_id, tokens, caches, scope(namespace, tenant), checkpoints)
 
     def save_async(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
-                   namespace: str = "", checkpoints: dict[int, Sequence[Any]] | None = None) -> Future:
+                   namespace: str = "", checkpoints: dict[int, Sequence[Any]] | None = None, *,
+                   tenant: str = "") -> Future:
         """Snapshot and evaluate now, write in the background; ``flush()`` waits and re-raises failures.
         ``checkpoints`` as in ``save``: captured now too, written right after the session."""
-        return self._parts.saves.save_async(session_id, tokens, caches, namespace, checkpoints)
+        return self._parts.saves.save_async(session_id, tokens, caches, scope(namespace, tenant), checkpoints)
 
     def save_checkpoint(self, session_id: str, tokens: Sequence[int], caches: Sequence[Any],
-                        namespace: str = "") -> SnapshotInfo:
+                        namespace: str = "", *, tenant: str = "") -> SnapshotInfo:
         """Save ``caches`` (the state after ``tokens`` = the session's first k tokens) as a prefix checkpoint of the
         existing session at k: lookups reuse it for prompts that match those k tokens (docs/CHECKPOINTS.md)."""
-        return self._parts.saves.save_checkpoint(session_id, tokens, caches, namespace)
+        return self._parts.saves.save_checkpoint(session_id, tokens, caches, scope(namespace, tenant))
 
-    def list_checkpoints(self, session_id: str, namespace: str = "") -> list[CheckpointInfo]:
+    def list_checkpoints(self, session_id: str, namespace: str = "", *, tenant: str = "") -> list[CheckpointInfo]:
         """The session's prefix checkpoints (``CheckpointInfo``: length, snapshot id, bytes referenced), by length."""
-        return self._parts.saves.list_checkpoints(session_id, namespace)
+        return self._parts.saves.list_checkpoints(session_id, scope(namespace, tenant))
 
     def flush(self) -> None:
         """Wait for every queued ``save_async``; re-raise the first failure."""
         self._parts.saves.flush()
 
     # ------------------------------------------------------------------ lookup (prefix/lookups.py)
-    def lookup(self, prompt_tokens: Sequence[int], namespace: str = "") -> PrefixHit | None:
+    def lookup(self, prompt_tokens: Sequence[int], namespace: str = "", *, tenant: str = "") -> PrefixHit | None:
         """The longest usable stored prefix of the prompt, or None. Reads no chunks. A list prompt is converted (and
         checked) only as far as the lookup reads it, so a miss costs microseconds however long the prompt."""
-        return self._parts.lookups.lookup(prompt_tokens, namespace)
+        return self._parts.lookups.lookup(prompt_tokens, scope(namespace, tenant))
 
-    def explain_miss(self, prompt_tokens: Sequence[int], namespace: str = "") -> str:
+    def explain_miss(self, prompt_tokens: Sequence[int], namespace: str = "", *, tenant: str = "") -> str:
         """Why ``lookup`` finds no usable prefix of the prompt: ``"nothing_stored"``, ``"other_identity"`` (a stored
         prefix of another model identity), ``"below_floor"`` (shorter than the snapshot's minimum_reusable_offset) or
         ``"not_exact_length"`` (recurrent or rotating state, and the prompt diverges before its end). Call it on a
         miss only: it searches again without the usability rules (``prefix/explain.py``)."""
-        return self._parts.lookups.explain_miss(prompt_tokens, namespace)
+        return self._parts.lookups.explain_miss(prompt_tokens, scope(namespace, tenant))
 
     # ------------------------------------------------------------------ restoring (restore/restores.py)
-    def restore(self, session_id: str, namespace: str = "") -> Restored:
+    def restore(self, session_id: str, namespace: str = "", *, tenant: str = "") -> Restored:
         """The session's latest snapshot, whole."""
-        return self._parts.restores.restore(session_id, namespace)
+        return self._parts.restores.restore(session_id, scope(namespace, tenant))
 
     def restore_snapshot(self, snapshot_id: str, length: int | None = None) -> Restored:
         """A snapshot by id (cut to ``length`` if given); another identity's snapshot raises ``IdentityMismatch``."""
         return self._parts.restores.restore_snapshot(snapshot_id, length)
 
-    def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "") -> Restored | None:
+    def restore_prefix(self, prompt_tokens: Sequence[int], namespace: str = "", *,
+                       tenant: str = "") -> Restored | None:
         """Caches for the longest usable stored prefix of the prompt (reading only the chunks covering it)."""
-        return self._parts.restores.restore_prefix(prompt_tokens, namespace)
+        return self._parts.restores.restore_prefix(prompt_tokens, scope(namespace, tenant))
 
     def restore_batch(self, requests: Sequence[str | PrefixHit | tuple[str, str]]) -> RestoredBatch:
         """Several rows restored straight into one batched cache per layer, rows in request order."""
         return self._parts.restores.restore_batch(requests)
 
-    def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
-        """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first."""
-        return self._parts.restores.sessions(namespace)
+    def sessions(self, namespace: str | None = None, *, tenant: str | None = None) -> list[SessionInfo]:
+        """This identity's sessions (all namespaces when ``namespace`` is None), most recently used first; with
+        ``tenant``, only that tenant's (its every namespace when ``namespace`` is None)."""
+        return self._parts.restores.sessions(namespace, tenant)
 
     # ------------------------------------------------------------------ what is kept (space/keeping.py)
-    def delete(self, session_id: str, namespace: str = "") -> None:
+    def delete(self, session_id: str, namespace: str = "", *, tenant: str = "") -> None:
         """Remove the session's snapshot; chunks no other snapshot references are freed."""
-        self._parts.keeping.delete(session_id, namespace)
+        self._parts.keeping.delete(session_id, scope(namespace, tenant))
 
-    def pin(self, session_id: str, namespace: str = "", ttl: float | None = None):
+    def pin(self, session_id: str, namespace: str = "", ttl: float | None = None, *, tenant: str = ""):
         """Never evict the session (budget, LRU) until ``unpin`` or ``ttl`` seconds after its last use."""
-        return self._parts.keeping.pin(session_id, namespace, ttl)
+        return self._parts.keeping.pin(session_id, scope(namespace, tenant), ttl)
 
-    def unpin(self, session_id: str, namespace: str = "") -> bool:
+    def unpin(self, session_id: str, namespace: str = "", *, tenant: str = "") -> bool:
         """Drop the session's pin (False when it had none); the budget may evict it again."""
-        return self._parts.keeping.unpin(session_id, namespace)
+        return self._parts.keeping.unpin(session_id, scope(namespace, tenant))
+
+    def set_tenant_limit(self, tenant: str, max_bytes: int | None) -> None:
+        """``tenant``'s quota (``"*"``: every tenant's default; None drops it): over it, the tenant's own LRU
+        unpinned sessions are evicted after its saves, never another tenant's (``space/budget.py``)."""
+        self._parts.budget.set_tenant_limit(tenant, max_bytes)
+
+    def forget_tenant(self, tenant: str) -> dict[str, int]:
+        """Remove every snapshot, checkpoint, pin and shared-tier entry of ``tenant`` (every identity; with encryption
+        its data key first): counts of what went. Chunks left unreferenced are ``gc``'s (``admin/forget.py``)."""
+        return self._parts.forget.forget(tenant)
 
     # ------------------------------------------------------------------ integrity (integrity/, admin/surface.py)
     def stats(self) -> dict[str, Any]:
@@ -230,18 +249,19 @@ class Store:
     # ------------------------------------------------------------------ generation checkpoints (generations/)
     def save_generation_checkpoint(self, key: str, tokens: Sequence[int], caches: Sequence[Any], *,
                                    prompt_length: int, pending_token: int, sampler_state: bytes | None,
-                                   background: bool = False):
+                                   background: bool = False, tenant: str = ""):
         """A checkpoint of an in-flight generation under continuation ``key`` (docs/RESUMING.md)."""
         return self._generations.save(key, tokens, caches, prompt_length=prompt_length, pending_token=pending_token,
-                                      sampler_state=sampler_state, background=background)
+                                      sampler_state=sampler_state, background=background, tenant=tenant)
 
-    def find_generation_checkpoint(self, key: str, prompt_tokens: Sequence[int]) -> GenerationCheckpoint | None:
+    def find_generation_checkpoint(self, key: str, prompt_tokens: Sequence[int], *,
+                                   tenant: str = "") -> GenerationCheckpoint | None:
         """The longest generation checkpoint of ``key`` for exactly this prompt, restored, or None."""
-        return self._generations.find(key, prompt_tokens)
+        return self._generations.find(key, prompt_tokens, tenant)
 
-    def drop_generation_checkpoints(self, key: str) -> int:
+    def drop_generation_checkpoints(self, key: str, *, tenant: str = "") -> int:
         """Delete every generation checkpoint of ``key`` (its generation completed); how many there were."""
-        return self._generations.drop(key)
+        return self._generations.drop(key, tenant)
 
 
 def open_store(path: str | os.PathLike, identity: Identity | None = None, *, max_bytes: int | None = None,

@@ -20,11 +20,11 @@ from typing import Any
 import msgspec
 
 from ..errors import CorruptData, IncompatibleFormat, KvShelfError, SnapshotNotFound, file_error
-from ..store import Store, StoreBusy, open_store
+from ..store import Store, StoreBusy, open_store, read_key_file
 from ..store.identity import identity_key
 from ..store.index import Manifest, is_checkpoint, parent_of
 from . import lmdb_files
-from .paths import require_path, require_text
+from .paths import KEY_FILE_VAR, require_path, require_text
 
 _SNAPSHOT_ID = re.compile(r"^[0-9a-f]{32}$")
 IDENTITY_FIELDS = ("model_id", "config_fingerprint", "tokenizer_hash", "namespace")
@@ -49,7 +49,8 @@ def open_admin(path: str | os.PathLike[str], *, create: bool = False) -> Iterato
     if not create and not is_store(path):
         raise StoreMissing(f"no kvshelf store at {path} (expected {Path(path) / 'index' / 'data.mdb'}); "
                            f"pass --store DIR or set KVSHELF_STORE")
-    store = open_store(str(path), admin=True)
+    key_file = os.environ.get(KEY_FILE_VAR)  # --encryption-key-file sets it: an encrypted store's chunks then read
+    store = open_store(str(path), admin=True, key=read_key_file(key_file) if key_file else None)
     try:
         yield store
     finally:
@@ -394,6 +395,37 @@ def remote_sessions(remote: str, prefix: str | None = None) -> list[dict[str, An
 def remote_stats(remote: str, prefix: str | None = None) -> dict[str, Any]:
     with remote_admin(remote, prefix) as tier:
         return tier.stats()
+
+
+def remote_forget_tenant(remote: str, tenant: str, prefix: str | None = None) -> int:
+    """``kvshelf forget --tenant T --remote URL``: the tier's entries of ``tenant`` (``RemoteAdmin.forget_tenant``)."""
+    from ..store import tenant_token
+
+    with remote_admin(remote, prefix) as tier:
+        return tier.forget_tenant(tenant_token(tenant))
+
+
+def of_tenant(rows: list[dict[str, Any]], tenant: str | None) -> list[dict[str, Any]]:
+    """The rows (``list_sessions``'s, ``entries``') whose namespace is in ``tenant``'s scope; all when None."""
+    from ..store import tenant_of, tenant_token
+
+    if tenant is None:
+        return rows
+    token = tenant_token(tenant)
+    return [r for r in rows if "namespace" in r and tenant_of(r["namespace"]) == token]
+
+
+def tenant_totals(store: Store) -> dict[str, dict[str, int]]:
+    """Per tenant token (``""``: the default tenant): its sessions, checkpoints and the bytes its snapshots
+    reference — what ``kvshelf stats`` shows per tenant."""
+    from ..store import tenant_of
+
+    out: dict[str, dict[str, int]] = {}
+    for m in store.admin.iter_manifests():
+        row = out.setdefault(tenant_of(m.namespace), {"sessions": 0, "checkpoints": 0, "bytes": 0})
+        row["checkpoints" if is_checkpoint(m.session_id) else "sessions"] += 1
+        row["bytes"] += m.nbytes
+    return dict(sorted(out.items()))
 
 
 def remote_gc(remote: str, prefix: str | None = None, dry_run: bool = False, wait: float = 10.0) -> dict[str, Any]:

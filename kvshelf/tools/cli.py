@@ -8,10 +8,12 @@ Exit codes: 0 all is well, 1 problems found (corruption, orphans, a failed impor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from ..errors import KvShelfError, file_error
+from .paths import KEY_FILE_VAR
 from .cli_args import _expect, _store_dir, build_parser
 from .render import Printer, human_bytes, human_time, kv_table, rows_table, to_data
 
@@ -36,7 +38,7 @@ def cmd_ls(args: argparse.Namespace, pr: Printer) -> int:
     if args.remote:
         return _remote_ls(args, pr)
     with admin.open_admin(_store_dir(args)) as store:
-        rows = admin.list_sessions(store, **_expect(args))
+        rows = admin.of_tenant(admin.list_sessions(store, **_expect(args)), args.tenant)
 
     if args.ids:  # bare session ids, one a line, each once: what `kvshelf pin ID` takes (scripts, copy and paste)
         seen = dict.fromkeys(r["session_id"] for r in rows)
@@ -114,6 +116,7 @@ def _remote_ls(args: argparse.Namespace, pr: Printer) -> int:
     wanted = {k: v for k, v in _expect(args).items() if k in ("model_id", "namespace")}
     rows = [r for r in admin.remote_sessions(args.remote, args.remote_prefix)
             if all(r.get(k) == v for k, v in wanted.items())]
+    rows = rows if args.tenant is None else admin.of_tenant(rows, args.tenant)
 
     def human(console) -> None:
         table_rows = [(r.get("namespace", "?") or "\"\"", r.get("session_id", "?"), r.get("model_id", "?"),
@@ -139,9 +142,14 @@ def cmd_stats(args: argparse.Namespace, pr: Printer) -> int:
         return PROBLEMS if doc["broken_entries"] else OK
     with admin.open_admin(_store_dir(args)) as store:
         doc = admin.stats(store, max_bytes=args.max_bytes)
+        doc["tenants"] = admin.tenant_totals(store)
 
     def human(console) -> None:
-        console.print(kv_table("store", [(k, human_bytes(v) if k.endswith("bytes") else v) for k, v in doc.items()]))
+        console.print(kv_table("store", [(k, human_bytes(v) if k.endswith("bytes") else v) for k, v in doc.items()
+                                         if k != "tenants"]))
+        console.print(rows_table("tenants", ("tenant", "sessions", "checkpoints", "bytes"),
+                                 [(t or "(default)", r["sessions"], r["checkpoints"], human_bytes(r["bytes"]))
+                                  for t, r in doc["tenants"].items()]))
 
     pr.emit(doc, human)
     return PROBLEMS if doc.get("orphan_count") else OK
@@ -410,6 +418,20 @@ def cmd_unpin(args: argparse.Namespace, pr: Printer) -> int:
     return OK if dropped else PROBLEMS
 
 
+def cmd_forget(args: argparse.Namespace, pr: Printer) -> int:
+    from . import admin
+
+    if args.remote:
+        doc = {"tenant": args.tenant, "remote_entries": admin.remote_forget_tenant(args.remote, args.tenant,
+                                                                                   args.remote_prefix)}
+    else:
+        with admin.open_admin(_store_dir(args)) as store:
+            doc = {"tenant": args.tenant, **store.forget_tenant(args.tenant)}
+    pr.emit(doc, lambda c: c.print(f"forgot tenant {args.tenant!r}: " + ", ".join(
+        f"{k}={v}" for k, v in doc.items() if k != "tenant")))
+    return OK
+
+
 def cmd_warm(args: argparse.Namespace, pr: Printer) -> int:
     import json
 
@@ -444,7 +466,7 @@ COMMANDS = {
     "demo": cmd_demo, "ls": cmd_ls, "show": cmd_show, "stats": cmd_stats, "verify": cmd_verify, "gc": cmd_gc,
     "compact": cmd_compact, "export": cmd_export, "import": cmd_import, "rebuild-index": cmd_rebuild_index,
     "watch": cmd_watch, "delete": cmd_delete, "pin": cmd_pin, "unpin": cmd_unpin, "warm": cmd_warm, "repair": cmd_repair,
-    "quarantine": cmd_quarantine,
+    "quarantine": cmd_quarantine, "forget": cmd_forget,
 }
 
 
@@ -466,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["serve"]:  # its options are mlx_lm.server's too: not parsed here
         return cmd_serve(argv[1:])
     args = build_parser().parse_args(argv)
+    if getattr(args, "encryption_key_file", None) is not None:  # read by admin.open_admin, for this process only
+        os.environ[KEY_FILE_VAR] = str(args.encryption_key_file)
     pr = Printer(as_json=args.json)
     try:
         return COMMANDS[args.command](args, pr)

@@ -58,6 +58,9 @@ def _common() -> argparse.ArgumentParser:
         help=f"store directory (default: ${ENV_VAR}, else {default_store_path()})",
     )
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    common.add_argument("--encryption-key-file", type=Path, default=None, metavar="FILE",
+                        help="the key of a store encrypted at rest (32 bytes, 64 hex digits or a passphrase; default "
+                             "$KVSHELF_ENCRYPTION_KEY_FILE): without it, chunk contents are not read")
     return common
 
 
@@ -93,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", action="store_true",
                    help="print only the session ids, one a line (each pastes into `kvshelf pin ID`)")
     _identity_options(p, required_note="filters; default: every identity")
+    p.add_argument("--tenant", default=None, metavar="T", help="only this tenant's sessions (every namespace of it)")
     _remote_options(p)
     p = add("show", "Show the header of one snapshot (geometry, format, block table, chunks) without loading tensors.")
     p.add_argument("target", metavar="SESSION|SNAPSHOT", help="a session id (its latest snapshot) or a snapshot id")
@@ -175,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "freed, `kvshelf gc` reclaims what is left.")
     p.add_argument("session", help="session id")
     _identity_options(p, required_note="default: the only identity and namespace holding the session")
+    p = add("forget", "Forget a tenant: remove every snapshot, checkpoint, pin (and with --remote, every shared-tier "
+                      "entry) of it; with encryption at rest its data key is destroyed first. Chunks left "
+                      "unreferenced go at the next gc.")
+    p.add_argument("--tenant", required=True, metavar="T", help="the tenant to forget")
+    _remote_options(p)
     p = add("unpin", "Drop a session's pin; the budget may evict it again.")
     p.add_argument("session", help="session id")
     p.add_argument("--namespace", default="", metavar="NS", help='the session\'s namespace (default "")')

@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import InvalidCacheState, WrongArgumentType
 
 ENV_VAR = "KVSHELF_STORE"
+KEY_FILE_VAR = "KVSHELF_ENCRYPTION_KEY_FILE"  # the key file of a store encrypted at rest (--encryption-key-file)
 
 
 def require_path(value: Any, what: str) -> Path:
@@ -41,4 +42,4 @@ def default_store_path() -> Path:
     return Path(data_home).expanduser() / "kvshelf" / "store"
 
 
-__all__ = ["ENV_VAR", "default_store_path", "require_path", "require_text"]
+__all__ = ["ENV_VAR", "KEY_FILE_VAR", "default_store_path", "require_path", "require_text"]

@@ -12,6 +12,7 @@ Only the public API is used (``open_store``, ``save``/``restore``/``restore_pref
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -32,6 +33,14 @@ from kvshelf.latent_legos.kv import (
 
 IDENTITY = Identity("soak-model", config_fingerprint="soak-cfg", tokenizer_hash="soak-tok")
 CHUNK = 16
+SOAK_KEY_VAR = "KVSHELF_SOAK_KEY"  # hex; ``--encrypted`` sets it for every process of the run
+
+
+def at_rest() -> dict:
+    """``open_store``'s options for the soak's stores: encrypted at rest when ``KVSHELF_SOAK_KEY`` is set, so every
+    kill, flip, heal and mixed-traffic worker runs against sealed chunks (issue 29)."""
+    key = os.environ.get(SOAK_KEY_VAR)
+    return {"key": bytes.fromhex(key)} if key else {}
 LAYERS = 2
 GEOMETRY = LatentGeometry(kv_lora_rank=32, rope_head_dim=32, index_head_dim=32)
 LATENT = {"mla": (KvScheme.bf16(), None), "affine": (KvScheme.affine(4, 32), None), "turbo": (KvScheme.turbo(8, 3), None),
@@ -163,9 +172,9 @@ def check_store(root: str, sessions: list, *, damaged: bool, rebuild: bool = Fal
     missing, said = [], False
     try:
         if rebuild:
-            with open_store(root, admin=True) as admin:
+            with open_store(root, admin=True, **at_rest()) as admin:
                 admin.rebuild_index()
-        with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK) as store:
+        with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK, **at_rest()) as store:
             for ns, sid, versions, _committed in sessions:
                 key = f"{ns}/{sid}"
                 try:

@@ -24,12 +24,12 @@ def build_bases(workdir: Path) -> list[tuple[Path, list, dict]]:
     from kvshelf import open_store
     from kvshelf.codecs import save_snapshot
 
-    from .cases import CHUNK, IDENTITY, KINDS, make_caches, tokens_for
+    from .cases import CHUNK, IDENTITY, at_rest, KINDS, make_caches, tokens_for
 
     bases = []
     for b, kinds in enumerate((KINDS[:5], KINDS[5:])):
         root, sessions, files = workdir / f"base{b}", [], {}
-        with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK) as store:
+        with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK, **at_rest()) as store:
             for i, kind in enumerate(kinds):
                 n, seed, ns = 40 + 7 * i, 100 * b + i, "t" if i == 1 else ""
                 store.save(f"s{i}", tokens_for(kind, seed, n), make_caches(kind, n, seed), namespace=ns)
@@ -131,7 +131,9 @@ def damage_trial(base, kind: str, rng: random.Random, workdir: Path, checker, ta
                 at = rng.randrange(*span)
         data[at] ^= 1 << rng.randrange(8)
         path.write_bytes(bytes(data))
-        if group == "blob":
+        if group == "blob" and path.relative_to(trial).parts[0] == "keys":  # an encrypted store's key records
+            row = "flip: key files"
+        elif group == "blob":
             row = _pack_row(orig, at) or (
                 "flip: tombstones" if "tomb" in str(path.relative_to(trial)) else
                 "flip: blob headers" if at < _header_end(orig) else "flip: chunk bytes")

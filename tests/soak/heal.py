@@ -21,10 +21,10 @@ ROW = "heal: damage, detect, save, repair"
 def _build(root: Path, kind: str, seed: int) -> dict[str, tuple[list[int], int, int]]:
     from kvshelf import open_store
 
-    from .cases import CHUNK, IDENTITY, make_caches, tokens_for
+    from .cases import CHUNK, IDENTITY, at_rest, make_caches, tokens_for
 
     truth = {}
-    with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK) as store:
+    with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK, **at_rest()) as store:
         for name, n, s in (("a", 48, seed), ("b", 48, seed), ("c", 48, seed), ("g", 80, seed), ("o", 48, seed + 1)):
             toks = tokens_for(kind, s, n)
             store.save(name, toks, make_caches(kind, n, s))
@@ -36,13 +36,13 @@ def trial(workdir: Path, rng: random.Random, kind: str) -> tuple[str, list[str]]
     from kvshelf import open_store
     from kvshelf.errors import KvShelfError
 
-    from .cases import CHUNK, IDENTITY, fingerprint, make_caches
+    from .cases import CHUNK, IDENTITY, at_rest, fingerprint, make_caches
 
     root = workdir / f"heal-{rng.randrange(1 << 30)}"
     try:
         truth = _build(root, kind, rng.randrange(1000))
         want = {name: fingerprint(make_caches(kind, n, s)) for name, (_t, n, s) in truth.items()}
-        with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK) as store:
+        with open_store(root, identity=IDENTITY, chunk_tokens=CHUNK, **at_rest()) as store:
             chunks = sorted({h for h, _m in store.admin.iter_chunks()})
             victim = rng.choice(chunks)
             name, offset, length = store.admin.chunk_location(victim)

@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=12)
     p.add_argument("--parallel", type=int, default=2, help="kill lanes and damage checkers run side by side")
     p.add_argument("--no-enospc", action="store_true")
+    p.add_argument("--encrypted", action="store_true",
+                   help="every store encrypted at rest (open_store key=): the same trials against sealed chunks")
     p.add_argument("--workdir", type=Path, default=None,
                    help="default: a temporary directory (in /dev/shm when writable), removed at the end")
     p.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
@@ -257,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(worker_option, help=argparse.SUPPRESS)
     p.add_argument("--wid", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.encrypted:  # inherited by every worker process of the run
+        from .cases import SOAK_KEY_VAR
+
+        os.environ[SOAK_KEY_VAR] = (bytes(range(32))).hex()
     if args.worker:
         return _run_worker(args)
     # on tmpfs when there is one: kill -9 keeps the page cache anyway, and a store's fsyncs cost nothing there

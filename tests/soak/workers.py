@@ -32,6 +32,7 @@ from kvshelf.codecs import load_snapshot
 from kvshelf.errors import KvShelfError, SnapshotNotFound, StoreFull
 
 from .cases import (
+    at_rest,
     CHUNK,
     IDENTITY,
     KINDS,
@@ -79,7 +80,7 @@ def run_checker() -> None:
                 v = check_store(req["root"], req["sessions"], damaged=req["damaged"], rebuild=req.get("rebuild", False),
                                 deep=req.get("deep", True), prefix=req.get("prefix", True))
                 if req.get("gc") and v.status != "crash":
-                    with open_store(req["root"], admin=True) as admin:
+                    with open_store(req["root"], admin=True, **at_rest()) as admin:
                         admin.gc(dry_run=False)
         except KvShelfError as exc:
             v = Verdict()
@@ -147,7 +148,7 @@ def run_writer(store: str, seed: int, log: str, kill_at: str | None, steps: int 
 
     if kill_at and not install_kill_point(kill_at):
         say("nopoint")
-    with open_store(store, identity=IDENTITY, chunk_tokens=CHUNK) as s:
+    with open_store(store, identity=IDENTITY, chunk_tokens=CHUNK, **at_rest()) as s:
         say("ready")
         for _ in range(steps):
             sid, ns = f"w{rng.randrange(6)}", rng.choice(["", "", "t"])
@@ -211,7 +212,7 @@ def run_mixed(store: str, wid: int, seed: int, seconds: float, out: str) -> None
             counts["notes"].append(f"{kind}: {text}"[:300])
 
     deadline = time.monotonic() + seconds
-    with open_store(store, identity=IDENTITY, chunk_tokens=CHUNK) as s:
+    with open_store(store, identity=IDENTITY, chunk_tokens=CHUNK, **at_rest()) as s:
         while time.monotonic() < deadline:
             counts["ops"] += 1
             op, sid = rng.random(), f"m{wid}-{rng.randrange(4)}"
@@ -299,7 +300,7 @@ def run_enospc(store: str, out: str, rounds: int = 3) -> None:
     rng = random.Random(5)
     ballast = Path(store).parent / "ballast"  # space an operator could free on this filesystem, outside the store
     ballast.write_bytes(b"\0" * (768 << 10))
-    with open_store(store, identity=IDENTITY, chunk_tokens=CHUNK) as s:
+    with open_store(store, identity=IDENTITY, chunk_tokens=CHUNK, **at_rest()) as s:
         k = 0
         for _round in range(rounds):
             for _ in range(400):  # until the filesystem is full

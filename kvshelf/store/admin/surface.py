@@ -128,7 +128,7 @@ class StoreAdmin:
         Unleased, so a re-encoding (``rewrite_chunk``, repack) may move the chunk between reading its location and
         opening the object: a missing object is only called corrupt once the index, read again, still places the
         chunk there; otherwise the new location is opened (re-encoding is invisible to readers)."""
-        return open_chunk(self.ctx.index, self.ctx.bytes, hash_, verify)
+        return open_chunk(self.ctx.index, self.ctx.bytes, hash_, verify, self.ctx.keys)
 
     def summaries(self) -> dict[str, Summary]:
         """Every indexed snapshot's summary record, all identities: snapshot id -> ``Summary``."""
@@ -259,7 +259,10 @@ class StoreAdmin:
                 bufs = reader.read_into([None] * len(reader.tensors))
                 pieces = [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
                 metadata = dict(reader.metadata)
+                sealed = (reader.kid, reader.expect_hash) if reader.sealed else None
             frame = raw_buffers(pieces, metadata) if encoding == "raw" else kvz_buffers(pieces, metadata, level)
+            if sealed is not None:  # encryption at rest: compressed, then sealed again under its tenant's key
+                frame = [self.ctx.keys.by_id(sealed[0]).seal(hash_, sealed[1], frame)]
             builder = PackBuilder()
             builder.add(hash_, frame, encoding)
             name = new_pack_name()

@@ -28,6 +28,7 @@ from typing import Any
 
 from ...errors import CorruptData, InvalidCacheState, SnapshotNotFound, WrongArgumentType
 from .. import inputs
+from ..identity import tenant_namespace
 
 NAMESPACE_PREFIX = "__generation_checkpoint__:"
 KEY_VERSION = 1
@@ -103,16 +104,17 @@ class GenerationCheckpoints:
         self.store = store
 
     @staticmethod
-    def namespace(key: str) -> str:
-        return NAMESPACE_PREFIX + _check_key(key)
+    def namespace(key: str, tenant: str = "") -> str:
+        """The key's namespace, in ``tenant``'s scope: a tenant's checkpoints are its own and go with it."""
+        return tenant_namespace(NAMESPACE_PREFIX + _check_key(key), tenant)
 
     # ------------------------------------------------------------------ save
     def save(self, key: str, tokens: Sequence[int], caches: Sequence[Any], *, prompt_length: int,
-             pending_token: int, sampler_state: bytes | None, background: bool = False):
+             pending_token: int, sampler_state: bytes | None, background: bool = False, tenant: str = ""):
         """Write a checkpoint of ``key`` (SnapshotInfo), then delete the key's shorter checkpoints. With
         ``background=True`` the caches are captured now and written behind: a Future that resolves once the
         checkpoint is durable and the older ones are gone (errors are the Future's)."""
-        ns = self.namespace(key)
+        ns = self.namespace(key, tenant)
         tokens = inputs.check_tokens(tokens)
         n = len(tokens)
         if not isinstance(prompt_length, int) or isinstance(prompt_length, bool) or not 1 <= prompt_length < n:
@@ -171,11 +173,11 @@ class GenerationCheckpoints:
                 out.append(entry)
         return out
 
-    def find(self, key: str, prompt_tokens: Sequence[int]) -> GenerationCheckpoint | None:
+    def find(self, key: str, prompt_tokens: Sequence[int], tenant: str = "") -> GenerationCheckpoint | None:
         """The longest checkpoint of ``key`` made for exactly this prompt (its prompt length is the prompt's and its
         tokens start with it), restored; None when there is none. A checkpoint that fails verification is
         quarantined by the store and the next longest is tried."""
-        ns = self.namespace(key)
+        ns = self.namespace(key, tenant)
         prompt = [int(t) for t in inputs.check_tokens(prompt_tokens)]
         entries = sorted((e for e in self._entries(ns) if e.prompt_length == len(prompt)),
                          key=lambda e: -e.generated)
@@ -193,9 +195,9 @@ class GenerationCheckpoints:
         return None
 
     # ------------------------------------------------------------------ drop
-    def drop(self, key: str) -> int:
+    def drop(self, key: str, tenant: str = "") -> int:
         """Delete every checkpoint of ``key`` (the generation completed); how many were deleted."""
-        ns = self.namespace(key)
+        ns = self.namespace(key, tenant)
         count = 0
         for s in self.store.sessions(ns):
             try:

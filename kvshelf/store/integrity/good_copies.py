@@ -45,6 +45,7 @@ class Found:
     source: str
     pieces: list[Piece]
     damaged: tuple[str, int]
+    seal: Callable | None = None  # encryption at rest: the frame sealed again under the chunk's tenant key
 
 
 class GoodCopies:
@@ -66,9 +67,9 @@ class GoodCopies:
         for pack, h, offset, length in self._pack_copies(want):
             if h in found:
                 continue
-            pieces = _read_verified(self.ctx, pack, offset, length, h)
-            if pieces is not None:
-                found[h] = Found(f"pack {pack}", pieces, want[h])
+            got = _read_verified(self.ctx, pack, offset, length, h)
+            if got is not None:
+                found[h] = Found(f"pack {pack}", got[0], want[h], got[1])
         if remote is not None:
             for h in want:
                 if h in found:
@@ -88,7 +89,8 @@ class GoodCopies:
         changed) when the chunk is no longer indexed or no longer points at the damaged copy (a save healed it)."""
         self.ctx.check_writable("repair")
         with self.ctx.removers.removing(), self.gate.hold():  # the move frees the damaged copy (removers.py)
-            name, size, placed = self.write_pack([(ref, copy.pieces)])
+            name, size, placed = self.write_pack([(ref, copy.pieces)], seal=None if copy.seal is None else {
+                h: copy.seal})
             _pack, offset, stored, encoding, _size = placed[h]
 
             def move(txn):
@@ -124,13 +126,18 @@ class GoodCopies:
                     yield name, h, offset, length
 
 
-def _read_verified(ctx: StoreContext, pack: str, offset: int, length: int, h: str) -> list[Piece] | None:
-    """The chunk at (pack, offset, length) as pieces, or None when that copy does not hash to ``h`` either."""
+def _read_verified(ctx: StoreContext, pack: str, offset: int, length: int, h: str):
+    """The chunk at (pack, offset, length) as (pieces, its re-sealing or None), or None when that copy does not hash
+    to ``h`` either."""
     try:
         with ChunkReader(None, h, source=open_object(ctx.bytes, pack), base=offset, length=length,
-                         where=f"{h} in {pack}", owns_source=True) as reader:
+                         where=f"{h} in {pack}", owns_source=True, keys=ctx.keys, name=h) as reader:
             bufs = reader.read_into([None] * len(reader.tensors))
-            return [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
+            pieces = [Piece(t.name, t.dtype, t.shape, b) for t, b in zip(reader.tensors, bufs)]
+            if not reader.sealed:
+                return pieces, None
+            tkey, content = ctx.keys.by_id(reader.kid), reader.expect_hash
+            return pieces, lambda frame: [tkey.seal(h, content, frame)]
     except (CorruptData, ObjectMissing, OSError):
         return None
 

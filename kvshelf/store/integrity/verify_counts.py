@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import CorruptData, IncompatibleFormat, KvShelfError
+from ...errors import CorruptData, EncryptionKeyError, IncompatibleFormat, KvShelfError
 from ..context import StoreContext
 from ..index import bad_chunks, keys
 from ..prefix import records
@@ -308,8 +308,11 @@ def _object_problem(ctx, h: str, meta: ChunkMeta, deep: bool) -> Finding | None:
                                                   f"{meta.stored_bytes}")
     if deep:
         try:
-            with open_chunk(ctx.index, ctx.bytes, h, verify=True) as reader:
+            with open_chunk(ctx.index, ctx.bytes, h, verify=True, keyring=ctx.keys) as reader:
                 reader.read_into([None] * len(reader.tensors))
+        except EncryptionKeyError:  # opened without the key: everything else was checked, this chunk's plaintext
+            return Finding("not-checked", f"chunk {h}", "sealed (encryption at rest): its content and checksum "
+                           "need the store's key; not checked, not marked")
         except (KvShelfError, ObjectMissing, OSError) as exc:
             return Finding("corrupt-chunk", f"chunk {h}", _without(str(exc), h))
     return None

@@ -26,8 +26,9 @@ import xxhash
 import zstandard
 
 from ...codecs.dtypes import DTYPE_NAMES, numpy_dtype, safetensors_code
-from ...errors import CorruptData
+from ...errors import CorruptData, EncryptionKeyError
 from .runhash import RunHash
+from .sealing import SEAL_MAGIC, is_sealed
 from .shuffle import shuffle, shuffle_itemsize, unshuffle_into
 
 KVZ_MAGIC = b"KVSHZ01\n"
@@ -169,14 +170,39 @@ def _parse_header(raw: bytes, where: str) -> tuple[list[TensorInfo], dict[str, s
     return infos, metadata
 
 
+class MemorySource:
+    """A ranged source over bytes in memory (a sealed chunk's plaintext), as ``LocalReader`` reads a file."""
+
+    def __init__(self, data: memoryview):
+        self.data = data
+
+    def read_into(self, offset: int, buffers) -> None:
+        for b in buffers:
+            n = b.nbytes
+            if offset + n > len(self.data):
+                raise CorruptData("read past the end of an in-memory chunk")
+            b.cast("B")[:] = self.data[offset:offset + n]
+            offset += n
+
+    def size(self) -> int:
+        return len(self.data)
+
+    def close(self) -> None:
+        self.data = memoryview(b"")
+
+
 class ChunkReader:
     """An open chunk — a whole v1 chunk file file, or ``length`` bytes at ``base`` inside a pack — read through a ranged
     source (``read_into(offset, buffers)``): its tensors, and ``read_into`` that fills caller buffers and checks the
     content hash. ``ChunkReader(path)`` opens a file by path (v1 chunk files, tools)."""
 
     def __init__(self, path: str | None = None, expect_hash: str | None = None, *, source=None, base: int = 0,
-                 length: int | None = None, where: str | None = None, owns_source: bool | None = None):
+                 length: int | None = None, where: str | None = None, owns_source: bool | None = None,
+                 keys=None, name: str | None = None):
         self.path, self.expect_hash = path, expect_hash
+        # a sealed chunk (sealing.py) is opened with ``keys`` (the store's ``KeyRing``) under its ``name``; then it
+        # reads from its plaintext in memory, and ``expect_hash`` becomes the content hash sealed inside
+        self.keys, self.name, self.sealed = keys, name or expect_hash, False
         self.where = where or (os.path.basename(path) if path else "chunk")
         if source is None:
             from .local import LocalReader
@@ -210,6 +236,8 @@ class ChunkReader:
         if self.length < 16:
             raise CorruptData(f"chunk {where} is truncated ({self.length} bytes)")
         head = self._pread(self.base, 16)
+        if is_sealed(head):
+            head = self._unseal(where)
         self.compressed = head[:8] == KVZ_MAGIC
         at = 8 if self.compressed else 0
         (hlen,) = struct.unpack("<Q", head[at:at + 8])
@@ -221,6 +249,26 @@ class ChunkReader:
         self.data_bytes = self.tensors[-1].stop if self.tensors else 0
         if not self.compressed and self.data_start + self.data_bytes > self.base + self.length:
             raise CorruptData(f"chunk {where} is truncated (tensor data ends early)")
+
+    def _unseal(self, where: str) -> bytes:
+        """Open the sealed envelope and read on from its plaintext; the first 16 bytes of the plain frame."""
+        if self.keys is None or self.name is None:
+            raise EncryptionKeyError(f"chunk {where} is sealed (encryption at rest): reading it needs the store's key")
+        blob = bytearray(self.length)  # read once, opened in place of a copy
+        try:
+            self.source.read_into(self.base, [memoryview(blob)])
+        except CorruptData:
+            raise CorruptData(f"chunk {where} is truncated") from None
+        self.kid = bytes(blob[len(SEAL_MAGIC):len(SEAL_MAGIC) + 16])
+        content, plain = self.keys.open_chunk(self.name, blob, where)
+        if self.expect_hash is not None:
+            self.expect_hash = content
+        if self._owns:
+            self.source.close()
+        self.source, self.base, self.length, self._owns, self.sealed = MemorySource(plain), 0, len(plain), False, True
+        if self.length < 16:
+            raise CorruptData(f"chunk {where} is truncated ({self.length} bytes inside its seal)")
+        return self._pread(0, 16)
 
     def close(self) -> None:
         if self._owns and self.source is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from ...errors import CorruptData, KvShelfError
+from ...errors import CorruptData, EncryptionKeyError, KvShelfError
 from ..base import seams
 from . import direct, local
 
@@ -24,9 +24,16 @@ class Missing(KvShelfError):
     """A remote record or chunk that was there at lookup time is gone now."""
 
 
+class NotOurs(KvShelfError):
+    """A remote chunk sealed under a data key this store does not hold (another store's keys, a forgotten tenant):
+    a miss for this host, and never damage — the entry stays for the hosts that hold the key."""
+
+
 def filler(tier, refs):
     """The ``fill(dest, by_hash)`` for ``local.build_caches`` that suits this client and snapshot."""
-    if tier.direct and direct.supported(tier.client) and len({r.hash for r in refs}) == len(refs):
+    # a sealed chunk is opened whole before anything reads it: no streaming straight from the socket
+    streams = tier.direct and tier.ctx.keys is None and direct.supported(tier.client)
+    if streams and len({r.hash for r in refs}) == len(refs):
         return lambda dest, by_hash: fill_direct(tier, dest, by_hash)
     return local.fill_from(fetch_ahead(tier, refs))
 
@@ -108,7 +115,10 @@ def verified(tier, batch, values):
             tier.counters["missing_chunks"] += 1
             raise Missing(f"remote chunk {r.hash} is gone (evicted or flushed)")
         try:
-            chunk = local.RemoteChunk(value, r.hash)
+            chunk = local.RemoteChunk(value, r.hash, tier.ctx.keys)
+        except EncryptionKeyError:  # sealed under a key this store does not hold (another store's, or forgotten):
+            tier.counters["missing_chunks"] += 1  # a miss for this host, never deleted from the tier
+            raise NotOurs(f"remote chunk {r.hash} is sealed under a data key this store does not hold") from None
         except CorruptData:
             tier.counters["corrupt_chunks"] += 1
             tier.client.delete(tier.keys.chunk(r.hash))
@@ -127,6 +137,8 @@ def good_copy(client, keys, hash_: str, counters: dict | None = None) -> local.R
         return None
     try:
         chunk = local.RemoteChunk(value, hash_)
+    except EncryptionKeyError:  # sealed: not a copy this caller can verify (nor damage to delete)
+        return None
     except CorruptData:
         if counters is not None:
             counters["corrupt_chunks"] += 1

@@ -21,8 +21,9 @@ from collections.abc import Iterable
 import msgspec
 import xxhash
 
-from ...errors import CorruptData, IdentityMismatch, InvalidCacheState
+from ...errors import CorruptData, EncryptionKeyError, IdentityMismatch, InvalidCacheState
 from ..objects.chunkfile import TensorInfo, descriptor, storage_dtype
+from ..objects.sealing import is_sealed
 from ..context import StoreContext
 from ..index.schema import ChunkRef, Manifest
 from ..prefix.hashing import tokens_array
@@ -34,10 +35,13 @@ _DESC = msgspec.msgpack.Decoder(list[tuple[str, str, list[int]]])
 
 def chunk_buffers(ctx: StoreContext, hash_: str) -> list[bytes | memoryview]:
     """The remote value of one local chunk (see the module docstring); the caller holds a lease on it."""
-    with open_chunk(ctx.index, ctx.bytes, hash_, verify=True) as reader:
+    with open_chunk(ctx.index, ctx.bytes, hash_, verify=True, keyring=ctx.keys) as reader:
         bufs = reader.read_into([None] * len(reader.tensors))
         desc = descriptor(reader.tensors)
-    return [struct.pack("<I", len(desc)), desc, *bufs]
+        value = [struct.pack("<I", len(desc)), desc, *bufs]
+        if reader.sealed:  # encryption at rest: the tier holds only sealed values, under the chunk's tenant key
+            return [ctx.keys.by_id(reader.kid).seal(hash_, reader.expect_hash, value)]
+    return value
 
 
 def unique_refs(manifest: Manifest) -> list[ChunkRef]:
@@ -52,17 +56,22 @@ def needed_refs(manifest: Manifest, p: int) -> list[ChunkRef]:
 class RemoteChunk:
     """A fetched chunk value, verified before anything reads it; quacks like ``ChunkReader`` for ``fill_from_chunk``."""
 
-    def __init__(self, value: bytes | None, hash_: str):
+    def __init__(self, value: bytes | None, hash_: str, keys=None):
         where = f"remote chunk {hash_}"
         if value is None:
             raise CorruptData(f"{where} is missing")
         view = memoryview(value)
+        content = hash_
+        if is_sealed(view):  # opened under its tenant's key: then the content hash inside is what the bytes hash to
+            if keys is None:
+                raise EncryptionKeyError(f"{where} is sealed (encryption at rest): reading it needs the store's key")
+            content, view = keys.open_chunk(hash_, view, where)
         if len(view) < 4:
             raise CorruptData(f"{where} is truncated ({len(view)} bytes)")
         (dlen,) = struct.unpack_from("<I", view, 0)
         if 4 + dlen > len(view):
             raise CorruptData(f"{where} is truncated inside its descriptor")
-        if xxhash.xxh3_128_hexdigest(view[4:]) != hash_:
+        if xxhash.xxh3_128_hexdigest(view[4:]) != content:
             raise CorruptData(f"{where}: content hash does not match its name (corrupt, truncated or replaced)")
         try:
             items = _DESC.decode(view[4:4 + dlen])

@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 from ...errors import CorruptData
+from ..identity import tenant_of
 from .client import DEFAULT_PREFIX, check_prefix, connect, redact
 from . import fetch
 from .errors import translate
@@ -36,9 +37,10 @@ def _text(key) -> str:
 
 
 class RemoteAdmin:
-    def __init__(self, remote, *, prefix: str = DEFAULT_PREFIX, **options: Any):
-        self.where = redact(remote)
-        self.client = connect(remote, **options)
+    def __init__(self, remote, *, prefix: str = DEFAULT_PREFIX, client=None, **options: Any):
+        """``client``: a connection to reuse (a bound ``RemoteTier``'s) instead of connecting to ``remote``."""
+        self.where = redact(remote) if remote is not None else "the bound shared tier"
+        self.client = connect(remote, **options) if client is None else client
         self.keys = Keys(check_prefix(prefix))
 
     def close(self) -> None:
@@ -54,6 +56,17 @@ class RemoteAdmin:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def forget_tenant(self, token: str) -> int:
+        """Drop every index entry whose namespace is in tenant ``token``'s scope (``identity.tenant_token``; every
+        identity), their boundary records and session pointers; how many. The chunks they used become garbage for
+        ``gc``. An entry whose summary no longer decodes names no tenant: ``gc`` drops it (it cannot be served)."""
+        with translate("forget a tenant"):
+            found = [(nsk, sid, s) for nsk, sid, s in self._summaries()
+                     if not isinstance(s, CorruptData) and tenant_of(s.namespace) == token]
+            for nsk, sid, s in found:
+                self._drop(nsk, sid, s.session_id)
+        return len(found)
 
     def _scan(self, pattern: str) -> list[str]:
         return [_text(k) for k in self.client.scan_iter(match=pattern, count=1000)]

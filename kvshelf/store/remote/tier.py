@@ -45,6 +45,7 @@ from .errors import translate
 from .search import RedisRecords, boundary_members
 from .keys import Keys
 from .fetch import Missing as _Missing
+from .fetch import NotOurs as _NotOurs
 from .records import (
     RemoteSummary,
     decode_tokens,
@@ -289,7 +290,7 @@ class RemoteTier:
             self.breaker.failure()
             self.counters["restore_misses"] += 1
             raise SnapshotNotFound(f"remote snapshot {snapshot_id}: {exc}") from None
-        except IncompatibleFormat as exc:  # fine for the hosts that made it; a miss here, not looked up again
+        except (IncompatibleFormat, _NotOurs) as exc:  # fine for the hosts that made it: a miss here, not retried
             self.counters["restore_misses"] += 1
             self._memo.pop(snapshot_id, None)
             if len(self._unloadable) < 65536:

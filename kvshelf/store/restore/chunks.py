@@ -24,7 +24,7 @@ def chunk_info(index: IndexStore, hash_: str) -> ChunkMeta | None:
         return tables.chunk_meta(txn, hash_)
 
 
-def open_chunk(index: IndexStore, byte_store: ByteStore, hash_: str, verify: bool = True) -> ChunkReader:
+def open_chunk(index: IndexStore, byte_store: ByteStore, hash_: str, verify: bool = True, keyring=None) -> ChunkReader:
     """A reader over one indexed chunk in whatever encoding it is stored (raw or zstd), wherever it lies."""
     where = None
     for _attempt in range(4):
@@ -41,7 +41,7 @@ def open_chunk(index: IndexStore, byte_store: ByteStore, hash_: str, verify: boo
         except ObjectMissing:
             continue
         return ChunkReader(None, hash_ if verify else None, source=source, base=where[1], length=where[2],
-                          where=hash_, owns_source=True)
+                          where=hash_, owns_source=True, keys=keyring, name=hash_)
     raise CorruptData(f"chunk {hash_}: its object {where[0] if where else '?'} is missing")
 
 

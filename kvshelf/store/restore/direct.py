@@ -53,8 +53,8 @@ class Read:
 class Objects:
     """Readers of the objects one restore touches, opened once each."""
 
-    def __init__(self, byte_store):
-        self.byte_store, self._open = byte_store, {}
+    def __init__(self, byte_store, keys=None):
+        self.byte_store, self._open, self.keys = byte_store, {}, keys
 
     def get(self, name: str):
         r = self._open.get(name)
@@ -69,7 +69,7 @@ class Objects:
     def chunk(self, ref: ChunkRef, where: tuple[str, int, int | None], verify: bool) -> ChunkReader:
         name, offset, length = where
         return ChunkReader(None, ref.hash if verify else None, source=self.get(name), base=offset, length=length,
-                          where=ref.hash, owns_source=False)
+                          where=ref.hash, owns_source=False, keys=self.keys, name=ref.hash)
 
     def close(self) -> None:
         for r in self._open.values():

@@ -107,7 +107,7 @@ class Reader:
             codecs.append(codec)
             plan_of = getattr(codec, "batch_plan", None)  # a foreign codec may have no direct path
             plans.append(plan_of(entries) if plan_of is not None else None)
-        objects = restoring.Objects(self.ctx.bytes)
+        objects = restoring.Objects(self.ctx.bytes, self.ctx.keys)
         try:
             # every row's chunk headers first, each row checked as a single-row restore checks it (Σ bytes its
             # chunks bring to each slot = the bytes the slot declares): a record whose shapes disagree with its
@@ -156,7 +156,7 @@ class Reader:
         — or, with ``direct``, (entries, arrays, planned per layer) where planned layers hold batch-plan tensors."""
         for attempt in range(3):
             read = self._open_read(manifest, p)
-            objects = restoring.Objects(self.ctx.bytes)
+            objects = restoring.Objects(self.ctx.bytes, self.ctx.keys)
             try:
                 plans = self._single_row_plans(read.entries) if direct else None
                 try:

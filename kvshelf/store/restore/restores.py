@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from ...errors import SnapshotNotFound
 from .. import inputs
 from ..context import StoreContext
+from ..identity import tenant_namespace, tenant_of, tenant_token
 from ..results import PrefixHit, Restored, RestoredBatch, SessionInfo
 from .reader import Reader
 from .snapshots import Snapshots
@@ -54,10 +55,16 @@ class Restores:
         self.ctx.check_scoped("restore_batch")
         return self.reader.restore_batch(requests)
 
-    def sessions(self, namespace: str | None = None) -> list[SessionInfo]:
+    def sessions(self, namespace: str | None = None, tenant: str | None = None) -> list[SessionInfo]:
+        """``tenant``: only that tenant's sessions; with ``namespace`` None, in every namespace of its scope."""
         inputs.check_optional_namespace(namespace)
         self.ctx.check_scoped("sessions")
-        return self.snapshots.sessions(namespace, self.uses.touched())
+        if tenant is None:
+            return self.snapshots.sessions(namespace, self.uses.touched())
+        if namespace is not None:
+            return self.snapshots.sessions(tenant_namespace(namespace, tenant), self.uses.touched())
+        token = tenant_token(inputs.check_tenant(tenant))
+        return [s for s in self.snapshots.sessions(None, self.uses.touched()) if tenant_of(s.namespace) == token]
 
 
 __all__ = ["Restores"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from ...codecs import edit_epoch
 from ..context import StoreContext
-from ..identity import namespace_key
+from ..identity import namespace_key, tenant_of
 from ..index import keys
 from ..objects.chunkfile import content_hash
 
@@ -134,6 +134,10 @@ class ChunkHasher:
         self.prev: Remembered | None = None
         self.limit = 0
         self.descriptors: list[bytes] = []
+        # encryption at rest (objects/sealing.py): the tenant's key names and seals its chunks; ``contents`` maps
+        # each keyed name computed here to the content hash its seal carries
+        self.tkey = ctx.keys.for_tenant(tenant_of(cap.namespace)) if ctx.keys is not None else None
+        self.contents: dict[str, str] = {}
 
     def bind(self, txn) -> None:
         """Take the remembered save if it is still the session's current snapshot (read in ``txn``)."""
@@ -161,7 +165,19 @@ class ChunkHasher:
                 return old[2]
         counters.chunks_hashed += 1
         counters.bytes_hashed += nbytes
-        return content_hash(plan.pieces, desc)
+        h = content_hash(plan.pieces, desc)
+        if self.tkey is None:
+            return h
+        name = self.tkey.name(h)
+        self.contents[name] = h
+        return name
+
+    def frame(self, name: str, plan, frame: list) -> list:
+        """The chunk frame as written: sealed under the tenant's key on an encrypted store, else as it is."""
+        if self.tkey is None:
+            return frame
+        content = self.contents.get(name) or content_hash(plan.pieces, plan.descriptor())  # a reused name
+        return [self.tkey.seal(name, content, frame)]
 
     def remember(self, snapshot_id: str, plans, hashes: list[str]) -> None:
         """Record this committed save for the session's next one (descriptors interned: full windows share one)."""

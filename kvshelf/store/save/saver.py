@@ -16,6 +16,8 @@ hashed, from the very buffers that are written.
 
 from __future__ import annotations
 
+from functools import partial
+
 import time
 import uuid
 from dataclasses import dataclass
@@ -122,7 +124,7 @@ def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[ChunkPlan], sid: s
                     continue
                 seen.add(h)
                 ref = ChunkRef(h, plan.start, plan.stop, plan.nbytes)
-                frame = raw_buffers(plan.pieces, chunk_metadata(ref))
+                frame = hasher.frame(h, plan, raw_buffers(plan.pieces, chunk_metadata(ref)))
                 builder.add(h, frame, keep=False)
                 yield frame
         done["m"] = _manifest(ctx, cap, sid, plans, hashes)
@@ -191,7 +193,9 @@ class Saver:
                     if pack is None or todo:
                         name, size, more = self.write_pack([(r, by_hash[r.hash].pieces) for r in todo],
                                                           schema.encode(manifest) if pack is None else b"",
-                                                          name=new_pack_name(sid if pack is None else ""))
+                                                          name=new_pack_name(sid if pack is None else ""),
+                                                          seal={r.hash: partial(hasher.frame, r.hash, by_hash[r.hash])
+                                                                for r in todo})
                         packs.append(name)
                         if pack is None:
                             pack, pack_size = name, size
@@ -223,13 +227,15 @@ class Saver:
         return SnapshotInfo(sid, cap.session_id, len(cap.tokens), written, reused, manifest.minimum_reusable_offset,
                             cap.namespace, n_written, len(unique) - n_written, time.perf_counter() - t0)
 
-    def write_pack(self, items: list, manifest: bytes = b"",
-                   name: str | None = None) -> tuple[str, int, ledger.Placed]:
+    def write_pack(self, items: list, manifest: bytes = b"", name: str | None = None,
+                   seal: dict | None = None) -> tuple[str, int, ledger.Placed]:
         """One pack holding the chunks ``[(ref, pieces)]`` back to back and ``manifest`` in its trailer; durable when
-        this returns (one fsync + one directory fsync). Returns (name, size, where each chunk lies)."""
+        this returns (one fsync + one directory fsync). Returns (name, size, where each chunk lies). ``seal``: per
+        chunk name, what turns its frame into the bytes written (encryption at rest: ``objects/sealing.py``)."""
         builder = PackBuilder()
         for ref, pieces in items:
-            builder.add(ref.hash, raw_buffers(pieces, chunk_metadata(ref)))
+            frame = raw_buffers(pieces, chunk_metadata(ref))
+            builder.add(ref.hash, seal[ref.hash](frame) if seal and ref.hash in seal else frame)
         name = name or new_pack_name()
         size = self.ctx.bytes.put(name, builder.finish(manifest))
         placed = {h: (name, off, n, enc, size) for h, (off, n, enc) in builder.where.items()}

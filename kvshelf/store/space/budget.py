@@ -1,11 +1,21 @@
 """The budget: with ``max_bytes``, a handle evicts its own identity's least-recently-used, unleased snapshots after
 each save until the store's stored bytes (all identities) fit. Other identities' snapshots are never evicted, and
-neither are pinned sessions (``pins.py``)."""
+neither are pinned sessions (``pins.py``).
+
+Per-tenant quotas (``tenant_max_bytes``): after a save of tenant T, while T's sessions (this identity's snapshots whose
+namespace is in T's scope, checkpoints included) hold more than T's quota, T's least-recently-used unpinned,
+unleased snapshot is evicted — never another tenant's, so a tenant that floods the store evicts only itself. A
+tenant's usage is the sum of its snapshots' bytes (``Summary.nbytes``: chunks shared between its own snapshots count
+once per snapshot, so the quota is conservative); pins count against their tenant but are never victims. The usage
+is counted from the index at each eviction (one scan of the identity's LRU), not kept in a counter that a crash or
+a concurrent handle could leave wrong."""
 
 from __future__ import annotations
 
+from ...errors import InvalidCacheState, WrongArgumentType
 from ..context import StoreContext
-from ..index import keys
+from ..identity import tenant_of, tenant_token
+from ..index import keys, tables
 from ..index.protocol import meta_int
 from ..liveness.reclaim import Reclaimer
 from ..liveness.removal import Removal
@@ -17,7 +27,65 @@ class Budget:
     def __init__(self, ctx: StoreContext, txns: Transactions, reclaimer: Reclaimer, removal: Removal, pins: Pins):
         self.ctx, self.txns, self.reclaimer, self.removal, self.pins = ctx, txns, reclaimer, removal, pins
 
+    def set_tenant_limit(self, tenant: str, max_bytes: int | None) -> None:
+        """``tenant``'s quota in bytes (``"*"``: every tenant without its own; None: drop it). Applies from the next save."""
+        _check_limit(max_bytes, f"the quota of tenant {tenant!r}")
+        token = "*" if tenant == "*" else tenant_token(tenant)
+        if max_bytes is None:
+            self.ctx.tenant_max_bytes.pop(token, None)
+        else:
+            self.ctx.tenant_max_bytes[token] = max_bytes
+
     def evict(self, protect: bytes | None = None) -> int:
+        """The global budget, then ``protect``'s tenant's quota; how many snapshots were evicted."""
+        return self.evict_global(protect) + self.evict_tenant(protect)
+
+    def usage(self, txn, token: str) -> tuple[int, list[bytes]]:
+        """Tenant ``token``'s bytes in this identity, and its snapshots least recently used first."""
+        used, sids = 0, []
+        for key, _ in txn.range("lru", self.ctx.id_key, keys.after_prefix(self.ctx.id_key)):
+            sid = keys.lru_sid(key)
+            s = tables.summary(txn, sid)
+            if s is not None and tenant_of(s.namespace) == token:
+                used, sids = used + s.nbytes, sids + [sid]
+        return used, sids
+
+    def evict_tenant(self, protect: bytes | None) -> int:
+        """Evict ``protect``'s tenant's LRU snapshots (never ``protect``, a leased or a pinned one) to its quota."""
+        ctx, limits = self.ctx, self.ctx.tenant_max_bytes
+        if not limits or protect is None:
+            return 0
+        with ctx.index.read() as txn:
+            s = tables.summary(txn, protect)
+        if s is None:
+            return 0
+        token = tenant_of(s.namespace)
+        limit = limits.get(token, limits.get("*"))
+        if limit is None:
+            return 0
+        evicted = 0
+        while True:
+            leased = self.reclaimer.live_leases()[0]
+
+            def pick(txn):
+                used, sids = self.usage(txn, token)
+                if used <= limit:
+                    return None
+                for sid in sids:
+                    if sid == protect or sid.hex() in leased or self.pins.protects(txn, sid):
+                        continue
+                    return self.removal.drop(txn, sid, "evicted (tenant quota)")
+                return None
+
+            with ctx.removers.removing():
+                victim = self.txns.write(pick)
+                if victim is None:
+                    return evicted
+                self.removal.after(*victim)
+            evicted += 1
+            ctx.counters.evicted += 1
+
+    def evict_global(self, protect: bytes | None = None) -> int:
         """Evict until ``total_bytes <= max_bytes`` (never ``protect``, never a leased snapshot); returns how many."""
         ctx = self.ctx
         if ctx.max_bytes is None:
@@ -48,4 +116,25 @@ class Budget:
             ctx.counters.evicted += 1
 
 
-__all__ = ["Budget"]
+def _check_limit(max_bytes, what: str) -> None:
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+        raise InvalidCacheState(f"{what} must be an int >= 0 or None, got {max_bytes!r}")
+
+
+def tenant_limits(tenant_max_bytes) -> dict[str, int]:
+    """``open_store``'s ``tenant_max_bytes`` (an int for every tenant, or ``{tenant: bytes}``) keyed by tenant token."""
+    if tenant_max_bytes is None:
+        return {}
+    if not isinstance(tenant_max_bytes, dict):
+        _check_limit(tenant_max_bytes, "tenant_max_bytes")
+        return {"*": tenant_max_bytes}
+    out = {}
+    for tenant, limit in tenant_max_bytes.items():
+        if not isinstance(tenant, str):
+            raise WrongArgumentType(f"tenant_max_bytes keys must be tenant names (str), got {type(tenant).__name__}")
+        _check_limit(limit, f"tenant_max_bytes[{tenant!r}]")
+        out["*" if tenant == "*" else tenant_token(tenant)] = limit
+    return out
+
+
+__all__ = ["Budget", "tenant_limits"]
