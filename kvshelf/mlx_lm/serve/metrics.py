@@ -214,15 +214,17 @@ class ServeMetrics:
     def observe_fetch(self, outcome: FetchOutcome) -> None:
         self._inc("kvshelf_requests", outcome.source)
         self._inc("kvshelf_prompt_tokens", amount=outcome.prompt)
+        tier = outcome.tier if outcome.tier is not None else (outcome.source if outcome.source != "none" else None)
+        if tier is not None:  # tokens not recomputed, counted whether or not the request counts as a hit
+            self._inc("kvshelf_cached_tokens", tier, amount=outcome.cached)
         if outcome.source != "none":
-            self._inc("kvshelf_cached_tokens", outcome.source, amount=outcome.cached)
             self._observe("kvshelf_restore_seconds", outcome.seconds, outcome.source)
             if outcome.prefix_checkpoint:
                 self._inc("kvshelf_checkpoint_hits")
         else:
             self._inc("kvshelf_misses", outcome.reason or "nothing_stored")
         with self._lock:
-            self._events.append((outcome.at, outcome.source))
+            self._events.append((outcome.at, outcome.source, outcome.cached if tier else 0, outcome.prompt))
             self._recent.append(outcome)
             self.totals[outcome.source] += 1
             if outcome.source == "none":
@@ -242,15 +244,22 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
     def hit_rates(self) -> dict[str, dict[str, Any]]:
-        """Per window: requests, and each source's share of them (None when there were none)."""
+        """Per window: requests, each source's share of them (None when there were none; a hit is what
+        ``--min-hit-tokens`` says, hit_policy.py), and the token figures: ``prompt_tokens``, ``cached_tokens`` and
+        ``token_share`` (the share of prompt tokens not recomputed)."""
         now = self._clock()
         with self._lock:
             events = list(self._events)
         out = {}
         for name, span in WINDOWS:
-            counts = Counter(source for at, source in events if now - at <= span)
-            n = sum(counts.values())
-            out[name] = {"requests": n, **{s: (round(counts[s] / n, 4) if n else None) for s in SOURCES}}
+            window = [e for e in events if now - e[0] <= span]
+            counts = Counter(e[1] for e in window)
+            n = len(window)
+            prompt, cached = sum(e[3] for e in window), sum(e[2] for e in window)
+            out[name] = {"requests": n, **{s: (round(counts[s] / n, 4) if n else None) for s in SOURCES},
+                         "hit": round(1 - counts["none"] / n, 4) if n else None,
+                         "prompt_tokens": prompt, "cached_tokens": cached,
+                         "token_share": round(cached / prompt, 4) if prompt else None}
         return out
 
     def recent(self) -> list[dict[str, Any]]:

@@ -56,6 +56,7 @@ from .metrics import ServeMetrics
 from .prefix_checkpoints import needs_prefix_checkpoints, split_segments
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
+from .hit_policy import DEFAULT_MIN_HIT_TOKENS
 from ..upstream import response_generator_base, run_http_server
 from .listening import reporting_server_class
 from .startup import StartupError
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of write-behinds in flight at most (default 1G)")
     p.add_argument("--min-disk-tokens", type=int, default=16, metavar="N",
                    help="take a disk prefix only when it is at least this long (default 16)")
+    p.add_argument("--min-hit-tokens", type=int, default=DEFAULT_MIN_HIT_TOKENS, metavar="N",
+                   help="a request counts as a hit only when a tier gave at least N prompt tokens, more than the "
+                        "chat template's fixed lead-in; shorter is a miss with the store's reason (default "
+                        f"{DEFAULT_MIN_HIT_TOKENS})")
     p.add_argument("--store-retry", type=float, default=30.0, metavar="SECONDS",
                    help="retry opening a store that failed to open after this long (default 30)")
     p.add_argument("--min-write-tokens", type=int, default=None, metavar="N",
@@ -270,7 +275,7 @@ class Serving:
         self.tiered = TieredPromptCache(ram, store_for=self.opener, namespace=opts.cache_namespace,
                                         queue_entries=opts.write_queue, queue_bytes=opts.write_queue_bytes,
                                         min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
-                                        observer=self.metrics)
+                                        observer=self.metrics, min_hit_tokens=opts.min_hit_tokens)
 
         self._prefix_checkpoints_for: dict[int, int] = {}
         self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
