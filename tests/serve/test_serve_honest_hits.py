@@ -65,8 +65,10 @@ def cells(page: str, table: str) -> list[list[str]]:
 def test_half_cold_half_disk_hits_read_fifty_percent_with_the_cold_reasons(model, tmp_path):
     store = tmp_path / "store"
     with Server(model, store, tmp_path / "a.log") as first:
-        for i in range(N):
-            first.wait_log(rf"kvshelf write-behind saved tokens={ask(first, prompt(i))['total']}\b")
+        totals: list[int] = []
+        for i in range(N):  # each one's write-behind done (prompts of one length: count the lines of that length)
+            totals.append(ask(first, prompt(i))["total"])
+            first.wait_log(rf"kvshelf write-behind saved tokens={totals[-1]}\b", count=totals.count(totals[-1]))
     with Server(model, store, tmp_path / "b.log") as server:
         heads = []
         for i in range(N):  # interleaved: a stored prompt, then a new one (whose lead-in RAM now holds)

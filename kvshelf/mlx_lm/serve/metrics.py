@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from .ram_tier import EVICTION_REASONS
 from .prompt_cache import MISS_REASONS, SOURCES, WRITE_OUTCOMES, FetchOutcome
 
 WINDOWS = (("1m", 60.0), ("5m", 300.0), ("15m", 900.0))
@@ -76,6 +77,18 @@ class MetricDefinition:
     buckets: tuple[float, ...] = ()
 
 
+def ram_figure(scrape: Scrape, name: str) -> int:
+    """A figure of the RAM tier (ram_tier.BoundedRam.figures; 0 before the server built it)."""
+    return int((scrape.state.get("ram") or {}).get(name, 0))
+
+
+def evictions(scrape: Scrape) -> dict[tuple[str, str], int]:
+    """kvshelf_evictions_total's series: the store's budget evictions, the RAM tier's by reason."""
+    ram = (scrape.state.get("ram") or {}).get("evictions", {})
+    return {("disk", "budget"): scrape.figures["evicted"],
+            **{("ram", reason): int(ram.get(reason, 0)) for reason in EVICTION_REASONS}}
+
+
 def _each(values: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     return tuple((v,) for v in values)
 
@@ -108,8 +121,15 @@ METRICS: tuple[MetricDefinition, ...] = (
                      read=lambda s: s.figures["pinned_bytes"]),
     MetricDefinition("kvshelf_write_queue_depth", "gauge", "Write-behinds in flight",
                      read=lambda s: s.state.get("pending_writes", 0)),
-    MetricDefinition("kvshelf_evictions", "counter", "Snapshots this server evicted to keep the budget",
-                     read=lambda s: s.figures["evicted"]),
+    MetricDefinition("kvshelf_evictions", "counter", "Entries dropped: tier=disk, snapshots this server evicted "
+                     "to keep the budget; tier=ram, prompt caches left RAM to keep --prompt-cache-bytes (by reason)",
+                     ("tier", "reason"), read=lambda s: evictions(s)),
+    MetricDefinition("kvshelf_ram_bytes", "gauge", "Bytes of prompt caches the RAM tier holds",
+                     read=lambda s: ram_figure(s, "bytes")),
+    MetricDefinition("kvshelf_ram_budget_bytes", "gauge", "The RAM tier's bound (--prompt-cache-bytes)",
+                     read=lambda s: ram_figure(s, "max_bytes")),
+    MetricDefinition("kvshelf_ram_peak_bytes", "gauge", "The most bytes the RAM tier held after any insert",
+                     read=lambda s: ram_figure(s, "peak_bytes")),
     MetricDefinition("kvshelf_quarantined", "counter", "Damaged snapshots this server quarantined",
                      read=lambda s: s.figures["quarantined"]),
     # --generation-checkpoint-every's counters (generations.py), read at scrape time

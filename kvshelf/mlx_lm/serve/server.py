@@ -57,6 +57,7 @@ from .prefix_checkpoints import needs_prefix_checkpoints, split_segments
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
 from .hit_policy import DEFAULT_MIN_HIT_TOKENS
+from .ram_tier import DEFAULT_FRACTION, BoundedRam, default_prompt_cache_bytes
 from ..upstream import response_generator_base, run_http_server
 from .listening import reporting_server_class
 from .startup import StartupError
@@ -101,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request counts as a hit only when a tier gave at least N prompt tokens, more than the "
                         "chat template's fixed lead-in; shorter is a miss with the store's reason (default "
                         f"{DEFAULT_MIN_HIT_TOKENS})")
+    p.add_argument("--prompt-cache-bytes", type=parse_size, default=None, metavar="N",
+                   help="bound of the RAM tier (mlx-lm's prompt caches) in bytes, e.g. 8G (binary units): least "
+                        "recently used entries leave RAM first (the store keeps them); mlx_lm.server's own option, "
+                        "enforced on every insert (default: "
+                        f"{int(DEFAULT_FRACTION * 100)}% of physical memory)")
     p.add_argument("--store-retry", type=float, default=30.0, metavar="SECONDS",
                    help="retry opening a store that failed to open after this long (default 30)")
     p.add_argument("--min-write-tokens", type=int, default=None, metavar="N",
@@ -277,6 +283,7 @@ class Serving:
                                         min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
                                         observer=self.metrics, min_hit_tokens=opts.min_hit_tokens)
 
+        self.ram = ram  # the RAM tier (ram_tier.BoundedRam): its bytes and evictions are read at scrape time
         self._prefix_checkpoints_for: dict[int, int] = {}
         self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
 
@@ -294,7 +301,8 @@ class Serving:
         return {"stores": self.opener.stores(), "pending_writes": self.tiered.pending_writes,
                 "pending_bytes": self.tiered.pending_bytes, "queue_entries": self.tiered.queue_entries,
                 "queue_counts": self.tiered.queue.counts(),
-                "generations": dict(self.generation_counters)}
+                "generations": dict(self.generation_counters),
+                "ram": self.ram.figures() if hasattr(self.ram, "figures") else None}
 
     def status(self) -> dict[str, Any]:
         from ...store.remote import redact
@@ -363,7 +371,9 @@ def _run_function(opts: argparse.Namespace, made: list):
             except Exception as exc:  # noqa: BLE001 - whatever mlx-lm raised, the operator reads one line
                 raise StartupError(f"--model {cli.model}: the model does not load: {type(exc).__name__}: "
                                    f"{exc}") from None
-        ram = mlx_server.LRUPromptCache(cli.prompt_cache_size)
+        # --prompt-cache-bytes bounds the RAM tier on every insert (ram_tier.py), not only while a batch runs
+        ram = BoundedRam(mlx_server.LRUPromptCache(cli.prompt_cache_size, max_bytes=cli.prompt_cache_bytes),
+                         cli.prompt_cache_bytes)
         serving = Serving(opts, cli, ram, distributed=model_provider.is_distributed, bind_host=host)
         warning = serving.admin.startup_warning()
         if warning:
@@ -461,6 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         mlx_server.main()
         return 0
     opts, rest = parser.parse_known_args(argv)
+    if opts.prompt_cache_bytes is None:
+        opts.prompt_cache_bytes = default_prompt_cache_bytes()
+    rest = [*rest, "--prompt-cache-bytes", str(opts.prompt_cache_bytes)]  # mlx-lm's batch trim uses it as well
     try:
         _check_before_start(opts, rest)
     except StartupError as exc:

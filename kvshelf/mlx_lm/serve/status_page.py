@@ -32,6 +32,7 @@ def status(metrics: ServeMetrics, state: dict[str, Any], *, model: str | None, s
         "write_queue": {"pending": state.get("pending_writes", 0), "pending_bytes": state.get("pending_bytes", 0),
                         "capacity": state.get("queue_entries"), "counts": state.get("queue_counts", {})},
         "recent": metrics.recent(),
+        "ram": state.get("ram"),  # the RAM tier's bytes, bound, peak and evictions (ram_tier.py)
     }
 
 
@@ -77,6 +78,11 @@ def render(doc: dict[str, Any]) -> str:
                   ("budget", _bytes(doc["budget_bytes"])), ("budget use", _pct(use)),
                   ("pinned", _bytes(doc["pinned_bytes"])), ("snapshots (this model)", doc["snapshots"]),
                   ("evictions", doc["evictions"]), ("quarantined", doc["quarantined"])]
+    ram = doc.get("ram")
+    if ram:
+        store_rows += [("RAM tier", f"{_bytes(ram['bytes'])} of {_bytes(ram['max_bytes'])} "
+                                    f"(peak {_bytes(ram['peak_bytes'])}, {ram['entries']} entries)"),
+                       ("RAM evictions", ", ".join(f"{k} {v}" for k, v in ram["evictions"].items()))]
     if doc["store_error"]:
         store_rows.append(("store error", doc["store_error"]))
     write_rows = [("pending", wq["pending"]), ("pending bytes", _bytes(wq["pending_bytes"])),
