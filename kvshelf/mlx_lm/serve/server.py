@@ -57,6 +57,7 @@ from .prefix_checkpoints import needs_prefix_checkpoints, split_segments
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
 from .hit_policy import DEFAULT_MIN_HIT_TOKENS
+from .warm_pins import WarmPinLedger
 from .ram_tier import DEFAULT_FRACTION, BoundedRam, default_prompt_cache_bytes
 from ..upstream import response_generator_base, run_http_server
 from .listening import reporting_server_class
@@ -402,7 +403,8 @@ def _warm(opts: argparse.Namespace, cli: argparse.Namespace, model_provider, sto
     model = model_provider.model
     warm.warm(model, model_provider.tokenizer, store, items, namespace=opts.cache_namespace, pin=opts.pin_warm,
               pin_ttl=opts.pin_ttl, chat_template_args=getattr(cli, "chat_template_args", None) or {},
-              prefill_step=getattr(cli, "prefill_step_size", 2048) or 2048)
+              prefill_step=getattr(cli, "prefill_step_size", 2048) or 2048,
+              ledger=WarmPinLedger(opts.store) if opts.pin_warm else None)  # never re-pin an operator's unpin
 
 
 def _check_before_start(opts: argparse.Namespace, rest: list[str]) -> None:
