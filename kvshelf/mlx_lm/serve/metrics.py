@@ -89,6 +89,20 @@ def evictions(scrape: Scrape) -> dict[tuple[str, str], int]:
             **{("ram", reason): int(ram.get(reason, 0)) for reason in EVICTION_REASONS}}
 
 
+REMOTE_OPS = {"lookup": "lookup_errors", "restore": "restore_errors", "publish": "publish_failed"}
+
+
+def remote_errors(scrape: Scrape) -> dict[tuple[str], int]:
+    """kvshelf_remote_errors_total's series: the shared tier's failed calls by operation, over the open stores."""
+    out = dict.fromkeys(((op,) for op in REMOTE_OPS), 0)
+    for store in scrape.state.get("stores", []):
+        tier = getattr(store, "tier", None)
+        counters = getattr(tier, "counters", None) or {}
+        for op, name in REMOTE_OPS.items():
+            out[(op,)] += int(counters.get(name, 0))
+    return out
+
+
 def _each(values: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     return tuple((v,) for v in values)
 
@@ -124,6 +138,9 @@ METRICS: tuple[MetricDefinition, ...] = (
     MetricDefinition("kvshelf_evictions", "counter", "Entries dropped: tier=disk, snapshots this server evicted "
                      "to keep the budget; tier=ram, prompt caches left RAM to keep --prompt-cache-bytes (by reason)",
                      ("tier", "reason"), read=lambda s: evictions(s)),
+    MetricDefinition("kvshelf_remote_errors", "counter", "Calls to the shared tier (--remote) that failed, by "
+                     "operation (an outage: these grow, then the circuit breaker stops asking)", ("op",),
+                     read=lambda s: remote_errors(s)),
     MetricDefinition("kvshelf_ram_bytes", "gauge", "Bytes of prompt caches the RAM tier holds",
                      read=lambda s: ram_figure(s, "bytes")),
     MetricDefinition("kvshelf_ram_budget_bytes", "gauge", "The RAM tier's bound (--prompt-cache-bytes)",
