@@ -58,6 +58,7 @@ from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
 from .hit_policy import DEFAULT_MIN_HIT_TOKENS
 from .warm_pins import WarmPinLedger
+from .model_names import ServedModelNames
 from .ram_tier import DEFAULT_FRACTION, BoundedRam, default_prompt_cache_bytes
 from ..upstream import response_generator_base, run_http_server
 from .listening import reporting_server_class
@@ -284,6 +285,7 @@ class Serving:
                                         min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
                                         observer=self.metrics, min_hit_tokens=opts.min_hit_tokens)
 
+        self.model_names = ServedModelNames(cli.model)  # what /v1/models lists and requests may name
         self.ram = ram  # the RAM tier (ram_tier.BoundedRam): its bytes and evictions are read at scrape time
         self._prefix_checkpoints_for: dict[int, int] = {}
         self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
