@@ -10,7 +10,7 @@ import http.client
 import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import Server
+from serve_harness import Server, kvshelf_cli
 from tiny_model_dir import WORDS, make_model_dir, words
 
 from kvshelf.mlx_lm.serve.ram_tier import EVICTION_REASONS
@@ -87,3 +87,11 @@ def test_an_allocation_failure_on_insert_is_survived_and_counted(model, tmp_path
     assert log.count("kvshelf RAM tier: allocation failed while inserting") == 1
     assert "MemoryError: injected by KVSHELF_FAULT_RAM_INSERT=3" in log
     assert m[("kvshelf_ram_bytes", ())] > 0  # inserts after the failure are kept again
+
+
+def test_help_states_the_default_bound():
+    done = kvshelf_cli("serve", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert "--prompt-cache-bytes N" in text and "default: 25% of physical memory" in text, text
+    assert "--min-hit-tokens N" in text

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound of the RAM tier (mlx-lm's prompt caches) in bytes, e.g. 8G (binary units): least "
                         "recently used entries leave RAM first (the store keeps them); mlx_lm.server's own option, "
                         "enforced on every insert (default: "
-                        f"{int(DEFAULT_FRACTION * 100)}% of physical memory)")
+                        f"{int(DEFAULT_FRACTION * 100)}%% of physical memory)")
     p.add_argument("--store-retry", type=float, default=30.0, metavar="SECONDS",
                    help="retry opening a store that failed to open after this long (default 30)")
     p.add_argument("--min-write-tokens", type=int, default=None, metavar="N",
