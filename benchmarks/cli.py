@@ -46,6 +46,7 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "tenants": ("39",),  # tenant isolation in kvshelf serve: a salted RAM hit, the TTFT price of isolation
     "identity": ("38",),  # serve start-up: the weights' content fingerprint, sidecar warm vs cold (4 GiB)
     "encryption": ("37",),  # encryption at rest: save and warm restore with a key vs without
+    "serve_memory": ("40",),  # kvshelf serve --prompt-cache-bytes: resident memory over distinct prompts vs plain
     "remote": ("21", "22", "23"),  # the shared tier: needs redis-server / redis-benchmark
 }
 KNOWN = tuple(sorted({*ALL, *(m for ms in OPTIONAL.values() for m in ms)}, key=int))
@@ -58,9 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated measure numbers (default: all 1-11; on request: 14, the decode step, 24, decode on "
                         "encoded latent planes, 21-23, the shared tier on a redis-server, 31, kvshelf serve's time to "
                         "first token, 32, its warm-up, instrumentation overhead and replayed-conversation writes, 33, a "
-                        "retried generation resuming from its checkpoint, 34, state checkpoints on a hybrid model, 35, "
-                        "tenant isolation in kvshelf serve, and 36, the model identity of 4 GiB of weights with the "
-                        "fingerprint sidecar warm vs cold)")
+                        "retried generation resuming from its checkpoint, 34, state checkpoints on a hybrid model, 35-36, "
+                        "incremental saves of mlx-lm classes and long-context restarts, 37, encryption at rest, 38, the "
+                        "model identity of 4 GiB of weights, 39, tenant isolation, 40, kvshelf serve's resident memory, "
+                        "41, a 20-turn agent trace)")
     p.add_argument("--size", choices=sorted(data.SIZES), default="L",
                    help="workload: L (4096 tokens, 176 MiB; default), L-large (16,384 tokens, 704 MiB) or small "
                         "(a tiny smoke-test size)")

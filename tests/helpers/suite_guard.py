@@ -52,6 +52,7 @@ TEST_TOOLS = {
     ("openssl",): "openssl",
     ("strace",): "strace",
     ("chromium", "chromium-browser"): "chromium",
+    ("prometheus",): "prometheus",
 }
 
 HOST_FEATURE_MARKER = ("host_feature(*names): the test needs these host features (root, mount, strace, hugepages, "

@@ -85,7 +85,7 @@ def test_a_disk_hit_after_a_restart_is_in_the_metrics_and_the_header(model, tmp_
         assert m[("kvshelf_restore_seconds_count", (("tier", "disk"),))] == 1
         assert m[("kvshelf_store_bytes", ())] > 0 and m[("kvshelf_write_queue_depth", ())] >= 0
         assert ("kvshelf_store_budget_bytes", ()) in m and ("kvshelf_pinned_bytes", ()) in m
-        assert ("kvshelf_evictions_total", ()) in m and ("kvshelf_quarantined_total", ()) in m
+        assert ("kvshelf_evictions_total", (("reason", "budget"), ("tier", "disk"))) in m and ("kvshelf_quarantined_total", ()) in m
 
 
 def test_a_damaged_entry_is_a_miss_counted_by_its_reason(model, tmp_path):

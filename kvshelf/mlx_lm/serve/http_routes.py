@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.parse
 from typing import Any
 
 from .metrics import CONTENT_TYPE
@@ -61,6 +62,8 @@ def handler_class(base: type, serving: Any) -> type:
                 self._reply(200, "text/html; charset=utf-8", render(serving.status()).encode())
             elif path == "/kvshelf/stats":
                 self._reply(200, "application/json", json.dumps(serving.status()).encode())
+            elif path == "/v1/models" or path.startswith("/v1/models/"):  # the served model's name (model_names.py)
+                self._models(path)
             else:
                 super().do_GET()
 
@@ -84,6 +87,7 @@ def handler_class(base: type, serving: Any) -> type:
                 self.send_error(404)
 
         def validate_model_parameters(self):  # mlx-lm calls it once the body is parsed; ValueError -> its 400
+            self.requested_model = serving.model_names.resolve(getattr(self, "requested_model", None))
             super().validate_model_parameters()
             try:
                 _current.request_context = serving.contexts.with_body(current_request_context(), self.body)
@@ -114,6 +118,17 @@ def handler_class(base: type, serving: Any) -> type:
                         self.send_header(HEADER, outcome.header())
                         self.send_header("Access-Control-Expose-Headers", HEADER)
             super().end_headers()
+
+        def _models(self, path: str) -> None:
+            if path == "/v1/models":
+                self._reply(200, "application/json", json.dumps(serving.model_names.listing()).encode())
+                return
+            wanted = urllib.parse.unquote(path[len("/v1/models/"):])
+            entry = serving.model_names.entry(wanted)
+            doc = entry if entry is not None else {"error": {"message": f"no model {wanted!r} is served here (GET "
+                                                                        "/v1/models lists it)",
+                                                             "type": "invalid_request_error"}}
+            self._reply(200 if entry is not None else 404, "application/json", json.dumps(doc).encode())
 
         def _reply(self, status: int, content_type: str, body: bytes) -> None:
             self.send_response(status)

@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from .ram_tier import EVICTION_REASONS
 from .prompt_cache import MISS_REASONS, SOURCES, WRITE_OUTCOMES, FetchOutcome
 
 WINDOWS = (("1m", 60.0), ("5m", 300.0), ("15m", 900.0))
@@ -76,6 +77,32 @@ class MetricDefinition:
     buckets: tuple[float, ...] = ()
 
 
+def ram_figure(scrape: Scrape, name: str) -> int:
+    """A figure of the RAM tier (ram_tier.BoundedRam.figures; 0 before the server built it)."""
+    return int((scrape.state.get("ram") or {}).get(name, 0))
+
+
+def evictions(scrape: Scrape) -> dict[tuple[str, str], int]:
+    """kvshelf_evictions_total's series: the store's budget evictions, the RAM tier's by reason."""
+    ram = (scrape.state.get("ram") or {}).get("evictions", {})
+    return {("disk", "budget"): scrape.figures["evicted"],
+            **{("ram", reason): int(ram.get(reason, 0)) for reason in EVICTION_REASONS}}
+
+
+REMOTE_OPS = {"lookup": "lookup_errors", "restore": "restore_errors", "publish": "publish_failed"}
+
+
+def remote_errors(scrape: Scrape) -> dict[tuple[str], int]:
+    """kvshelf_remote_errors_total's series: the shared tier's failed calls by operation, over the open stores."""
+    out = dict.fromkeys(((op,) for op in REMOTE_OPS), 0)
+    for store in scrape.state.get("stores", []):
+        tier = getattr(store, "tier", None)
+        counters = getattr(tier, "counters", None) or {}
+        for op, name in REMOTE_OPS.items():
+            out[(op,)] += int(counters.get(name, 0))
+    return out
+
+
 def _each(values: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     return tuple((v,) for v in values)
 
@@ -108,8 +135,18 @@ METRICS: tuple[MetricDefinition, ...] = (
                      read=lambda s: s.figures["pinned_bytes"]),
     MetricDefinition("kvshelf_write_queue_depth", "gauge", "Write-behinds in flight",
                      read=lambda s: s.state.get("pending_writes", 0)),
-    MetricDefinition("kvshelf_evictions", "counter", "Snapshots this server evicted to keep the budget",
-                     read=lambda s: s.figures["evicted"]),
+    MetricDefinition("kvshelf_evictions", "counter", "Entries dropped: tier=disk, snapshots this server evicted "
+                     "to keep the budget; tier=ram, prompt caches left RAM to keep --prompt-cache-bytes (by reason)",
+                     ("tier", "reason"), read=lambda s: evictions(s)),
+    MetricDefinition("kvshelf_remote_errors", "counter", "Calls to the shared tier (--remote) that failed, by "
+                     "operation (an outage: these grow, then the circuit breaker stops asking)", ("op",),
+                     read=lambda s: remote_errors(s)),
+    MetricDefinition("kvshelf_ram_bytes", "gauge", "Bytes of prompt caches the RAM tier holds",
+                     read=lambda s: ram_figure(s, "bytes")),
+    MetricDefinition("kvshelf_ram_budget_bytes", "gauge", "The RAM tier's bound (--prompt-cache-bytes)",
+                     read=lambda s: ram_figure(s, "max_bytes")),
+    MetricDefinition("kvshelf_ram_peak_bytes", "gauge", "The most bytes the RAM tier held after any insert",
+                     read=lambda s: ram_figure(s, "peak_bytes")),
     MetricDefinition("kvshelf_quarantined", "counter", "Damaged snapshots this server quarantined",
                      read=lambda s: s.figures["quarantined"]),
     # --generation-checkpoint-every's counters (generations.py), read at scrape time
@@ -214,15 +251,17 @@ class ServeMetrics:
     def observe_fetch(self, outcome: FetchOutcome) -> None:
         self._inc("kvshelf_requests", outcome.source)
         self._inc("kvshelf_prompt_tokens", amount=outcome.prompt)
+        tier = outcome.tier if outcome.tier is not None else (outcome.source if outcome.source != "none" else None)
+        if tier is not None:  # tokens not recomputed, counted whether or not the request counts as a hit
+            self._inc("kvshelf_cached_tokens", tier, amount=outcome.cached)
         if outcome.source != "none":
-            self._inc("kvshelf_cached_tokens", outcome.source, amount=outcome.cached)
             self._observe("kvshelf_restore_seconds", outcome.seconds, outcome.source)
             if outcome.prefix_checkpoint:
                 self._inc("kvshelf_checkpoint_hits")
         else:
             self._inc("kvshelf_misses", outcome.reason or "nothing_stored")
         with self._lock:
-            self._events.append((outcome.at, outcome.source))
+            self._events.append((outcome.at, outcome.source, outcome.cached if tier else 0, outcome.prompt))
             self._recent.append(outcome)
             self.totals[outcome.source] += 1
             if outcome.source == "none":
@@ -242,15 +281,22 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
     def hit_rates(self) -> dict[str, dict[str, Any]]:
-        """Per window: requests, and each source's share of them (None when there were none)."""
+        """Per window: requests, each source's share of them (None when there were none; a hit is what
+        ``--min-hit-tokens`` says, hit_policy.py), and the token figures: ``prompt_tokens``, ``cached_tokens`` and
+        ``token_share`` (the share of prompt tokens not recomputed)."""
         now = self._clock()
         with self._lock:
             events = list(self._events)
         out = {}
         for name, span in WINDOWS:
-            counts = Counter(source for at, source in events if now - at <= span)
-            n = sum(counts.values())
-            out[name] = {"requests": n, **{s: (round(counts[s] / n, 4) if n else None) for s in SOURCES}}
+            window = [e for e in events if now - e[0] <= span]
+            counts = Counter(e[1] for e in window)
+            n = len(window)
+            prompt, cached = sum(e[3] for e in window), sum(e[2] for e in window)
+            out[name] = {"requests": n, **{s: (round(counts[s] / n, 4) if n else None) for s in SOURCES},
+                         "hit": round(1 - counts["none"] / n, 4) if n else None,
+                         "prompt_tokens": prompt, "cached_tokens": cached,
+                         "token_share": round(cached / prompt, 4) if prompt else None}
         return out
 
     def recent(self) -> list[dict[str, Any]]:

@@ -50,6 +50,7 @@ import xxhash
 from ...errors import CorruptData, SnapshotNotFound
 from ...store.save import BUSY, CLOSED, FULL, WriteBehindQueue
 from .image_keys import storable_key, trusted_length
+from .hit_policy import DEFAULT_MIN_HIT_TOKENS, classify
 from .prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints
 from .request_scopes import RequestScopes
 
@@ -81,6 +82,7 @@ class FetchOutcome:
     seconds: float
     at: float
     prefix_checkpoint: bool = False  # the prefix came from a session's prefix checkpoint (serve/prefix_checkpoints.py)
+    tier: str | None = None  # the tier whose tokens were reused, hit or not (hit_policy.py); None: none were
 
     def header(self) -> str:
         """The ``X-Kvshelf-Prefix`` header value."""
@@ -135,7 +137,8 @@ class TieredPromptCache:
 
     def __init__(self, ram, store=None, *, store_for: Callable[[Any], Any] | None = None, namespace: str = "",
                  queue_entries: int = 8, queue_bytes: int = 1 << 30, min_disk_tokens: int = 16,
-                 min_write_tokens: int = 1, observer: Any = None, logger: logging.Logger | None = None):
+                 min_write_tokens: int = 1, observer: Any = None, logger: logging.Logger | None = None,
+                 min_hit_tokens: int = DEFAULT_MIN_HIT_TOKENS):
         if (store is None) == (store_for is None):
             raise ValueError("give exactly one of store= and store_for=")
         if queue_entries < 1 or queue_bytes < 0:
@@ -146,6 +149,7 @@ class TieredPromptCache:
         self.queue_entries, self.queue_bytes = queue_entries, queue_bytes
         self.min_disk_tokens = max(1, int(min_disk_tokens))
         self.min_write_tokens = max(1, int(min_write_tokens))
+        self.min_hit_tokens = max(1, int(min_hit_tokens))  # a shorter prefix is a miss (hit_policy.py)
         self.observer = observer if observer is not None else _NoObserver()
         self._outcomes: OrderedDict[int, deque] = OrderedDict()
         self._outcome_cond = threading.Condition()
@@ -202,15 +206,14 @@ class TieredPromptCache:
                 self.counters["checkpoint_hits"] += prefix_checkpoint
         elif stored is None:
             reason = "unstorable_tokens"
+        verdict = classify(source, cached, reason, self.min_hit_tokens)  # --min-hit-tokens (hit_policy.py)
+        source, reason = verdict.source, verdict.reason
         self.counters[f"{source}_hits" if source != "none" else "misses"] += 1
-        if source != "none":
-            self.counters[f"{source}_tokens"] += cached
-            reason = None
-        else:
-            reason = reason or "nothing_stored"
+        if verdict.tier is not None:
+            self.counters[f"{verdict.tier}_tokens"] += cached
         seconds = time.perf_counter() - t0
         outcome = FetchOutcome(source, cached, len(tokens), ram_len, reason, seconds, time.time(),
-                               prefix_checkpoint)
+                               prefix_checkpoint, verdict.tier)
         self._keep_outcome(tokens, outcome, scope)
         self.observer.observe_fetch(outcome)
         self.log.info("kvshelf prefix source=%s cached=%d prompt=%d ram=%d ms=%.1f%s%s", source, cached, len(tokens),

@@ -56,6 +56,10 @@ from .metrics import ServeMetrics
 from .prefix_checkpoints import needs_prefix_checkpoints, split_segments
 from .model_identity import model_identity
 from .prompt_cache import TieredPromptCache
+from .hit_policy import DEFAULT_MIN_HIT_TOKENS
+from .warm_pins import WarmPinLedger
+from .model_names import ServedModelNames
+from .ram_tier import DEFAULT_FRACTION, BoundedRam, default_prompt_cache_bytes
 from ..upstream import response_generator_base, run_http_server
 from .listening import reporting_server_class
 from .loaded_model import settle_arrays
@@ -103,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of write-behinds in flight at most (default 1G)")
     p.add_argument("--min-disk-tokens", type=int, default=16, metavar="N",
                    help="take a disk prefix only when it is at least this long (default 16)")
+    p.add_argument("--min-hit-tokens", type=int, default=DEFAULT_MIN_HIT_TOKENS, metavar="N",
+                   help="a request counts as a hit only when a tier gave at least N prompt tokens, more than the "
+                        "chat template's fixed lead-in; shorter is a miss with the store's reason (default "
+                        f"{DEFAULT_MIN_HIT_TOKENS})")
+    p.add_argument("--prompt-cache-bytes", type=parse_size, default=None, metavar="N",
+                   help="bound of the RAM tier (mlx-lm's prompt caches) in bytes, e.g. 8G (binary units): least "
+                        "recently used entries leave RAM first (the store keeps them); mlx_lm.server's own option, "
+                        "enforced on every insert (default: "
+                        f"{int(DEFAULT_FRACTION * 100)}%% of physical memory)")
     p.add_argument("--store-retry", type=float, default=30.0, metavar="SECONDS",
                    help="retry opening a store that failed to open after this long (default 30)")
     p.add_argument("--min-write-tokens", type=int, default=None, metavar="N",
@@ -282,8 +295,10 @@ class Serving:
         self.tiered = TieredPromptCache(ram, store_for=self.opener, namespace=opts.cache_namespace,
                                         queue_entries=opts.write_queue, queue_bytes=opts.write_queue_bytes,
                                         min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
-                                        observer=self.metrics)
+                                        observer=self.metrics, min_hit_tokens=opts.min_hit_tokens)
 
+        self.model_names = ServedModelNames(cli.model)  # what /v1/models lists and requests may name
+        self.ram = ram  # the RAM tier (ram_tier.BoundedRam): its bytes and evictions are read at scrape time
         self._prefix_checkpoints_for: dict[int, int] = {}
         self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
 
@@ -301,7 +316,8 @@ class Serving:
         return {"stores": self.opener.stores(), "pending_writes": self.tiered.pending_writes,
                 "pending_bytes": self.tiered.pending_bytes, "queue_entries": self.tiered.queue_entries,
                 "queue_counts": self.tiered.queue.counts(),
-                "generations": dict(self.generation_counters)}
+                "generations": dict(self.generation_counters),
+                "ram": self.ram.figures() if hasattr(self.ram, "figures") else None}
 
     def status(self) -> dict[str, Any]:
         from ...store.remote import redact
@@ -373,7 +389,9 @@ def _run_function(opts: argparse.Namespace, made: list):
             # loaded in this thread, served from mlx-lm's: no array may stay bound to this thread's stream
             settle_arrays(model_provider.model)
             settle_arrays(model_provider.draft_model)
-        ram = mlx_server.LRUPromptCache(cli.prompt_cache_size)
+        # --prompt-cache-bytes bounds the RAM tier on every insert (ram_tier.py), not only while a batch runs
+        ram = BoundedRam(mlx_server.LRUPromptCache(cli.prompt_cache_size, max_bytes=cli.prompt_cache_bytes),
+                         cli.prompt_cache_bytes)
         serving = Serving(opts, cli, ram, distributed=model_provider.is_distributed, bind_host=host)
         warning = serving.admin.startup_warning()
         if warning:
@@ -402,7 +420,8 @@ def _warm(opts: argparse.Namespace, cli: argparse.Namespace, model_provider, sto
     model = model_provider.model
     warm.warm(model, model_provider.tokenizer, store, items, namespace=opts.cache_namespace, pin=opts.pin_warm,
               pin_ttl=opts.pin_ttl, chat_template_args=getattr(cli, "chat_template_args", None) or {},
-              prefill_step=getattr(cli, "prefill_step_size", 2048) or 2048)
+              prefill_step=getattr(cli, "prefill_step_size", 2048) or 2048,
+              ledger=WarmPinLedger(opts.store) if opts.pin_warm else None)  # never re-pin an operator's unpin
 
 
 def _check_before_start(opts: argparse.Namespace, rest: list[str]) -> None:
@@ -471,6 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         mlx_server.main()
         return 0
     opts, rest = parser.parse_known_args(argv)
+    if opts.prompt_cache_bytes is None:
+        opts.prompt_cache_bytes = default_prompt_cache_bytes()
+    rest = [*rest, "--prompt-cache-bytes", str(opts.prompt_cache_bytes)]  # mlx-lm's batch trim uses it as well
     try:
         _check_before_start(opts, rest)
     except StartupError as exc:

@@ -32,6 +32,7 @@ def status(metrics: ServeMetrics, state: dict[str, Any], *, model: str | None, s
         "write_queue": {"pending": state.get("pending_writes", 0), "pending_bytes": state.get("pending_bytes", 0),
                         "capacity": state.get("queue_entries"), "counts": state.get("queue_counts", {})},
         "recent": metrics.recent(),
+        "ram": state.get("ram"),  # the RAM tier's bytes, bound, peak and evictions (ram_tier.py)
     }
 
 
@@ -61,7 +62,8 @@ def render(doc: dict[str, Any]) -> str:
     """The HTML page of a ``status()`` document."""
     e = html.escape
     rates = doc["hit_rates"]
-    rate_rows = [(w, r["requests"], *(_pct(r[s]) for s in SOURCES)) for w, r in rates.items()]
+    rate_rows = [(w, r["requests"], _pct(r["hit"]), *(_pct(r[s]) for s in SOURCES)) for w, r in rates.items()]
+    token_rows = [(w, r["prompt_tokens"], r["cached_tokens"], _pct(r["token_share"])) for w, r in rates.items()]
     miss_rows = sorted(doc["misses"].items(), key=lambda kv: -kv[1])
     pins = [(p["session_id"], p["namespace"] or '""', _bytes(p["bytes"]),
              "never" if p["expires_at"] is None else time.strftime("%Y-%m-%d %H:%M:%S",
@@ -76,6 +78,11 @@ def render(doc: dict[str, Any]) -> str:
                   ("budget", _bytes(doc["budget_bytes"])), ("budget use", _pct(use)),
                   ("pinned", _bytes(doc["pinned_bytes"])), ("snapshots (this model)", doc["snapshots"]),
                   ("evictions", doc["evictions"]), ("quarantined", doc["quarantined"])]
+    ram = doc.get("ram")
+    if ram:
+        store_rows += [("RAM tier", f"{_bytes(ram['bytes'])} of {_bytes(ram['max_bytes'])} "
+                                    f"(peak {_bytes(ram['peak_bytes'])}, {ram['entries']} entries)"),
+                       ("RAM evictions", ", ".join(f"{k} {v}" for k, v in ram["evictions"].items()))]
     if doc["store_error"]:
         store_rows.append(("store error", doc["store_error"]))
     write_rows = [("pending", wq["pending"]), ("pending bytes", _bytes(wq["pending_bytes"])),
@@ -95,7 +102,10 @@ th{{background:#f3f3f3}} .bar{{width:20em;height:.8em;border:1px solid #888}} .b
 {f"· remote <code>{e(doc['remote'])}</code>" if doc["remote"] else ""}</p>
 {bar}
 {_table("Store", ("", ""), store_rows, "store")}
-{_table("Hit rates", ("window", "requests", *SOURCES), rate_rows, "rates")}
+{_table("Hit rates by requests (a hit: at least --min-hit-tokens cached)", ("window", "requests", "hit",
+        *(f"{s} (requests)" for s in SOURCES)), rate_rows, "rates")}
+{_table("Hit rates by tokens (prompt tokens not recomputed)", ("window", "prompt tokens", "cached tokens",
+        "cached share (tokens)"), token_rows, "token-rates")}
 {_table("Requests (since start)", ("source", "requests"), list(doc["requests"].items()), "requests")}
 {_table("Misses by reason", ("reason", "requests"), miss_rows, "misses")}
 {_table("Write queue", ("", ""), write_rows, "writes")}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...errors import KvShelfError
+from ...errors import KvShelfError, SnapshotNotFound
 from .prompt_cache import session_id_for
 
 log = logging.getLogger("kvshelf.serve")
@@ -102,37 +102,66 @@ def prefill(model: Any, tokens: list[int], step: int = 2048) -> list[Any]:
 
 def warm(model: Any, tokenizer: Any, store: Any, items: list[dict[str, Any]], *, namespace: str = "",
          pin: bool = False, pin_ttl: float | None = None, chat_template_args: dict[str, Any] | None = None,
-         prefill_step: int = 2048) -> WarmReport:
+         prefill_step: int = 2048, ledger: Any = None) -> WarmReport:
     """Prefill what the store does not hold yet; pin every warmed prompt with ``pin``. A pin the store refuses
-    (over ``max_pinned_bytes``) is logged and listed in ``refused_pins``; the prompt stays warm, unpinned."""
+    (over ``max_pinned_bytes``) is logged and listed in ``refused_pins``; the prompt stays warm, unpinned.
+
+    What is pinned is the warm prompt's own session (``session_id_for`` its prefix), never the session the store's
+    lookup found it in: that may be a user's conversation that starts with the warm prompt. When the prompt is
+    held only inside another session, its prefix is restored from there and saved under its own session (chunks
+    are shared: no new chunk, no prefill). ``ledger`` (``warm_pins.WarmPinLedger``): a session pinned by an
+    earlier run and no longer pinned was unpinned by an operator and is not pinned again."""
     report = WarmReport()
+    pinned_now = {(p.namespace, p.session_id) for p in store.pins.listing()} if pin and ledger is not None else set()
     for item in items:
         tokens = template(tokenizer, item, chat_template_args)
         report.prompts += 1
         if len(tokens) < 2:
             continue
         want = len(tokens) - 1
+        prefix = tokens[:want]
+        session = session_id_for(prefix)
         hit = store.lookup(tokens, namespace)
         tier = getattr(store, "tier", None)
         local = hit is not None and not (tier is not None and tier.knows(hit.snapshot_id))
         if hit is not None and hit.length >= want and (local or not pin):
             report.from_store += 1
-            session = hit.session_id
+            if not pin:
+                session = hit.session_id
         else:
-            prefix = tokens[:want]
-            session = session_id_for(prefix)
             store.save(session, prefix, prefill(model, prefix, prefill_step), namespace=namespace)
             report.prefilled += 1
         report.sessions.append(session)
         if pin:
+            if ledger is not None and ledger.pinned_before(namespace, session) \
+                    and (namespace, session) not in pinned_now:
+                log.info("kvshelf warm: %s was unpinned since --pin-warm pinned it; not pinned again", session)
+                continue
             try:
-                store.pin(session, namespace, ttl=pin_ttl)
+                try:
+                    store.pin(session, namespace, ttl=pin_ttl)
+                except SnapshotNotFound:  # held only inside another session (a conversation): give it its own
+                    _own_session(store, hit, session, prefix, namespace, model, prefill_step)
+                    store.pin(session, namespace, ttl=pin_ttl)
                 report.pinned += 1
+                if ledger is not None:
+                    ledger.record(namespace, session)
             except KvShelfError as exc:
                 report.refused_pins.append(session)
                 log.warning("kvshelf warm: pin of %s refused: %s", session, exc)
     log.info(report.line())
     return report
+
+
+def _own_session(store: Any, hit: Any, session: str, prefix: list[int], namespace: str, model: Any,
+                 prefill_step: int) -> None:
+    """Save the warm prompt under a session of its own: a restored cut of the snapshot that holds it (its chunks
+    are the same), or a prefill when the store cannot hand it back."""
+    try:
+        caches = store.restore_snapshot(hit.snapshot_id, len(prefix)).caches
+    except KvShelfError:
+        caches = prefill(model, prefix, prefill_step)
+    store.save(session, prefix, caches, namespace=namespace)
 
 
 __all__ = ["WarmPromptsError", "WarmReport", "prefill", "read_warm_prompts", "template", "warm"]

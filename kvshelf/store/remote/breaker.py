@@ -4,6 +4,10 @@ Why: a remote that is down or stalled must cost a serving process nothing — no
 thread spinning on errors. Closed: calls go through. ``failures`` consecutive failures open it for ``backoff``
 seconds (doubling up to ``max_backoff`` each time a probe fails, with jitter so a fleet does not probe in step).
 After the backoff one caller is let through (half-open); its success closes the breaker, its failure re-opens it.
+
+``on_change(state)``, when set, is called (outside the lock) with ``"open"`` when the breaker first opens after
+being closed and with ``"closed"`` when a success closes it again: once per outage each way, never for the probes
+that fail in between, so an operator's log says when the remote went away and when it came back, once.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class CircuitBreaker:
         self._probing = False
         self.opened = 0       # times the breaker opened
         self.short_circuited = 0  # calls refused while open
+        self.on_change = None  # callable(state): "open" when an outage starts, "closed" when it ends
 
     @property
     def state(self) -> str:
@@ -45,17 +50,28 @@ class CircuitBreaker:
 
     def success(self) -> None:
         with self._lock:
+            was_open = self._failures >= self.threshold
             self._failures, self._backoff, self._probing = 0, self.base, False
+        if was_open:
+            self._changed("closed")
 
     def failure(self) -> None:
         with self._lock:
             self._failures += 1
+            opening = self._failures == self.threshold  # from closed: the outage starts (later ones are probes)
             if self._failures >= self.threshold:
                 if self._probing:  # a failed probe: wait longer next time
                     self._backoff = min(self._backoff * 2, self.max_backoff)
                 self._probing = False
                 self._open_until = self.clock() + self._backoff * random.uniform(0.8, 1.2)
                 self.opened += 1
+        if opening:
+            self._changed("open")
+
+    def _changed(self, state: str) -> None:
+        listener = self.on_change
+        if listener is not None:
+            listener(state)
 
 
 __all__ = ["CircuitBreaker"]

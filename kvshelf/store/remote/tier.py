@@ -18,9 +18,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -55,6 +57,8 @@ from .records import (
     unseal,
 )
 
+log = logging.getLogger("kvshelf.store")
+
 IMPORTED = "remote/"          # local session id prefix of remote hits kept locally (never published again)
 MARKER_MS = 120_000           # a publish-in-progress marker outlives a crashed publisher by this much at most
 _REMOTE_ERRORS = (BackendUnavailable, StoreFull)
@@ -72,6 +76,9 @@ class RemoteTier:
         self.keep_local, self.fetch_batch_bytes, self.close_timeout = keep_local, fetch_batch_bytes, close_timeout
         self.direct = direct_reads
         self.breaker = breaker or CircuitBreaker()
+        if self.breaker.on_change is None:  # one WARNING when an outage starts, one when it ends
+            self.breaker.on_change = self._breaker_changed
+        self._outage_since: float | None = None
         self.host = f"{socket.gethostname()}:{os.getpid()}"
         self.ctx = self.snapshots = self._lease = self._save = None  # the local store's, given by bind()
         # publishing is write-behind: the one queue every such writer composes (save/write_behind.py), its worker a
@@ -86,7 +93,7 @@ class RemoteTier:
             "published", "publish_dropped", "publish_failed", "publish_skipped", "chunks_uploaded",
             "bytes_uploaded", "chunks_present", "lookups", "hits", "misses", "lookup_errors", "restores",
             "restore_misses", "chunks_fetched", "bytes_fetched", "corrupt_chunks", "missing_chunks",
-            "dropped_entries", "kept_local", "keep_local_failed")}
+            "dropped_entries", "kept_local", "keep_local_failed", "restore_errors")}
 
     # ------------------------------------------------------------------ wiring
     def bind(self, ctx: StoreContext, snapshots: Snapshots, lease: Callable, save: Callable) -> RemoteTier:
@@ -287,6 +294,7 @@ class RemoteTier:
                 p = local.check_manifest(self.ctx, manifest, namespace, length)
                 caches = local.build_caches(self.ctx, manifest, p, fetch.filler(self, local.needed_refs(manifest, p)))
         except _REMOTE_ERRORS as exc:
+            self.counters["restore_errors"] += 1
             self.breaker.failure()
             self.counters["restore_misses"] += 1
             raise SnapshotNotFound(f"remote snapshot {snapshot_id}: {exc}") from None
@@ -340,6 +348,16 @@ class RemoteTier:
         return chunk
 
     # ------------------------------------------------------------------ reporting
+    def _breaker_changed(self, state: str) -> None:
+        if state == "open":
+            self._outage_since = time.monotonic()
+            log.warning("kvshelf shared tier %s unreachable: not asked again until it answers (lookups miss to "
+                        "the local store, publishes are dropped)", self.where)
+        else:
+            since, self._outage_since = self._outage_since, None
+            log.warning("kvshelf shared tier %s reachable again%s", self.where,
+                        f" after {time.monotonic() - since:.1f} s" if since is not None else "")
+
     def stats(self) -> dict[str, Any]:
         return {"remote": self.where, "prefix": self.prefix, "breaker": self.breaker.state,
                 "queued": self._publishes.pending, **self.counters}
