@@ -15,6 +15,8 @@ import json
 import threading
 from typing import Any
 
+from .anthropic_messages import ROUTE as MESSAGES_ROUTE
+from .anthropic_messages import MessagesRejected, serve_messages
 from .metrics import CONTENT_TYPE
 from .request_context import DEFAULT_CONTEXT, RequestContext, RequestRejected
 from .status_page import render
@@ -66,7 +68,16 @@ def handler_class(base: type, serving: Any) -> type:
             except RequestRejected as exc:
                 self._reject(exc)
                 return
+            if self.path.split("?", 1)[0] == MESSAGES_ROUTE:  # the Anthropic Messages API (anthropic_messages.py)
+                serve_messages(self, serving, self._narrow_by_body)
+                return
             super().do_POST()
+
+        def _narrow_by_body(self, body):
+            try:
+                _current.request_context = serving.contexts.with_body(current_request_context(), body)
+            except RequestRejected as exc:
+                raise MessagesRejected(exc.message) from None
 
         def validate_model_parameters(self):  # mlx-lm calls it once the body is parsed; ValueError -> its 400
             super().validate_model_parameters()

@@ -1,0 +1,147 @@
+"""``POST /v1/messages`` with the official ``anthropic`` client against a real ``kvshelf serve`` on 127.0.0.1.
+
+An agent's conversation (a system prompt, two tools, a ``tool_use`` turn and its ``tool_result``) must reach the
+same token ids through Anthropic's API as through OpenAI's: the reply equals ``/v1/chat/completions``' for the same
+conversation, and the cache it leaves is the other route's to hit. ``usage.cache_read_input_tokens`` is 0 cold,
+covers the shared prefix on the next turn, and still does after ``kill -9`` and a restart (the disk tier).
+"""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from serve_harness import Server
+from tiny_model_dir import make_model_dir, words
+
+# A tool-calling template: tools before the conversation, an assistant's tool calls and the tool results rendered
+# (no tool-call markers the tiny model could emit, so mlx-lm's tool parser stays off and replies are plain text).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|> {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<|end|> {% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %} call {{ c['function']['name'] }}"
+    "{% for k, v in c['function']['arguments'].items() %} {{ v }}{% endfor %}{% endfor %}{% endif %} <|end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+SYSTEM = words(400)
+TOOLS = [{"name": "find", "description": "find a word", "input_schema": {
+              "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}},
+         {"name": "store", "description": "store a word", "input_schema": {
+              "type": "object", "properties": {"word": {"type": "string"}}}}]
+OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                  "parameters": t["input_schema"]}} for t in TOOLS]
+
+
+def agent_turns(replies: list[str]) -> list[dict]:
+    """Anthropic messages: a question, a tool_use step, its tool_result, then one more user turn per reply."""
+    msgs = [{"role": "user", "content": "hello find the water"},
+            {"role": "assistant", "content": [{"type": "text", "text": "the cache"},
+                                              {"type": "tool_use", "id": "toolu_01", "name": "find",
+                                               "input": {"q": "water"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01",
+                                          "content": [{"type": "text", "text": "oil water disk"}]}]}]
+    for n, reply in enumerate(replies):
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": words(30, salt=n + 1)}]
+    return msgs
+
+
+def as_openai(msgs: list[dict]) -> list[dict]:
+    """The same conversation as OpenAI chat messages (written out by hand: the test's own oracle)."""
+    out = [{"role": "system", "content": SYSTEM}]
+    for m in msgs:
+        if isinstance(m["content"], str):
+            out.append(m)
+        elif m["role"] == "assistant":
+            out.append({"role": "assistant", "content": "the cache", "tool_calls": [{
+                "id": "toolu_01", "type": "function", "function": {"name": "find", "arguments": '{"q": "water"}'}}]})
+        else:
+            out.append({"role": "tool", "tool_call_id": "toolu_01", "content": "oil water disk"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("models") / "tools", "llama", seed=3, chat_template=TOOL_TEMPLATE)
+
+
+def claude(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="any-key", max_retries=0,
+                               timeout=300)
+
+
+def ask(server: Server, msgs: list[dict], *, stream: bool = False, system=SYSTEM) -> anthropic.types.Message:
+    kwargs = dict(model="default_model", max_tokens=6, system=system, tools=TOOLS, messages=msgs,
+                  extra_body={"temperature": 0.0})  # this SDK release has no temperature argument
+    if stream:
+        with claude(server).messages.stream(**kwargs) as s:
+            events = [e.type for e in s]
+            final = s.get_final_message()
+        assert events[0] == "message_start" and events[-1] == "message_stop" and "message_delta" in events
+        assert "content_block_start" in events and "content_block_stop" in events
+        return final
+    return claude(server).messages.create(**kwargs)
+
+
+def openai_reply(server: Server, msgs: list[dict]) -> str:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=300)
+    doc = client.chat.completions.create(model="default_model", messages=as_openai(msgs), tools=OPENAI_TOOLS,
+                                         max_tokens=6, temperature=0.0)
+    return doc.choices[0].message.content
+
+
+def text_of(message: anthropic.types.Message) -> str:
+    return "".join(b.text for b in message.content if b.type == "text")
+
+
+def prompt_of(message: anthropic.types.Message) -> int:
+    u = message.usage
+    return u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+
+
+def test_messages_match_chat_completions_and_hit_after_kill(model, tmp_path):
+    with Server(model, None, tmp_path / "plain.log") as plain:  # the oracle: plain mlx_lm.server, no store
+        expected = [openai_reply(plain, agent_turns([])), None]
+        expected[1] = openai_reply(plain, agent_turns(["reply"]))
+
+    server = Server(model, tmp_path / "store", tmp_path / "first.log")
+    try:
+        cold = ask(server, agent_turns([]))
+        assert cold.type == "message" and cold.role == "assistant" and cold.stop_reason in ("end_turn", "max_tokens")
+        assert text_of(cold) == expected[0]
+        assert cold.usage.cache_read_input_tokens == 0 and cold.usage.output_tokens > 0
+        first_prompt = prompt_of(cold)
+        assert first_prompt > 400
+
+        streamed = ask(server, agent_turns([]), stream=True)  # the same request again, streamed: a RAM hit
+        assert text_of(streamed) == expected[0]
+        assert streamed.usage.cache_read_input_tokens >= first_prompt - 1
+
+        # the next turn: the whole previous prompt is its shared prefix
+        nxt = ask(server, agent_turns(["reply"]))
+        assert text_of(nxt) == expected[1]
+        assert nxt.usage.cache_read_input_tokens >= first_prompt
+        assert openai_reply(server, agent_turns(["reply"])) == expected[1]  # the OpenAI route hits the same cache
+        assert server.prefix_lines()[-1]["cached"] >= prompt_of(nxt) - 1
+        server.wait_log(r"kvshelf write-behind saved tokens=\d+", count=2)
+    finally:
+        server.kill()
+
+    with Server(model, tmp_path / "store", tmp_path / "restarted.log") as restarted:
+        after = ask(restarted, agent_turns(["reply"]), stream=True)
+        assert text_of(after) == expected[1]
+        assert after.usage.cache_read_input_tokens >= first_prompt
+        assert restarted.prefix_lines()[-1]["source"] == "disk"
+
+
+def test_bad_bodies_get_anthropic_errors(model, tmp_path):
+    with Server(model, tmp_path / "store", tmp_path / "s.log") as server:
+        with pytest.raises(anthropic.BadRequestError) as err:
+            claude(server).messages.create(model="default_model", max_tokens=4, messages=[{"role": "robot", "content": "x"}])
+        assert "role" in str(err.value)
+        with pytest.raises(anthropic.BadRequestError):
+            claude(server).messages.create(model="default_model", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                           system=[{"type": "text", "text": "s",
+                                                    "cache_control": {"type": "ephemeral", "ttl": "2d"}}])
+        ok = claude(server).messages.create(model="default_model", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        assert ok.usage.output_tokens > 0  # the server survived both
