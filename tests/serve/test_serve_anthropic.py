@@ -8,11 +8,13 @@ covers the shared prefix on the next turn, and still does after ``kill -9`` and 
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import openai
 import pytest
 
-from serve_harness import Server
+from serve_harness import Server, conversation, kvshelf_cli
 from tiny_model_dir import make_model_dir, words
 
 # A tool-calling template: tools before the conversation, an assistant's tool calls and the tool results rendered
@@ -145,3 +147,49 @@ def test_bad_bodies_get_anthropic_errors(model, tmp_path):
                                                     "cache_control": {"type": "ephemeral", "ttl": "2d"}}])
         ok = claude(server).messages.create(model="default_model", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
         assert ok.usage.output_tokens > 0  # the server survived both
+
+
+def _sessions(store) -> list[dict]:
+    listing = json.loads(kvshelf_cli("ls", "--store", str(store), "--json").stdout)
+    return listing if isinstance(listing, list) else listing.get("sessions", listing)
+
+
+def _flood(server: Server, salts: range) -> None:
+    for salt in salts:  # other conversations: ~100 KiB per write-behind, past the 600 KiB budget
+        server.chat(conversation(words(200, salt=salt), ["what is the cache"], []), max_tokens=2)
+
+
+def test_cache_control_pins_the_system_prefix_until_its_ttl(model, tmp_path):
+    store = tmp_path / "store"
+    extra = ("--max-bytes", "600K", "--max-pinned-bytes", "300K")
+    system = [{"type": "text", "text": words(300, salt=9), "cache_control": {"type": "ephemeral"}}]
+    msgs = [{"role": "user", "content": "hello world"}]
+    with Server(model, store, tmp_path / "a.log", extra=extra) as server:
+        first = ask(server, msgs, system=system)
+        pinned = server.wait_log(r"kvshelf cache_control pinned tokens=(\d+) ttl=300 session=(\S+)")[0]
+        prefix, session = int(pinned[1]), pinned[2]
+        assert 300 < prefix < prompt_of(first)
+        assert first.usage.cache_read_input_tokens == 0 and first.usage.cache_creation_input_tokens == prefix
+        assert first.usage.input_tokens == prompt_of(first) - prefix
+        _flood(server, range(20, 28))
+        server.signal(2)
+        assert server.wait() == 0
+    rows = {r["session_id"]: r for r in _sessions(store)}
+    assert session in rows and rows[session]["pinned"] and rows[session]["pin_expires_at"] is not None
+    assert rows[session]["tokens"] == prefix
+    assert len(rows) < 1 + 8  # the unpinned traffic was evicted around the pin
+
+    with Server(model, store, tmp_path / "b.log", extra=extra) as server:  # within the TTL: the prefix is there
+        hit = ask(server, [{"role": "user", "content": "what is the water"}], system=system)
+        assert hit.usage.cache_read_input_tokens >= prefix and server.prefix_lines()[-1]["source"] == "disk"
+        server.wait_log(r"kvshelf cache_control pinned tokens=\d+ ttl=300")  # re-pinned: the TTL restarts
+        server.signal(2)
+        assert server.wait() == 0
+
+    # an hour later (the store's clock moved by the test seam, no sleep): the pin lapsed, the budget evicts it
+    later = {"KVSHELF_TEST_CLOCK_OFFSET": "3600"}
+    with Server(model, store, tmp_path / "c.log", extra=extra, env=later) as server:
+        _flood(server, range(40, 48))
+        server.signal(2)
+        assert server.wait() == 0
+    assert session not in {r["session_id"] for r in _sessions(store)}

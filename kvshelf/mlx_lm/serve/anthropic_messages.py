@@ -301,7 +301,7 @@ class MessagesRoute:
                     if self.observer is not None:
                         self.observer(ctx)
                     if stream is not None:
-                        stream.start(self._usage(ctx, t, 0))
+                        stream.start(self._usage(ctx, request, 0))
                 if gen.finish_reason == "stop":
                     sm_state, current = TextStateMachine.discard(sm_state)
                     segments = [(current, "")]
@@ -340,11 +340,11 @@ class MessagesRoute:
             if stop_sequence is not None:
                 stop_reason = "stop_sequence"
             if self.breakpoints is not None and t.breakpoints:
-                self.breakpoints.served(request, ctx)
-            use = self._usage(ctx, t, n_tokens)
+                self.breakpoints.served(request, ctx, h.response_generator.model_provider.model_key)
+            use = self._usage(ctx, request, n_tokens)
             if stream is not None:
                 if not started:
-                    stream.start(self._usage(ctx, t, 0))
+                    stream.start(self._usage(ctx, request, 0))
                 stream.finish(stop_reason, stop_sequence, use)
                 return
             content = ([{"type": "text", "text": text}] if text or not tool_texts else []) + tool_use_blocks(
@@ -359,8 +359,8 @@ class MessagesRoute:
         finally:
             ctx.stop()
 
-    def _usage(self, ctx: Any, t: Translated, output: int) -> dict:
-        end = self.breakpoints.prefix_end(ctx) if self.breakpoints is not None and t.breakpoints else 0
+    def _usage(self, ctx: Any, request: Any, output: int) -> dict:
+        end = self.breakpoints.prefix_end(request) if self.breakpoints is not None else 0
         return usage(len(ctx.prompt), ctx.prompt_cache_count, end, output)
 
 
