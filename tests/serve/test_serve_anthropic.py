@@ -9,6 +9,8 @@ covers the shared prefix on the next turn, and still does after ``kill -9`` and 
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import anthropic
 import openai
@@ -193,3 +195,81 @@ def test_cache_control_pins_the_system_prefix_until_its_ttl(model, tmp_path):
         server.signal(2)
         assert server.wait() == 0
     assert session not in {r["session_id"] for r in _sessions(store)}
+
+
+def _metric(server: Server, name: str) -> float:
+    status, raw = server._request("GET", "/metrics", None)
+    assert status == 200
+    found = re.search(rf"^{name} (\S+)$", raw.decode(), re.M)
+    assert found, raw.decode()
+    return float(found[1])
+
+
+def _settled(server: Server) -> None:
+    """Every write-behind of the server finished (its queue depth, read from /metrics)."""
+    deadline = time.monotonic() + 120
+    while _metric(server, "kvshelf_write_queue_depth") != 0:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+
+
+def agent_trace(n_turns: int) -> list[list[dict]]:
+    """``n_turns`` requests of one agent: each turn adds the previous step's tool call and its result (every
+    fourth turn a plain user message instead); replies are fixed texts so both runs send the same prompts."""
+    msgs: list[dict] = [{"role": "user", "content": "find the water and store the oil"}]
+    turns = [list(msgs)]
+    for k in range(1, n_turns):
+        if k % 4 == 0:
+            msgs += [{"role": "assistant", "content": words(12, salt=k)},
+                     {"role": "user", "content": words(25, salt=k + 50)}]
+        else:
+            call = f"toolu_{k:02d}"
+            msgs += [{"role": "assistant", "content": [
+                         {"type": "text", "text": words(6, salt=k)},
+                         {"type": "tool_use", "id": call, "name": TOOLS[k % 2]["name"],
+                          "input": {"q" if k % 2 == 0 else "word": words(2, salt=k)}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call,
+                                                   "content": words(20 + 15 * (k % 3), salt=k + 100)}]}]
+        turns.append(list(msgs))
+    return turns
+
+
+def _replay(server: Server, turns: list[list[dict]]) -> list[tuple[int, int, str]]:
+    out = []
+    for msgs in turns:
+        m = ask(server, msgs)
+        out.append((prompt_of(m), m.usage.cache_read_input_tokens, text_of(m)))
+    return out
+
+
+def test_a_20_turn_agent_trace_hits_every_turn_and_a_short_restore_is_counted(model, tmp_path):
+    turns = agent_trace(20)
+    server = Server(model, tmp_path / "store", tmp_path / "first.log")
+    try:
+        fresh = _replay(server, turns)
+        _settled(server)
+        assert _metric(server, "kvshelf_ineffective_hits_total") == 0
+    finally:
+        server.kill()  # kill -9 after the writes settled: what survives is what the store made durable
+    for k in range(1, len(turns)):  # the previous turn's prompt is this turn's prefix (the template appends)
+        assert fresh[k][1] >= 0.95 * fresh[k - 1][0], (k, fresh[k], fresh[k - 1])
+
+    with Server(model, tmp_path / "store", tmp_path / "restarted.log") as restarted:
+        again = _replay(restarted, turns)
+        assert [t for _p, _c, t in again] == [t for _p, _c, t in fresh]
+        for k in range(1, len(turns)):
+            assert again[k][1] >= 0.95 * again[k - 1][0], (k, again[k], again[k - 1])
+        assert again[0][1] >= 0.95 * (again[0][0] - 1)  # turn 1 itself was stored before the kill
+        assert restarted.prefix_lines()[0]["source"] == "disk"
+        assert _metric(restarted, "kvshelf_ineffective_hits_total") == 0
+
+    # a restore deliberately cut 40 tokens short (the test seam): served right, logged and counted once
+    with Server(model, tmp_path / "store", tmp_path / "short.log",
+                env={"KVSHELF_TEST_SHORT_RESTORE": "40"}) as short:
+        got = ask(short, turns[5])
+        assert text_of(got) == fresh[5][2]
+        short.wait_log(r"kvshelf ineffective hit source=disk matched=\d+ held=\d+ .*fewer than the lookup matched")
+        assert _metric(short, "kvshelf_ineffective_hits_total") == 1
+        assert got.usage.cache_read_input_tokens <= fresh[5][0] - 40
+        ask(short, turns[6])
+        assert _metric(short, "kvshelf_ineffective_hits_total") == 1

@@ -49,6 +49,7 @@ import xxhash
 
 from ...errors import CorruptData, SnapshotNotFound
 from ...store.save import BUSY, CLOSED, FULL, WriteBehindQueue
+from .ineffective_hits import IneffectiveHits
 from .prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints
 from .request_scopes import RequestScopes
 
@@ -156,6 +157,8 @@ class TieredPromptCache:
         self.prefix_checkpoints = HeldPrefixCheckpoints()
         # the tenant scope of each call (request_scopes.py): part of the RAM key, the store namespace and the outcome
         self.scopes = RequestScopes()
+        # a hit whose caches hold fewer tokens than it matched (ineffective_hits.py)
+        self.ineffective = IneffectiveHits(self.observer, self.log)
 
     def announce_scope(self, scope: str) -> None:
         """The request tokenized last on this thread has tenant scope ``scope`` (``RequestContext.scope``): its
@@ -196,10 +199,13 @@ class TieredPromptCache:
             restored, reason = self._from_disk(model, tokens, ram_len, namespace)
             if restored is not None:
                 cache, cached, source, prefix_checkpoint = restored
+                cache = self.ineffective.cut_short(cache)
                 rest = tokens[cached:]
                 self.counters["checkpoint_hits"] += prefix_checkpoint
         elif not _storable(tokens):
             reason = "unstorable_tokens"
+        if cache is not None and (held := self.ineffective.check(tokens, cache, cached, source)) != cached:
+            cached, rest = held, tokens[held:]
         self.counters[f"{source}_hits" if source != "none" else "misses"] += 1
         if source != "none":
             self.counters[f"{source}_tokens"] += cached
