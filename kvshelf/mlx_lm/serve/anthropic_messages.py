@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import KvShelfError
+from ..upstream import completion_headers, stream_headers
 
 log = logging.getLogger("kvshelf.serve")
 
@@ -254,7 +255,7 @@ class MessagesRoute:
 
     def error(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
         body = json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-        self.h._set_completion_headers(status)
+        completion_headers(self.h, status)
         self.h.send_header("Content-Length", str(len(body)))
         self.h.end_headers()
         self.h.wfile.write(body)
@@ -284,10 +285,10 @@ class MessagesRoute:
             return
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if t.stream:
-            h._set_stream_headers(200)
+            stream_headers(h, 200)
             h.end_headers()
         else:
-            h._set_completion_headers(200)
+            completion_headers(h, 200)
         sm_state = ctx.text_sm.make_state(ctx.initial_state)
         prev_state = ctx.initial_state
         finish_reason = "stop"

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import KvShelfError
+from ...errors import KvShelfError, SnapshotNotFound
 
 log = logging.getLogger("kvshelf.serve")
 
@@ -75,11 +75,12 @@ def cut_segments(segments: Sequence[Sequence[int]], types: Sequence[str], ends: 
 
 class CacheBreakpoints:
     """The server's breakpoints: boundaries while tokenizing (generation thread), pins after serving (a thread per
-    pin). ``tiered`` is the ``TieredPromptCache`` (its write queue and store per model key), ``namespace`` the
+    pin). ``queue`` is the prompt cache's write-behind queue (a prefix is pinned once its write left it),
+    ``store_for(model_key)`` the server's store opener (None: no disk tier now), ``namespace`` the
     ``--cache-namespace`` a request's tenant scope is appended to."""
 
-    def __init__(self, tiered: Any, namespace: str = ""):
-        self.tiered, self.namespace = tiered, namespace
+    def __init__(self, queue: Any, store_for: Any, namespace: str = ""):
+        self.queue, self.store_for, self.namespace = queue, store_for, namespace
         self.counters = {"pinned": 0, "refused": 0, "failed": 0}
 
     def announce(self, request: Any, translated: Any) -> None:
@@ -138,19 +139,27 @@ class CacheBreakpoints:
 
         queued_as = f"{scope}\x00{session_id_for(tokens)}"
         deadline = time.monotonic() + WRITE_WAIT
-        while self.tiered.queue.busy(queued_as) and time.monotonic() < deadline:
+        while self.queue.busy(queued_as) and time.monotonic() < deadline:
             time.sleep(0.02)
-        store = self.tiered._store(model_key)
+        try:
+            store = self.store_for(model_key)
+        except Exception:  # noqa: BLE001 - the opener logs its own failures; no store, no pin
+            store = None
         if store is None:
             return
         namespace = self.namespace + scope
+        session = session_id_for(tokens)
         try:
-            hit = store.lookup([*tokens, 0], namespace)  # the session holding exactly these tokens (or a longer one)
-            if hit is None or hit.length < len(tokens):
-                self.counters["failed"] += 1
-                log.warning("kvshelf cache_control: the %d-token prefix is not stored; not pinned", len(tokens))
-                return
-            pins = store.pin(hit.session_id, namespace, ttl=ttl)
+            try:  # the prefix's own session (the breakpoint's segment end was written as one)
+                pins = store.pin(session, namespace, ttl=ttl)
+            except SnapshotNotFound:  # skipped as a duplicate: a longer session already held these tokens
+                hit = store.lookup([*tokens, 0], namespace)
+                if hit is None or hit.length < len(tokens):
+                    self.counters["failed"] += 1
+                    log.warning("kvshelf cache_control: the %d-token prefix is not stored; not pinned", len(tokens))
+                    return
+                session = hit.session_id
+                pins = store.pin(session, namespace, ttl=ttl)
         except KvShelfError as exc:  # PinLimitExceeded (--max-pinned-bytes), or the session went meanwhile
             self.counters["refused"] += 1
             log.warning("kvshelf cache_control: pin refused: %s", exc)
@@ -162,7 +171,7 @@ class CacheBreakpoints:
         self.counters["pinned"] += 1
         expires = min((p.expires_at for p in pins if p.expires_at is not None), default=None)
         log.info("kvshelf cache_control pinned tokens=%d ttl=%.0f session=%s expires_at=%s", len(tokens), ttl,
-                 hit.session_id, f"{expires:.0f}" if expires is not None else "never")
+                 session, f"{expires:.0f}" if expires is not None else "never")
 
 
 __all__ = ["CLOCK_OFFSET_ENV", "CacheBreakpoints", "TTLS", "cut_segments", "store_clock"]

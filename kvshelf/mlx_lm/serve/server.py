@@ -273,7 +273,7 @@ class Serving:
                                         min_disk_tokens=opts.min_disk_tokens, min_write_tokens=min_write,
                                         observer=self.metrics)
 
-        self.breakpoints = CacheBreakpoints(self.tiered, opts.cache_namespace)  # cache_control (cache_control.py)
+        self.breakpoints = CacheBreakpoints(self.tiered.queue, self.opener, opts.cache_namespace)  # cache_control (cache_control.py)
         self._prefix_checkpoints_for: dict[int, int] = {}
         self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
 
