@@ -17,17 +17,8 @@ import openai
 import pytest
 
 from serve_harness import Server, conversation, kvshelf_cli
-from tiny_model_dir import make_model_dir, words
+from tiny_model_dir import TOOL_TEMPLATE, make_model_dir, words
 
-# A tool-calling template: tools before the conversation, an assistant's tool calls and the tool results rendered
-# (no tool-call markers the tiny model could emit, so mlx-lm's tool parser stays off and replies are plain text).
-TOOL_TEMPLATE = (
-    "{% if tools %}<|system|> {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<|end|> {% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}"
-    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %} call {{ c['function']['name'] }}"
-    "{% for k, v in c['function']['arguments'].items() %} {{ v }}{% endfor %}{% endfor %}{% endif %} <|end|> "
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
 SYSTEM = words(400)
 TOOLS = [{"name": "find", "description": "find a word", "input_schema": {
               "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}},
