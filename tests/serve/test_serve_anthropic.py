@@ -264,3 +264,37 @@ def test_a_20_turn_agent_trace_hits_every_turn_and_a_short_restore_is_counted(mo
         assert got.usage.cache_read_input_tokens <= fresh[5][0] - 40
         ask(short, turns[6])
         assert _metric(short, "kvshelf_ineffective_hits_total") == 1
+
+
+def test_x_api_key_names_the_tenant_and_tenants_never_share(model, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-alice-0123456789 alice\nkey-bob-9876543210 bob\n")
+    msgs = [{"role": "user", "content": "hello world"}]
+    with Server(model, tmp_path / "store", tmp_path / "s.log", extra=("--api-keys", str(keys))) as server:
+        def as_key(key: str) -> anthropic.types.Message:
+            client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key=key, max_retries=0,
+                                         timeout=300)  # the SDK sends the key as x-api-key
+            return client.messages.create(model="default_model", max_tokens=3, system=SYSTEM, messages=msgs,
+                                          extra_body={"temperature": 0.0})
+
+        with pytest.raises(anthropic.AuthenticationError):
+            as_key("not-a-key")
+        a1 = as_key("key-alice-0123456789")
+        assert a1.usage.cache_read_input_tokens == 0
+        assert as_key("key-alice-0123456789").usage.cache_read_input_tokens > 400  # alice's own prefix
+        b = as_key("key-bob-9876543210")
+        assert b.usage.cache_read_input_tokens == 0 and text_of(b) == text_of(a1)  # never alice's
+
+
+def test_tool_calls_come_back_as_tool_use_blocks():
+    """The parsed tool call (mlx-lm's json_tools parser, as a model with <tool_call> markers gets) as a block."""
+    from mlx_lm.tool_parsers import json_tools
+
+    from kvshelf.mlx_lm.serve.anthropic_messages import tool_use_blocks, translate
+
+    t = translate({"max_tokens": 8, "tools": TOOLS, "messages": agent_turns([])})
+    parsed = type("Ctx", (), {"tool_parser": staticmethod(json_tools.parse_tool_call)})
+    blocks = tool_use_blocks(parsed, t.tools, ['{"name": "find", "arguments": {"q": "oil"}}'])
+    assert len(blocks) == 1 and blocks[0]["type"] == "tool_use" and blocks[0]["id"].startswith("toolu_")
+    assert blocks[0]["name"] == "find" and blocks[0]["input"] == {"q": "oil"}
+    assert t.messages[1]["tool_calls"][0]["function"]["name"] == "find" and t.messages[2]["role"] == "tool"
