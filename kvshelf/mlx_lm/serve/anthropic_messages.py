@@ -248,10 +248,9 @@ class MessagesRoute:
     """Serves one ``/v1/messages`` request on an mlx-lm handler (``handler``): its generator, its wfile, its
     header helpers. ``breakpoints`` is the ``cache_control`` side (``cache_control.CacheBreakpoints``) or None."""
 
-    def __init__(self, handler: Any, breakpoints: Any = None, observer: Any = None):
+    def __init__(self, handler: Any, breakpoints: Any = None):
         self.h = handler
         self.breakpoints = breakpoints
-        self.observer = observer  # called with (ctx, prefilled) after the prompt was processed (ineffective hits)
 
     def error(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
         body = json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
@@ -272,18 +271,22 @@ class MessagesRoute:
         if self.breakpoints is not None and t.breakpoints:
             self.breakpoints.announce(request, t)  # the prefix lengths are known once the generator tokenized
 
-        def keepalive(processed, total):
+        msg_id = "msg_" + uuid.uuid4().hex[:24]
+        stream = _Stream(h, msg_id, t.model) if t.stream else None
+        held: list[Any] = []  # the generation context, once generate() returned it
+
+        def keepalive(processed, total):  # called while prefilling, after the fetch: the usage is known
             logging.info(f"Prompt processing progress: {processed}/{total}")
-            if t.stream:
-                h.wfile.write(b"event: ping\ndata: {\"type\": \"ping\"}\n\n")
-                h.wfile.flush()
+            if stream is not None and held:
+                stream.start(self._usage(held[0], request, 0))  # message_start first, then pings
+                stream.ping()
 
         try:
             ctx, response = h.response_generator.generate(request, args, progress_callback=keepalive)
         except Exception as exc:  # noqa: BLE001 - mlx-lm's own errors (a template, the model) as its route answers
             self.error(400, str(exc))
             return
-        msg_id = "msg_" + uuid.uuid4().hex[:24]
+        held.append(ctx)
         if t.stream:
             stream_headers(h, 200)
             h.end_headers()
@@ -293,16 +296,10 @@ class MessagesRoute:
         prev_state = ctx.initial_state
         finish_reason = "stop"
         text, tool_text, tool_texts, n_tokens = "", "", [], 0
-        stream = _Stream(h, msg_id, t.model) if t.stream else None
-        started = False
         try:
             for gen in response:
-                if not started:
-                    started = True
-                    if self.observer is not None:
-                        self.observer(ctx)
-                    if stream is not None:
-                        stream.start(self._usage(ctx, request, 0))
+                if stream is not None:
+                    stream.start(self._usage(ctx, request, 0))
                 if gen.finish_reason == "stop":
                     sm_state, current = TextStateMachine.discard(sm_state)
                     segments = [(current, "")]
@@ -328,8 +325,6 @@ class MessagesRoute:
                 n_tokens += 1
                 if gen.finish_reason is not None:
                     finish_reason = gen.finish_reason
-            if not started and self.observer is not None:
-                self.observer(ctx)
             if prev_state == "tool" and tool_text:
                 tool_texts.append(tool_text)
                 if stream is not None:
@@ -344,8 +339,7 @@ class MessagesRoute:
                 self.breakpoints.served(request, ctx, h.response_generator.model_provider.model_key)
             use = self._usage(ctx, request, n_tokens)
             if stream is not None:
-                if not started:
-                    stream.start(self._usage(ctx, request, 0))
+                stream.start(self._usage(ctx, request, 0))
                 stream.finish(stop_reason, stop_sequence, use)
                 return
             content = ([{"type": "text", "text": text}] if text or not tool_texts else []) + tool_use_blocks(
@@ -373,15 +367,23 @@ class _Stream:
         self.h, self.msg_id, self.model = handler, msg_id, model
         self.index = 0
         self.open_text = False
+        self.started = False
 
     def _event(self, name: str, data: dict) -> None:
         self.h.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
         self.h.wfile.flush()
 
     def start(self, use: dict) -> None:
+        """message_start, once (the first token, a prefill progress report or the end, whichever comes first)."""
+        if self.started:
+            return
+        self.started = True
         self._event("message_start", {"type": "message_start", "message": {
             "id": self.msg_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": use}})
+
+    def ping(self) -> None:
+        self._event("ping", {"type": "ping"})
 
     def text(self, piece: str) -> None:
         if not self.open_text:
@@ -429,7 +431,7 @@ def serve_messages(handler: Any, serving: Any, with_body: Any) -> None:
     """The route: parse, translate, narrow the request context by the body (``with_body``: ``cache_salt``), serve.
     The caller (``http_routes``) has authenticated the request already."""
     started = time.monotonic()
-    route = MessagesRoute(handler, getattr(serving, "breakpoints", None), getattr(serving, "prefill_check", None))
+    route = MessagesRoute(handler, getattr(serving, "breakpoints", None))
     try:
         body = read_body(handler)
         handler.body = body
