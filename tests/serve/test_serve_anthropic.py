@@ -176,6 +176,11 @@ def test_cache_control_pins_the_system_prefix_until_its_ttl(model, tmp_path):
         hit = ask(server, [{"role": "user", "content": "what is the water"}], system=system)
         assert hit.usage.cache_read_input_tokens >= prefix and server.prefix_lines()[-1]["source"] == "disk"
         server.wait_log(r"kvshelf cache_control pinned tokens=\d+ ttl=300")  # re-pinned: the TTL restarts
+        status, raw = server._request("GET", "/kvshelf/stats", None)  # the status page lists it with its expiry
+        pins = {p["session_id"]: p for p in json.loads(raw)["pins"]}
+        assert status == 200 and pins[session]["expires_at"] is not None
+        status, page = server._request("GET", "/kvshelf", None)
+        assert status == 200 and session in page.decode()
         server.signal(2)
         assert server.wait() == 0
 
