@@ -303,3 +303,24 @@ def test_tool_calls_come_back_as_tool_use_blocks():
     assert len(blocks) == 1 and blocks[0]["type"] == "tool_use" and blocks[0]["id"].startswith("toolu_")
     assert blocks[0]["name"] == "find" and blocks[0]["input"] == {"q": "oil"}
     assert t.messages[1]["tool_calls"][0]["function"]["name"] == "find" and t.messages[2]["role"] == "tool"
+
+
+def test_cache_control_on_a_tool_and_a_message_block(model, tmp_path):
+    """A 1h breakpoint on a tool (the tools render with the system prompt) and a 5m one on the tool_result turn:
+    each prefix pinned as its own session, the message's covering the conversation up to that block."""
+    tools = [*TOOLS[:1], {**TOOLS[1], "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    msgs = agent_turns([])
+    msgs[-1] = {"role": "user", "content": [{**msgs[-1]["content"][0], "cache_control": {"type": "ephemeral"}}]}
+    msgs.append({"role": "user", "content": "and now the disk"})
+    with Server(model, tmp_path / "store", tmp_path / "s.log") as server:
+        m = claude(server).messages.create(model="default_model", max_tokens=3, system=SYSTEM, tools=tools,
+                                           messages=msgs, extra_body={"temperature": 0.0})
+        found = server.wait_log(r"kvshelf cache_control pinned tokens=(\d+) ttl=(\d+) session=(\S+)", count=2)
+        by_ttl = {int(f[2]): (int(f[1]), f[3]) for f in found}
+        assert set(by_ttl) == {300, 3600}
+        system_end, message_end = by_ttl[3600][0], by_ttl[300][0]
+        assert 400 < system_end < message_end < prompt_of(m)
+        assert m.usage.cache_creation_input_tokens == message_end  # up to the last breakpoint
+    rows = {r["session_id"]: r for r in _sessions(tmp_path / "store")}
+    assert rows[by_ttl[3600][1]]["tokens"] == system_end and rows[by_ttl[300][1]]["tokens"] == message_end
+    assert rows[by_ttl[3600][1]]["pinned"] and rows[by_ttl[300][1]]["pinned"]
