@@ -295,7 +295,8 @@ def test_tool_calls_come_back_as_tool_use_blocks():
     """The parsed tool call (mlx-lm's json_tools parser, as a model with <tool_call> markers gets) as a block."""
     from mlx_lm.tool_parsers import json_tools
 
-    from kvshelf.mlx_lm.serve.anthropic_messages import tool_use_blocks, translate
+    from kvshelf.mlx_lm.serve.anthropic_messages import tool_use_blocks
+    from kvshelf.mlx_lm.serve.anthropic_translate import translate
 
     t = translate({"max_tokens": 8, "tools": TOOLS, "messages": agent_turns([])})
     parsed = type("Ctx", (), {"tool_parser": staticmethod(json_tools.parse_tool_call)})

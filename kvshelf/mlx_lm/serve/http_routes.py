@@ -15,8 +15,9 @@ import json
 import threading
 from typing import Any
 
-from .anthropic_messages import ROUTE as MESSAGES_ROUTE
-from .anthropic_messages import MessagesRejected, serve_messages
+from .anthropic_messages import serve_messages
+from .anthropic_translate import ROUTE as MESSAGES_ROUTE
+from .anthropic_translate import MessagesRejected
 from .metrics import CONTENT_TYPE
 from .request_context import DEFAULT_CONTEXT, RequestContext, RequestRejected
 from .status_page import render
