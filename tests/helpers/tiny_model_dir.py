@@ -50,6 +50,16 @@ THINKING_TEMPLATE = (
     "{% else %}{{ m['content'] }}{% endif %} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
+# A tool-calling template (an agent's conversation): the tools' names before the conversation, an assistant's tool
+# calls and the tool results rendered. No tool-call markers the tiny model could emit, so mlx-lm's tool parser stays
+# off and replies are plain text.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|> {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<|end|> {% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %} call {{ c['function']['name'] }}"
+    "{% for k, v in c['function']['arguments'].items() %} {{ v }}{% endfor %}{% endfor %}{% endif %} <|end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
 
 # Small, fast configs; "bench" is larger so that a long prompt's prefill takes about a second or more on a 2-core CPU.
 _LLAMA = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,  # noqa: C408

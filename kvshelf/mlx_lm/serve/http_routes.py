@@ -16,6 +16,9 @@ import threading
 import urllib.parse
 from typing import Any
 
+from .anthropic_messages import serve_messages
+from .anthropic_translate import ROUTE as MESSAGES_ROUTE
+from .anthropic_translate import MessagesRejected
 from .metrics import CONTENT_TYPE
 from .request_context import DEFAULT_CONTEXT, RequestContext, RequestRejected
 from .session_routes import SessionRoutes, claims as session_path
@@ -78,6 +81,9 @@ def handler_class(base: type, serving: Any) -> type:
             except RequestRejected as exc:
                 self._reject(exc)
                 return
+            if self.path.split("?", 1)[0] == MESSAGES_ROUTE:  # the Anthropic Messages API (anthropic_messages.py)
+                serve_messages(self, serving, self._narrow_by_body)
+                return
             super().do_POST()
 
         def do_DELETE(self):  # noqa: N802
@@ -85,6 +91,12 @@ def handler_class(base: type, serving: Any) -> type:
                 sessions.answer(self, "DELETE", super().end_headers)
             else:
                 self.send_error(404)
+
+        def _narrow_by_body(self, body):
+            try:
+                _current.request_context = serving.contexts.with_body(current_request_context(), body)
+            except RequestRejected as exc:
+                raise MessagesRejected(exc.message) from None
 
         def validate_model_parameters(self):  # mlx-lm calls it once the body is parsed; ValueError -> its 400
             self.requested_model = serving.model_names.resolve(getattr(self, "requested_model", None))

@@ -126,6 +126,8 @@ METRICS: tuple[MetricDefinition, ...] = (
     MetricDefinition("kvshelf_bytes_written", "counter", "Bytes written to the store (SSD wear)", series=((),)),
     MetricDefinition("kvshelf_checkpoint_hits", "counter", "Requests whose prefix came from a session's checkpoint "
                      "(--checkpoint-every)", series=((),)),
+    MetricDefinition("kvshelf_ineffective_hits", "counter", "Hits that still prefilled more than prompt - cached + 1 "
+                     "tokens (their caches held less than the lookup matched; ineffective_hits.py)", series=((),)),
     # read at scrape time: the store's figures and the write queue
     MetricDefinition("kvshelf_store_bytes", "gauge", "Bytes the store holds on disk (all identities)",
                      read=lambda s: s.figures["stored_bytes"]),
@@ -266,6 +268,9 @@ class ServeMetrics:
             self.totals[outcome.source] += 1
             if outcome.source == "none":
                 self.miss_totals[outcome.reason or "nothing_stored"] += 1
+
+    def observe_ineffective_hit(self, _source: str) -> None:
+        self._inc("kvshelf_ineffective_hits")
 
     def observe_write(self, outcome: str, bytes_written: int, tokens: int) -> None:
         self._inc("kvshelf_writes", outcome)

@@ -51,6 +51,7 @@ from ...errors import CorruptData, SnapshotNotFound
 from ...store.save import BUSY, CLOSED, FULL, WriteBehindQueue
 from .image_keys import storable_key, trusted_length
 from .hit_policy import DEFAULT_MIN_HIT_TOKENS, classify
+from .ineffective_hits import IneffectiveHits
 from .prefix_checkpoints import PREFIX_CHECKPOINT, HeldPrefixCheckpoints
 from .request_scopes import RequestScopes
 
@@ -161,6 +162,8 @@ class TieredPromptCache:
         self.prefix_checkpoints = HeldPrefixCheckpoints()
         # the tenant scope of each call (request_scopes.py): part of the RAM key, the store namespace and the outcome
         self.scopes = RequestScopes()
+        # a hit whose caches hold fewer tokens than it matched (ineffective_hits.py)
+        self.ineffective = IneffectiveHits(self.observer, self.log)
 
     def announce_scope(self, scope: str) -> None:
         """The request tokenized last on this thread has tenant scope ``scope`` (``RequestContext.scope``): its
@@ -202,10 +205,13 @@ class TieredPromptCache:
             restored, reason = self._from_disk(model, stored, ram_len, namespace)
             if restored is not None:
                 cache, cached, source, prefix_checkpoint = restored
+                cache = self.ineffective.cut_short(cache)
                 rest = tokens[cached:]
                 self.counters["checkpoint_hits"] += prefix_checkpoint
         elif stored is None:
             reason = "unstorable_tokens"
+        if cache is not None and (held := self.ineffective.check(tokens, cache, cached, source)) != cached:
+            cached, rest = held, tokens[held:]
         verdict = classify(source, cached, reason, self.min_hit_tokens)  # --min-hit-tokens (hit_policy.py)
         source, reason = verdict.source, verdict.reason
         self.counters[f"{source}_hits" if source != "none" else "misses"] += 1

@@ -50,6 +50,7 @@ from ...errors import KvShelfError
 from ...store import open_store
 from . import startup, warm
 from .admin_gate import AdminGate
+from .cache_control import CacheBreakpoints, store_clock
 from .http_routes import current_request_context, handler_class, set_current_context
 from .request_context import DEFAULT_CONTEXT, ApiKeys, RequestContexts, read_secret_file
 from .metrics import ServeMetrics
@@ -219,7 +220,7 @@ class StoreOpener:
             store = open_store(self.store_dir, identity=identity, max_bytes=self.max_bytes,
                                max_pending_bytes=1 << 62,  # the tiered cache bounds the queue itself
                                remote=self.remote, remote_prefix=self.remote_prefix,
-                               remote_options=self.remote_options or None)
+                               remote_options=self.remote_options or None, clock=store_clock())
             store.pins.set_limit(self.max_pinned_bytes)
             self._by_identity[identity] = store
             log.info("kvshelf store %s open for model %s (config %s, tokenizer %s, budget %s%s)",
@@ -299,6 +300,7 @@ class Serving:
 
         self.model_names = ServedModelNames(cli.model)  # what /v1/models lists and requests may name
         self.ram = ram  # the RAM tier (ram_tier.BoundedRam): its bytes and evictions are read at scrape time
+        self.breakpoints = CacheBreakpoints(self.tiered.queue, self.opener, opts.cache_namespace)  # cache_control (cache_control.py)
         self._prefix_checkpoints_for: dict[int, int] = {}
         self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
 
@@ -352,6 +354,8 @@ def _generator_class(serving_of: dict) -> type:
             every = self.kvshelf.prefix_checkpoint_every(self.model_provider.model)
             if every:
                 segments, types = split_segments(segments, types, every)
+            segments, types = self.kvshelf.breakpoints.split(  # cache_control breakpoints end segments too
+                tokenizer, request, prompt, segments, types, self.model_provider.cli_args.chat_template_args)
             return (prompt, segments, types, *rest)
 
         def log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
