@@ -43,6 +43,8 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "serve_ops": ("32",),  # kvshelf serve: warm-up TTFT, /metrics + header overhead, bytes of a replay
     "resume": ("33",),  # generation checkpoints: a retried generation resumes
     "checkpoints": ("34",),  # hybrid models: reuse on a thinking-style replay, prefill cost, bytes per checkpoint
+    "mlx_classes": ("35",),  # incremental saves of mlx-lm's own classes; bytes written per cached token
+    "long_context": ("36",),  # kvshelf serve's restart TTFT at 8K-64K vs cold prefill; cold restore GB/s vs raw read
     "remote": ("21", "22", "23"),  # the shared tier: needs redis-server / redis-benchmark
 }
 KNOWN = tuple(sorted({*ALL, *(m for ms in OPTIONAL.values() for m in ms)}, key=int))
@@ -55,7 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated measure numbers (default: all 1-11; on request: 14, the decode step, 24, decode on "
                         "encoded latent planes, 21-23, the shared tier on a redis-server, 31, kvshelf serve's time to "
                         "first token, 32, its warm-up, instrumentation overhead and replayed-conversation writes, 33, a "
-                        "retried generation resuming from its checkpoint, and 34, state checkpoints on a hybrid model)")
+                        "retried generation resuming from its checkpoint, 34, state checkpoints on a hybrid model, 35, "
+                        "incremental saves of mlx-lm's classes and bytes per cached token, and 36, restart TTFT at "
+                        "long context)")
     p.add_argument("--size", choices=sorted(data.SIZES), default="L",
                    help="workload: L (4096 tokens, 176 MiB; default), L-large (16,384 tokens, 704 MiB) or small "
                         "(a tiny smoke-test size)")
