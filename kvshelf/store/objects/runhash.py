@@ -43,6 +43,7 @@ def _load():
 
 
 _API = _load()
+GATHER_BELOW = 16 << 10  # runs shorter than this are gathered into one contiguous copy before hashing
 
 
 class RunHash:
@@ -93,6 +94,9 @@ class RunHash:
         while k > 0 and (region.shape[k - 1] == 1 or region.strides[k - 1] == inner):
             inner *= region.shape[k - 1]
             k -= 1
+        if inner < GATHER_BELOW:  # quantized scales/biases: 1 KiB runs; one small gather beats a call per run
+            self.update(memoryview(np.ascontiguousarray(region).reshape(-1).view(np.uint8)))
+            return
         offsets = np.zeros(1, dtype=np.int64)
         for d in range(k):
             offsets = (offsets[:, None] + np.arange(region.shape[d], dtype=np.int64) * region.strides[d]).reshape(-1)
