@@ -159,3 +159,24 @@ def test_a_changed_stored_row_is_never_taken_as_unchanged(tmp_path_factory, kind
             elif 4 * (w + 1) <= n:
                 assert new[w] == old[w]
         assert d["chunks_hash_reused"] == 0 and d["chunks_verified"] >= 1
+
+
+def test_same_object_and_buffer_prove_nothing(tmp_path):
+    """Why the stored windows are verified by their bytes: mlx-lm's ``trim`` + ``update_and_fetch`` rewrites rows in
+    the very buffer that was saved (same cache, same array object, same data pointer, same length), so any check of
+    identity would take the rewritten window as the stored one."""
+    caches = session("kv", 16, 3)
+    pointer = [np.array(c.keys, copy=False).ctypes.data for c in caches]
+    objects = [id(c.keys) for c in caches]
+    with open_test_store(tmp_path / "s", chunk_tokens=4) as store:
+        first = store.save("s", list(range(16)), caches)
+        caches[0].trim(6)
+        grow(caches[0], 6, 77)  # rows [10, 16) of layer 0: other values
+        mx.eval([c.state for c in caches])
+        assert [np.array(c.keys, copy=False).ctypes.data for c in caches] == pointer
+        assert [id(c.keys) for c in caches] == objects and caches[0].offset == 16
+        info = store.save("s", list(range(16)), caches)
+        old, new = manifest_hashes(store, first.snapshot_id), manifest_hashes(store, info.snapshot_id)
+        assert new[:2] == old[:2] and new[2] != old[2] and new[3] != old[3]
+        assert info.chunks_written == 2
+        assert state_bits(store.restore("s").caches) == state_bits(caches)

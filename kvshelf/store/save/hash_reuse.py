@@ -33,7 +33,7 @@ it did not sample. Keeping the saved bytes to compare would double the cache's m
 stop MLX donating it to the next decode step (a full copy per step). So each window the remembered save stored is
 hashed again (xxh3-128 of descriptor + bytes, the chunk's own name, so "verified" means exactly what dedupe means
 everywhere else in the store) and a window whose hash differs is a new chunk, written like any other: a changed row
-can never be taken as unchanged. What makes it cheap is where it runs: ``ParallelHashes`` hashes the windows on a
+can never be taken as unchanged. What makes it cheap is where it runs: ``ChunkHasher.hashed`` hashes the windows on a
 pool of threads (``RunHash`` releases the GIL), the windows the remembered save did not store first, so the new
 rows are written while the stored ones are being verified. ``chunks_verified`` / ``bytes_verified`` count the
 verified windows (a part of ``chunks_hashed`` / ``bytes_hashed``); ``bytes_written`` stays the new rows' bytes.
