@@ -47,3 +47,26 @@ def test_restored_32k_session_continues_bit_identically(tmp_path):
     want = continue_greedy(model, ids[-1], caches, steps=8)
     got = continue_greedy(model, ids[-1], restored, steps=8)
     assert same_run(got, want)
+
+
+def test_prefix_of_a_long_session_is_restored_into_a_buffer_of_its_own_length(tmp_path):
+    """``restore_prefix`` of 1,000 of 8,192 stored positions gives mlx-lm a buffer of mlx-lm's own step (1,024 rows),
+    not the saved 8,192-row buffer zero-filled past the prefix (which cost a full-size allocation and a copy of
+    the rows read), and continues exactly like the session trimmed to that prefix."""
+    model = build("llama")
+    n, p = 8192, 1000
+    caches = [KVCache() for _ in model.layers]
+    ids = [(11 * i) % 90 + 3 for i in range(n)]
+    for i, c in enumerate(caches):
+        fill(c, n, 30 + i)
+    mx.eval([c.state for c in caches])
+    with open_test_store(tmp_path / "s", chunk_tokens=256) as store:
+        store.save("long", ids, caches)
+        got = store.restore_prefix(ids[:p] + [95])
+    assert got is not None and got.length == p
+    assert [c.keys.shape[2] for c in got.caches] == [1024] * len(caches)
+    assert [c.offset for c in got.caches] == [p] * len(caches)
+    for c in caches:
+        c.trim(n - p)
+    want = continue_greedy(model, ids[p], caches, steps=6)
+    assert same_run(continue_greedy(model, ids[p], got.caches, steps=6), want)
