@@ -43,6 +43,8 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "serve_ops": ("32",),  # kvshelf serve: warm-up TTFT, /metrics + header overhead, bytes of a replay
     "resume": ("33",),  # generation checkpoints: a retried generation resumes
     "checkpoints": ("34",),  # hybrid models: reuse on a thinking-style replay, prefill cost, bytes per checkpoint
+    "mlx_classes": ("35",),  # incremental saves of mlx-lm's own classes; bytes written per cached token
+    "long_context": ("36",),  # kvshelf serve's restart TTFT at 8K-64K vs cold prefill; cold restore GB/s vs raw read
     "tenants": ("39",),  # tenant isolation in kvshelf serve: a salted RAM hit, the TTFT price of isolation
     "identity": ("38",),  # serve start-up: the weights' content fingerprint, sidecar warm vs cold (4 GiB)
     "encryption": ("37",),  # encryption at rest: save and warm restore with a key vs without

@@ -19,7 +19,7 @@ import numpy as np
 
 from .context import Context
 from .harness import Row, Sample, Timed, failed, remove, time_interleaved
-from .restore import eval_caches, verify_cases
+from .restore import eval_caches, raw_prefix_case, verify_cases
 
 
 def drop_page_cache(paths) -> None:
@@ -74,7 +74,7 @@ def run(ctx: Context, only: set[str], what: str, tokens_ids, caches, mlx_path: P
                 rows.append(Row("4", f"syncs per restore, {what}", Sample("syncs", [float(syncs.total(restored))]),
                                 None, "", "0", 0.0, check="value", notes=str(restored) or "none"))
             if "5" in only and label == "bfloat16":
-                rows.append(_prefix(ctx, store, tokens_ids, mlx_path, what))
+                rows.extend(_prefix(ctx, store, tokens_ids, mlx_path, what))
         if "4" in only:
             rows.append(_cold(ctx, path, mlx_path, what))
         if "11" in only:
@@ -102,7 +102,7 @@ def _cold(ctx: Context, path: Path, mlx_path: Path, what: str) -> Row:
                "mlx-lm load_prompt_cache + eval, cold", "≤ 1.0×", 1.0)
 
 
-def _prefix(ctx: Context, store, tokens_ids, mlx_path: Path, what: str) -> Row:
+def _prefix(ctx: Context, store, tokens_ids, mlx_path: Path, what: str) -> list[Row]:
     from mlx_lm.models.cache import load_prompt_cache, trim_prompt_cache
 
     n = len(tokens_ids)
@@ -110,7 +110,7 @@ def _prefix(ctx: Context, store, tokens_ids, mlx_path: Path, what: str) -> Row:
     prompt = list(tokens_ids[:p]) + [10**6]
     got = store.restore_prefix(prompt)
     if got is None or got.length != p:
-        return failed("5", f"restore_prefix {p} of {n}, {what}", f"restore_prefix gave {got and got.length}")
+        return [failed("5", f"restore_prefix {p} of {n}, {what}", f"restore_prefix gave {got and got.length}")]
 
     def mlx_trim(_):
         caches = load_prompt_cache(str(mlx_path))
@@ -118,9 +118,11 @@ def _prefix(ctx: Context, store, tokens_ids, mlx_path: Path, what: str) -> Row:
         mx.eval([[c.keys[..., :c.offset, :], c.values[..., :c.offset, :]] for c in caches])
 
     s = time_interleaved({"kvshelf": lambda _: eval_caches(store.restore_prefix(prompt).caches),
-                          "mlx-lm": mlx_trim}, ctx.reps)
-    return Row("5", f"restore_prefix {p} of {n} tokens + eval, {what}", s["kvshelf"], s["mlx-lm"],
-               "mlx-lm load_prompt_cache + trim_prompt_cache + eval", "≤ 0.5×", 0.5)
+                          "mlx-lm": mlx_trim, "raw": raw_prefix_case(store, "kv", p)}, ctx.reps)
+    return [Row("5", f"restore_prefix {p} of {n} tokens + eval, {what}", s["kvshelf"], s["mlx-lm"],
+                "mlx-lm load_prompt_cache + trim_prompt_cache + eval", "≤ 0.5×", 0.5),
+            Row("5", f"… the same vs a raw read of the prefix chunks' bytes, {what}", s["kvshelf"], s["raw"],
+                "preadv of the same chunk bytes from their packs, warm", "≤ 1.5×", 1.5)]
 
 
 def _verify_cost(ctx: Context, path: Path, what: str) -> Row:

@@ -57,6 +57,8 @@ class Counters:
     bytes_hashed: int = 0
     chunks_hash_reused: int = 0
     bytes_hash_reused: int = 0
+    chunks_verified: int = 0
+    bytes_verified: int = 0
 
     blobs_read = renamed("blobs_read", "chunks_read")  # deprecated names, one release (docs/API.md, "Renamed")
     blobs_written = renamed("blobs_written", "chunks_written")

@@ -69,6 +69,10 @@ _LLAMA_BENCH = dict(_LLAMA, hidden_size=256, num_hidden_layers=4, intermediate_s
                     num_key_value_heads=2, head_dim=64)
 # Cheap to run, heavy to store (16 KiB of cache per token): long write-behinds for the crash tests.
 _LLAMA_KV = dict(_LLAMA, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, head_dim=64)
+# Long-context restarts (issue 32): KV as large per token as a real 8B model's per layer group (8 layers × 8 KV heads
+# × 128 dims, bfloat16 weights so the cache is bfloat16: 32 KiB per token, 2 GiB at 64K), cheap layers otherwise.
+_LLAMA_LONG_KV = dict(_LLAMA, hidden_size=256, num_hidden_layers=8, intermediate_size=256, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=128, max_position_embeddings=131072)
 _QWEN3_NEXT = dict(  # noqa: C408 - a hybrid: full-attention layers (KVCache) and GatedDeltaNet layers (ArraysCache)
     model_type="qwen3_next", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=2,
     linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -85,8 +89,10 @@ _MAMBA2 = dict(  # noqa: C408 - pure state-space layers (ArraysCache only)
 # Llama 3.1's scaled RoPE: its frequencies are an array built in the constructor, outside the parameters
 _LLAMA_ROPE_SCALED = dict(_LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-CONFIGS = {"llama": _LLAMA, "llama-rope-scaled": _LLAMA_ROPE_SCALED, "llama-bench": _LLAMA_BENCH, "llama-kv": _LLAMA_KV, "qwen3_next": _QWEN3_NEXT, "mamba2": _MAMBA2}
+CONFIGS = {"llama": _LLAMA, "llama-rope-scaled": _LLAMA_ROPE_SCALED, "llama-bench": _LLAMA_BENCH, "llama-kv": _LLAMA_KV, "llama-long-kv": _LLAMA_LONG_KV,
+           "qwen3_next": _QWEN3_NEXT, "mamba2": _MAMBA2}
 _KEEP_AROUND = ("norm", "A_log", "D", "dt_bias", "bias")
+BFLOAT16 = {"llama-long-kv"}  # written in bfloat16 (mlx-lm then computes, and caches, in bfloat16)
 
 
 def _tokenizer_json() -> str:
@@ -141,6 +147,8 @@ def make_model_dir(path: str | Path, arch: str = "llama", seed: int = 0, chat_te
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     weights = _seeded_weights(model, seed)
+    if arch in BFLOAT16:
+        weights = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
     mx.eval(list(weights.values()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))

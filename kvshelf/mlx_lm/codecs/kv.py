@@ -134,6 +134,21 @@ class TokenCodec(MlxCodec):
     def _capacity(self, entry: CacheEntry) -> int:
         return int(entry.extra.get("capacity", entry.offset))
 
+    def prefix_entry(self, entry: CacheEntry, p: int) -> CacheEntry:
+        """The first ``p`` positions, in a buffer of mlx-lm's own step (``p`` rounded up to 256, at least one step,
+        at most the saved buffer), not the saved buffer.
+
+        Why: the saved capacity is the buffer of all ``T`` positions; a prefix restored into it allocated and
+        zeroed ``T`` rows and copied the ``p`` read ones into them (``_grown``), so ``restore_prefix`` of 1,024 of
+        4,096 tokens cost about twice a full restore. mlx-lm's cache grows its buffer in steps of 256 on the next
+        ``update_and_fetch`` anyway."""
+        out = super().prefix_entry(entry, p)
+        if self.has_capacity and "capacity" in out.extra:
+            step = KVCache.step
+            capacity = max(p, min(int(out.extra["capacity"]), max(1, -(-p // step)) * step))
+            out = replace_entry(out, extra={**out.extra, "capacity": capacity})
+        return out
+
 
 class PlainCodec(TokenCodec):
     """``KVCache``; a one-row ``BatchKVCache`` is saved as the ``KVCache`` its ``extract(0)`` gives."""

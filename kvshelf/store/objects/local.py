@@ -18,6 +18,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import struct
 import sys
 import uuid
 from collections.abc import Iterator, Sequence
@@ -158,6 +159,23 @@ class LocalReader:
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
+
+    def will_need(self, offset: int, length: int) -> None:
+        """Ask the kernel to start reading ``[offset, offset + length)`` now (0: to the end), asynchronously.
+
+        Why: a restore reads a pack's chunks on several threads through one descriptor, so the kernel's readahead
+        sees two interleaved streams and falls back to small reads: a cold 256 MiB restore read at ~40% of a raw
+        read of the same file. Naming the whole range up front lets the disk stream it while the threads copy.
+        A hint only: where the call is missing or refused nothing changes but the speed."""
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_WILLNEED)
+            elif sys.platform == "darwin":  # F_RDADVISE (44): struct radvisory {off_t ra_offset; int ra_count}
+                size = length or max(0, self.size() - offset)
+                for at in range(offset, offset + size, 1 << 30):
+                    fcntl.fcntl(self.fd, 44, struct.pack("qi4x", at, min(1 << 30, offset + size - at)))
+        except (OSError, ValueError, struct.error):
+            pass
 
     def close(self) -> None:
         if self.fd >= 0:

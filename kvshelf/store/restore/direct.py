@@ -140,6 +140,7 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
                     raise CorruptData(f"chunk {ref.hash}: tensor {t.name!r} names no slot of this snapshot") from None
                 dest.pieces.append((c, ref, k))
         check_coverage(read, slots, readers)  # before mx.load allocates a single destination
+        will_need(objects, read)  # the disk starts streaming every range while the destinations are allocated
         flat = [s for row in slots for s in row if s.nbytes]
         jobs: list[list[PieceJob]] = [[] for _ in readers]
         zeroing: list = []
@@ -171,6 +172,28 @@ def read_direct(objects: Objects, read: Read, verify: bool, plans: list | None =
     finally:
         for r in readers:
             r.close()
+
+
+def will_need(objects: Objects, read: Read) -> None:
+    """Name every byte range this restore will read to its object up front (``LocalReader.will_need``: the
+    kernel reads them ahead, so a cold restore streams at the disk's speed instead of trickling through the
+    readahead of two interleaved reader threads), merged per object into contiguous spans."""
+    spans: dict[str, list[list[int]]] = {}
+    for ref in read.needed:
+        name, offset, length = read.where[ref.hash]
+        if not length:
+            spans.setdefault(name, []).append([offset, 0])  # a whole v1 chunk file: to its end
+            continue
+        runs = spans.setdefault(name, [])
+        if runs and runs[-1][1] and runs[-1][0] + runs[-1][1] == offset:
+            runs[-1][1] += length
+        else:
+            runs.append([offset, length])
+    for name, runs in spans.items():
+        hint = getattr(objects.get(name), "will_need", None)
+        if hint is not None:
+            for offset, length in runs:
+                hint(offset, length)
 
 
 def check_coverage(read: Read, slots: list[list[_Slot]], readers: list[ChunkReader]) -> None:

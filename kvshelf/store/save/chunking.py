@@ -16,6 +16,7 @@ import numpy as np
 
 from ...codecs.header import CacheEntry
 from ..objects.chunkfile import Piece, axis_window, descriptor
+from ..objects.runhash import RunHash
 
 def host_view(array: mx.array) -> np.ndarray:
     """A zero-copy numpy view of an evaluated MLX array (bf16 as uint16)."""
@@ -76,6 +77,14 @@ class ChunkPlan:
     @property
     def nbytes(self) -> int:
         return sum(r.host.nbytes for r in self.regions)
+
+    def content_hash(self, desc: bytes) -> str:
+        """``chunkfile.content_hash`` of the pieces (same digest), fed from the regions' run addresses on the
+        calling thread with the GIL released: what a save's hash pool runs."""
+        h = RunHash(desc)
+        for r in self.regions:
+            h.update_strided(r.host)
+        return h.hexdigest()
 
     def descriptor(self) -> bytes:
         """What the content hash starts with (``chunkfile.descriptor`` of the pieces), without making them."""

@@ -24,22 +24,37 @@ index like any other: a chunk no longer indexed is written again from the curren
 read at capture, before the snapshot, and checked again after it is evaluated, so ``save_async`` compares two
 captures, never a capture with a later state. ``store.counters`` counts ``chunks_hashed`` / ``bytes_hashed`` and
 ``chunks_hash_reused`` / ``bytes_hash_reused`` so tests count the work.
+
+mlx-lm's classes (``KVCache``, ``QuantizedKVCache``; any cache without the epoch): their stored windows are
+*verified*, never trusted. Nothing short of the bytes can prove a window of such a cache unchanged: the object, its
+arrays and even the data pointer stay the same across ``trim`` + ``update_and_fetch`` (MLX donates the buffer to
+the slice update, so a rewritten row lands in the very memory that was saved), and a sample of rows misses the row
+it did not sample. Keeping the saved bytes to compare would double the cache's memory and, by holding the buffer,
+stop MLX donating it to the next decode step (a full copy per step). So each window the remembered save stored is
+hashed again (xxh3-128 of descriptor + bytes, the chunk's own name, so "verified" means exactly what dedupe means
+everywhere else in the store) and a window whose hash differs is a new chunk, written like any other: a changed row
+can never be taken as unchanged. What makes it cheap is where it runs: ``ChunkHasher.hashed`` hashes the windows on a
+pool of threads (``RunHash`` releases the GIL), the windows the remembered save did not store first, so the new
+rows are written while the stored ones are being verified. ``chunks_verified`` / ``bytes_verified`` count the
+verified windows (a part of ``chunks_hashed`` / ``bytes_hashed``); ``bytes_written`` stays the new rows' bytes.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...codecs import edit_epoch
 from ..context import StoreContext
 from ..identity import namespace_key, tenant_of
 from ..index import keys
-from ..objects.chunkfile import content_hash
 
 CAPACITY = 64
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # memory bandwidth, not cores, is the limit past ~8
 
 
 @dataclass(frozen=True)
@@ -126,14 +141,15 @@ def reuse_limit(prev: Remembered, marks: tuple[LayerMark, ...], chunk_tokens: in
 
 
 class ChunkHasher:
-    """The hashes of one save's chunk plans: reused where ``Remembered`` proves a window unchanged, else computed."""
+    """The hashes of one save's chunk plans: reused where ``Remembered`` proves a window unchanged, else computed
+    (on ``threads`` threads, the windows the last save did not store first: ``hashed``)."""
 
-    def __init__(self, book: UnchangedBook, ctx: StoreContext, cap):
-        self.book, self.ctx, self.cap = book, ctx, cap
+    def __init__(self, book: UnchangedBook, ctx: StoreContext, cap, threads: int = HASH_THREADS):
+        self.book, self.ctx, self.cap, self.threads = book, ctx, cap, threads
         self.key = (cap.namespace, cap.session_id)
         self.prev: Remembered | None = None
         self.limit = 0
-        self.descriptors: list[bytes] = []
+        self.descriptors: dict[int, bytes] = {}
         # encryption at rest (objects/sealing.py): the tenant's key names and seals its chunks; ``contents`` maps
         # each keyed name computed here to the content hash its seal carries
         self.tkey = ctx.keys.for_tenant(tenant_of(cap.namespace)) if ctx.keys is not None else None
@@ -152,20 +168,54 @@ class ChunkHasher:
             return
         self.prev, self.limit = prev, reuse_limit(prev, self.cap.marks, self.ctx.chunk_tokens)
 
-    def __call__(self, plan) -> str:
-        desc = plan.descriptor()
-        self.descriptors.append(desc)
-        nbytes = plan.nbytes
+    def _stored(self, plan, desc: bytes) -> tuple[int, bytes, str] | None:
+        """The remembered save's entry for this exact window (same range, same descriptor), if it had one."""
+        if self.prev is None or plan.stop == 0:
+            return None
+        old = self.prev.windows.get(plan.start)
+        return old if old is not None and old[0] == plan.stop and old[1] == desc else None
+
+    def hashed(self, plans):
+        """``(index, hash)`` for every plan: first the windows the remembered save did not store (what will be
+        written), then the ones it did. Hashes that must be computed are computed ahead on a thread pool, so the
+        caller writes window k while k+1.. are hashed; counters are counted here, on the caller's thread."""
+        descs = [plan.descriptor() for plan in plans]
+        self.descriptors = dict(enumerate(descs))
+        stored = [self._stored(plan, desc) for plan, desc in zip(plans, descs)]
+        reused = [old is not None and plan.stop <= self.limit for plan, old in zip(plans, stored)]
+        order = sorted(range(len(plans)), key=lambda i: stored[i] is not None)  # stable: new windows first
+        todo = [i for i in order if not reused[i]]
         counters = self.ctx.counters
-        if 0 < plan.stop <= self.limit:
-            old = self.prev.windows.get(plan.start)
-            if old is not None and old[0] == plan.stop and old[1] == desc:
-                counters.chunks_hash_reused += 1
-                counters.bytes_hash_reused += nbytes
-                return old[2]
-        counters.chunks_hashed += 1
-        counters.bytes_hashed += nbytes
-        h = content_hash(plan.pieces, desc)
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvshelf-hash") \
+            if self.threads > 1 and len(todo) > 1 else None
+        try:
+            futures = {i: pool.submit(plans[i].content_hash, descs[i]) for i in todo} if pool else {}
+            for i in order:
+                nbytes = plans[i].nbytes
+                if reused[i]:
+                    counters.chunks_hash_reused += 1
+                    counters.bytes_hash_reused += nbytes
+                    yield i, stored[i][2]
+                    continue
+                counters.chunks_hashed += 1
+                counters.bytes_hashed += nbytes
+                if stored[i] is not None:
+                    counters.chunks_verified += 1
+                    counters.bytes_verified += nbytes
+                yield i, self._named(futures[i].result() if pool else plans[i].content_hash(descs[i]))
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def all(self, plans) -> list[str]:
+        """Every plan's hash, in plan order."""
+        out: list[str] = [""] * len(plans)
+        for i, h in self.hashed(plans):
+            out[i] = h
+        return out
+
+    def _named(self, h: str) -> str:
+        """A chunk's name: its content hash, or on an encrypted store the tenant-keyed name of it."""
         if self.tkey is None:
             return h
         name = self.tkey.name(h)
@@ -176,18 +226,19 @@ class ChunkHasher:
         """The chunk frame as written: sealed under the tenant's key on an encrypted store, else as it is."""
         if self.tkey is None:
             return frame
-        content = self.contents.get(name) or content_hash(plan.pieces, plan.descriptor())  # a reused name
+        content = self.contents.get(name) or plan.content_hash(plan.descriptor())  # a reused name
         return [self.tkey.seal(name, content, frame)]
 
     def remember(self, snapshot_id: str, plans, hashes: list[str]) -> None:
         """Record this committed save for the session's next one (descriptors interned: full windows share one)."""
         seen: dict[bytes, bytes] = {}
         windows = {}
-        for plan, desc, h in zip(plans, self.descriptors, hashes):
+        for i, (plan, h) in enumerate(zip(plans, hashes)):
             if plan.stop > 0:
+                desc = self.descriptors.get(i) or plan.descriptor()
                 windows[plan.start] = (plan.stop, seen.setdefault(desc, desc), h)
         self.book.put(self.key, Remembered(snapshot_id, self.ctx.chunk_tokens, tuple(self.cap.marks), windows))
 
 
-__all__ = ["CAPACITY", "ChunkHasher", "LayerMark", "Remembered", "UnchangedBook", "epoch_before", "mark",
+__all__ = ["CAPACITY", "ChunkHasher", "HASH_THREADS", "LayerMark", "Remembered", "UnchangedBook", "epoch_before", "mark",
            "reuse_limit"]

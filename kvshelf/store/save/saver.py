@@ -11,7 +11,8 @@ A grown session's save skips the *write* of the chunks already stored and, for k
 *hashing* too: the handle remembers each session's last save, and a token window the cache's edit epoch proves
 unchanged since then reuses its old hash (``hash_reuse.py`` says exactly when). Everything else — mlx-lm's caches,
 a cache trimmed, rolled back or replaced since, the window straddling the old offset, the untokened chunk — is
-hashed, from the very buffers that are written.
+hashed, from the very buffers that are written, on a pool of threads and new windows first, so verifying what
+mlx-lm's caches stored last time overlaps writing what they added.
 """
 
 from __future__ import annotations
@@ -106,27 +107,31 @@ def _manifest(ctx: StoreContext, cap: Capture, sid: str, plans: list[ChunkPlan],
 
 def _stream_pack(ctx: StoreContext, cap: Capture, plans: list[ChunkPlan], sid: str, hashes: list[str],
                  hasher: hash_reuse.ChunkHasher):
-    """The save's pack written while its chunks are hashed: chunk k+1 is hashed (and checked against the index)
-    while chunk k is being written (``put_stream``). Returns (manifest, pack, size, placed)."""
+    """The save's pack written while its chunks are hashed: chunks k+1.. are hashed on the hasher's threads (and
+    checked against the index) while chunk k is being written (``put_stream``); the windows the session's last save
+    did not store are hashed and written first, the stored ones verified behind them. Returns (manifest, pack, size,
+    placed)."""
     builder = PackBuilder()
     done: dict[str, Manifest] = {}
 
     def parts():
         yield [PACK_MAGIC]
         seen: set[str] = set()
+        got: list[str] = [""] * len(plans)
         with ctx.index.read() as txn:
             hasher.bind(txn)
-            for plan in plans:
-                h = hasher(plan)
-                hashes.append(h)
+            for i, h in hasher.hashed(plans):  # the windows not stored last time come first: they are written
+                got[i] = h
                 if h in seen or reusable(txn, h):
                     seen.add(h)
                     continue
                 seen.add(h)
+                plan = plans[i]
                 ref = ChunkRef(h, plan.start, plan.stop, plan.nbytes)
                 frame = hasher.frame(h, plan, raw_buffers(plan.pieces, chunk_metadata(ref)))
                 builder.add(h, frame, keep=False)
                 yield frame
+        hashes.extend(got)
         done["m"] = _manifest(ctx, cap, sid, plans, hashes)
         yield builder.trailer(schema.encode(done["m"]))
 
@@ -164,7 +169,7 @@ class Saver:
         if not stream:  # hash first: a budget must refuse a snapshot before anything is written
             with ctx.index.read() as txn:
                 hasher.bind(txn)
-            hashes = [hasher(plan) for plan in plans]
+            hashes = hasher.all(plans)
             manifest = _manifest(ctx, cap, sid, plans, hashes)
             need = sum(r.nbytes for r in {r.hash: r for r in manifest.all_chunks}.values())
             if ctx.max_bytes is not None and need > ctx.max_bytes:
