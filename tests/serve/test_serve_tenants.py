@@ -177,3 +177,41 @@ def test_hostile_salts_and_headers_get_400_and_write_nothing(model, tmp_path, ca
         assert server.prefix_lines() == [] and "write-behind" not in server.log()  # nothing fetched or written
         ok, _ = raw_post(server, b"", body)  # and the server still serves
         assert ok == 200
+
+
+def test_an_encrypted_store_with_tenant_quotas_through_serve(model, keys_file, tmp_path):
+    """--encryption-key-file and --tenant-max-bytes reach the store: a restart with the key serves from disk, a
+    wrong key refuses to start (naming the store, never the key), and one tenant's flood evicts only its own."""
+    from serve_harness import kvshelf_cli
+
+    alice, bob = list(KEYS)
+    key = tmp_path / "key"
+    key.write_bytes(bytes(range(32)))
+    store = tmp_path / "store"
+    extra = ("--api-keys", str(keys_file), "--encryption-key-file", str(key), "--tenant-max-bytes", "600K")
+    bob_msgs = conversation(words(300, salt=5), ["hello"], [])
+    with Server(model, store, tmp_path / "a.log", extra=extra) as server:
+        first = ask(server, bob, bob_msgs)
+        saved(server, 1)
+        for i in range(8):  # alice floods far past her quota
+            ask(server, alice, conversation(words(400, salt=100 + i), ["hi"], []))
+        saved(server, 9)
+    with Server(model, store, tmp_path / "b.log", extra=extra) as restarted:
+        again = ask(restarted, bob, bob_msgs)
+        assert again["header"]["source"] == "disk" and again["text"] == first["text"]
+    listed = kvshelf_cli("ls", "--store", str(store), "--tenant", "alice", "--json",
+                         "--encryption-key-file", str(key))
+    assert listed.returncode == 0, listed.stderr
+    alice_sessions = json.loads(listed.stdout)["sessions"]
+    assert 0 < len(alice_sessions) < 8  # her flood evicted her own sessions (bob's was served from disk above)
+    assert sum(x["bytes_own"] + x["bytes_shared"] for x in alice_sessions) <= 600 << 10
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(bytes(range(1, 33)))
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvshelf.tools.cli", "serve", "--store", str(store), "--model",
+                           str(model), "--port", "0", "--encryption-key-file", str(wrong)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "cannot start" in proc.stderr and str(store) in proc.stderr
+    assert bytes(range(1, 33)).hex() not in proc.stderr + proc.stdout

@@ -47,7 +47,7 @@ from typing import Any
 import mlx_lm.server as mlx_server  # this module is the serving entry point: no mlx-lm, no `kvshelf serve`
 
 from ...errors import KvShelfError
-from ...store import open_store
+from ...store import open_store, read_key_file
 from . import startup, warm
 from .admin_gate import AdminGate
 from .cache_control import CacheBreakpoints, store_clock
@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(without it they answer only on a loopback bind)")
     p.add_argument("--admin-token-file", default=None, metavar="FILE",
                    help="--admin-token read from a file's first line (keeps it out of the process list)")
+    p.add_argument("--tenant-max-bytes", type=parse_size, default=None, metavar="N",
+                   help="each tenant's disk quota (a tenant over it evicts only its own sessions; pins count against "
+                        "it); a MAX_BYTES column in --api-keys overrides it per tenant")
+    p.add_argument("--encryption-key-file", default=None, metavar="FILE",
+                   help="encrypt chunks at rest (AES-256-GCM, a data key per tenant): 32 raw bytes, 64 hex digits "
+                        "or a passphrase; a store written with a key needs it")
     # --- generation checkpoints (generations.py) ---
     p.add_argument("--generation-checkpoint-every", type=generation_checkpoint_every_arg, default=256, metavar="N",
                    help="checkpoint running greedy/seeded requests every N tokens so that a retry after a crash "
@@ -179,11 +185,13 @@ class StoreOpener:
 
     def __init__(self, store_dir: str, cli_args: argparse.Namespace, *, max_bytes: int | None, retry: float,
                  remote: str | None = None, remote_prefix: str = "kvshelf:", remote_options: dict | None = None,
-                 max_pinned_bytes: int | None = None, model_id: str | None = None):
+                 max_pinned_bytes: int | None = None, model_id: str | None = None,
+                 store_options: dict | None = None):
         self.store_dir, self.cli_args, self.max_bytes, self.retry = store_dir, cli_args, max_bytes, retry
         self.model_id = model_id  # --model-id: the default model's asserted identity
         self.remote, self.remote_prefix, self.remote_options = remote, remote_prefix, dict(remote_options or {})
         self.max_pinned_bytes = max_pinned_bytes
+        self.store_options = dict(store_options or {})  # tenant quotas, the encryption key (never logged)
         self._by_key: dict[Any, Any] = {}
         self._by_identity: dict[Any, Any] = {}
         self._failed: dict[Any, float] = {}
@@ -220,7 +228,8 @@ class StoreOpener:
             store = open_store(self.store_dir, identity=identity, max_bytes=self.max_bytes,
                                max_pending_bytes=1 << 62,  # the tiered cache bounds the queue itself
                                remote=self.remote, remote_prefix=self.remote_prefix,
-                               remote_options=self.remote_options or None, clock=store_clock())
+                               remote_options=self.remote_options or None, clock=store_clock(),
+                               **self.store_options)
             store.pins.set_limit(self.max_pinned_bytes)
             self._by_identity[identity] = store
             log.info("kvshelf store %s open for model %s (config %s, tokenizer %s, budget %s%s)",
@@ -260,6 +269,22 @@ class StoreOpener:
                 log.warning("kvshelf store close failed: %s: %s", type(exc).__name__, exc)
 
 
+def store_options(opts: argparse.Namespace) -> dict:
+    """``open_store``'s tenant quotas (``--tenant-max-bytes``, the keys file's MAX_BYTES) and encryption key."""
+    out: dict[str, Any] = {}
+    quotas: dict[str, int] = {}
+    if getattr(opts, "tenant_max_bytes", None) is not None:
+        quotas["*"] = opts.tenant_max_bytes
+    table = getattr(opts, "api_keys_table", None)
+    if table is not None:
+        quotas.update({t: n for t, n in table.tenants().items() if n is not None})
+    if quotas:
+        out["tenant_max_bytes"] = quotas
+    if getattr(opts, "encryption_key", None) is not None:
+        out["key"] = opts.encryption_key
+    return out
+
+
 class _NoStore:
     """``store_for`` when no store may be used (distributed serving): every model key has none."""
 
@@ -290,7 +315,7 @@ class Serving:
             self.opener = StoreOpener(opts.store, cli, max_bytes=opts.max_bytes, retry=opts.store_retry,
                                       remote=opts.remote, remote_prefix=opts.remote_prefix,
                                       remote_options=opts.remote_options, max_pinned_bytes=opts.max_pinned_bytes,
-                                      model_id=opts.model_id)
+                                      model_id=opts.model_id, store_options=store_options(opts))
         self.metrics = ServeMetrics(self.state)
         min_write = opts.min_write_tokens if opts.min_write_tokens is not None else opts.min_disk_tokens
         self.tiered = TieredPromptCache(ram, store_for=self.opener, namespace=opts.cache_namespace,
@@ -451,6 +476,8 @@ def _check_before_start(opts: argparse.Namespace, rest: list[str]) -> None:
         opts.admin_token_value = (read_secret_file(opts.admin_token_file, "--admin-token-file")
                                   if opts.admin_token_file is not None else opts.admin_token)
         opts.api_keys_table = ApiKeys.read(opts.api_keys, parse_size) if opts.api_keys is not None else None
+        opts.encryption_key = (read_key_file(opts.encryption_key_file)
+                               if opts.encryption_key_file is not None else None)
     except KvShelfError as exc:
         raise StartupError(str(exc)) from None
     if opts.pin_ttl is not None and not opts.pin_warm:
