@@ -49,12 +49,17 @@ def open_admin(path: str | os.PathLike[str], *, create: bool = False) -> Iterato
     if not create and not is_store(path):
         raise StoreMissing(f"no kvshelf store at {path} (expected {Path(path) / 'index' / 'data.mdb'}); "
                            f"pass --store DIR or set KVSHELF_STORE")
-    key_file = os.environ.get(KEY_FILE_VAR)  # --encryption-key-file sets it: an encrypted store's chunks then read
-    store = open_store(str(path), admin=True, key=read_key_file(key_file) if key_file else None)
+    store = open_store(str(path), admin=True, key=_env_key())
     try:
         yield store
     finally:
         store.close()
+
+
+def _env_key() -> bytes | str | None:
+    """The key of ``--encryption-key-file`` (the CLI puts it in the environment): an encrypted store's chunks read."""
+    key_file = os.environ.get(KEY_FILE_VAR)
+    return read_key_file(key_file) if key_file else None
 
 
 def _matches(m: Manifest, filters: dict[str, str | None]) -> bool:
@@ -170,21 +175,13 @@ def delete_session(path: str | os.PathLike[str], session_id: str, **filters: str
     identity-scoped call). ``SnapshotNotFound`` when no session has that id."""
     require_text(session_id, "session_id")
     with open_admin(path) as store:
-        found = [m for m in manifests(store, **filters) if m.session_id == session_id]
-    if not found:
-        raise SnapshotNotFound(f"delete: no session {session_id!r} in the store at {path}"
-                               + (f" matching {_describe(filters)}" if any(filters.values()) else ""))
-    if len(found) > 1:
-        scopes = "; ".join(f"model_id={m.model_id!r} namespace={m.namespace!r}" for m in found)
-        raise KvShelfError(f"delete: session {session_id!r} exists under several identities/namespaces ({scopes}); "
-                           "narrow it with --model-id/--namespace")
-    m = found[0]
+        m = resolve(store, session_id, **filters)  # the one session (or snapshot) the filters name, else a clear error
     from ..store import Identity
 
     ident = Identity(m.model_id, config_fingerprint=m.config_fingerprint, tokenizer_hash=m.tokenizer_hash)
-    with open_store(str(path), identity=ident) as store:
-        store.delete(session_id, m.namespace)
-    return {"session_id": session_id, "namespace": m.namespace, "model_id": m.model_id,
+    with open_store(str(path), identity=ident, key=_env_key()) as store:
+        store.delete(m.session_id, m.namespace)
+    return {"session_id": m.session_id, "namespace": m.namespace, "model_id": m.model_id,
             "snapshot_id": m.snapshot_id, "tokens": m.length}
 
 
