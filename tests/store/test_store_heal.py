@@ -121,7 +121,7 @@ def test_the_cli_lists_repairs_and_drops(tmp_path) -> None:
     done = run_json("repair", "--store", str(root))
     assert {r["session_id"] for r in done["lost"]} == {"b", "c"} and done["remaining"] == []
     proc = run_cli("repair", "--store", str(root))
-    assert proc.returncode == 0 and "0 session(s) lost" in " ".join(proc.stdout.split())  # piped: wrapped to 80
+    assert proc.returncode == 0 and "dropped 0 lost session(s)" in " ".join(proc.stdout.split())  # piped: wrapped to 80
     run_json("verify", "--deep", "--store", str(root))
 
 
