@@ -47,7 +47,8 @@ class Budget:
             sid = keys.lru_sid(key)
             s = tables.summary(txn, sid)
             if s is not None and tenant_of(s.namespace) == token:
-                used, sids = used + s.nbytes, sids + [sid]
+                used += s.nbytes
+                sids.append(sid)
         return used, sids
 
     def evict_tenant(self, protect: bytes | None) -> int:
@@ -63,48 +64,44 @@ class Budget:
         limit = limits.get(token, limits.get("*"))
         if limit is None:
             return 0
-        evicted = 0
-        while True:
-            leased = self.reclaimer.live_leases()[0]
 
-            def pick(txn):
-                used, sids = self.usage(txn, token)
-                if used <= limit:
-                    return None
-                for sid in sids:
-                    if sid == protect or sid.hex() in leased or self.pins.protects(txn, sid):
-                        continue
-                    return self.removal.drop(txn, sid, "evicted (tenant quota)")
-                return None
+        def over(txn):
+            used, sids = self.usage(txn, token)
+            return sids if used > limit else None
 
-            with ctx.removers.removing():
-                victim = self.txns.write(pick)
-                if victim is None:
-                    return evicted
-                self.removal.after(*victim)
-            evicted += 1
-            ctx.counters.evicted += 1
+        return self._evict(over, protect, "evicted (tenant quota)")
 
     def evict_global(self, protect: bytes | None = None) -> int:
         """Evict until ``total_bytes <= max_bytes`` (never ``protect``, never a leased snapshot); returns how many."""
         ctx = self.ctx
         if ctx.max_bytes is None:
             return 0
+
+        def over(txn):
+            if meta_int(txn, b"total_bytes") <= ctx.max_bytes:
+                return None
+            # the handle's pending uses were applied first
+            return (keys.lru_sid(key) for key, _ in txn.range("lru", ctx.id_key, keys.after_prefix(ctx.id_key)))
+
+        return self._evict(over, protect, "evicted")
+
+    def _evict(self, over, protect: bytes | None, why: str) -> int:
+        """The one eviction loop of both budgets: while ``over(txn)`` gives candidates (least recently used first),
+        drop the first that is not ``protect``, leased or pinned (pins.py: never a victim), one write transaction per
+        victim, and unlink its files after the commit (removers.py); returns how many were evicted."""
+        ctx = self.ctx
         evicted = 0
         while True:
             leased = self.reclaimer.live_leases()[0]  # a lease taken after this is safe: unlinking re-reads them
 
             def pick(txn):
-                if meta_int(txn, b"total_bytes") <= ctx.max_bytes:
+                candidates = over(txn)
+                if candidates is None:
                     return None
-                for key, _ in txn.range("lru", ctx.id_key, keys.after_prefix(ctx.id_key)):
-                    # the handle's pending uses were applied first
-                    sid = keys.lru_sid(key)
-                    if sid == protect or sid.hex() in leased:
+                for sid in candidates:
+                    if sid == protect or sid.hex() in leased or self.pins.protects(txn, sid):
                         continue
-                    if self.pins.protects(txn, sid):  # pinned (pins.py): never a victim
-                        continue
-                    return self.removal.drop(txn, sid, "evicted")
+                    return self.removal.drop(txn, sid, why)
                 return None
 
             with ctx.removers.removing():  # from the commit to the unlink (removers.py)
@@ -114,7 +111,6 @@ class Budget:
                 self.removal.after(*victim)
             evicted += 1
             ctx.counters.evicted += 1
-
 
 def _check_limit(max_bytes, what: str) -> None:
     if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
