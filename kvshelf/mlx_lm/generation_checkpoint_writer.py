@@ -28,7 +28,7 @@ log = logging.getLogger("kvshelf.generation")
 
 COUNTERS = ("checkpoints_queued", "checkpoints_durable", "checkpoints_failed", "checkpoints_skipped_full",
             "checkpoints_dropped", "drops_failed", "resumes", "resumed_tokens", "requests_not_resumable",
-            "requests_short")
+            "requests_short", "requests_batched", "batch_rows_peak")
 
 
 class GenerationCheckpointWriter:

@@ -46,7 +46,9 @@ class Server:
     """One server process. ``store=None`` runs plain ``mlx_lm.server`` (the reference without any store)."""
 
     def __init__(self, model_dir: Path, store: Path | None, log_path: Path, *, extra: tuple[str, ...] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, launcher: Path | None = None):
+        """``launcher``: a script run as ``python LAUNCHER serve ...`` instead of ``kvshelf serve`` (a fault
+        injected into a real server, e.g. ``dying_serve.py``)."""
         self.port: int | None = None  # read from the listening line once the server bound its port
         self.log_path = Path(log_path)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0  # a reused log: ours only
@@ -54,8 +56,8 @@ class Server:
             cmd = [sys.executable, str(PLAIN_SERVER)]
         else:
             # write-behind lines are DEBUG (one INFO line per request): the tests wait on them
-            cmd = [sys.executable, "-m", "kvshelf.tools.cli", "serve", "--store", str(store),
-                   "--kvshelf-log-level", "DEBUG"]
+            entry = ["-m", "kvshelf.tools.cli"] if launcher is None else [str(launcher)]
+            cmd = [sys.executable, *entry, "serve", "--store", str(store), "--kvshelf-log-level", "DEBUG"]
         cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", *extra]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process's lifetime
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=server_env(env),

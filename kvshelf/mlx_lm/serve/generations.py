@@ -20,10 +20,13 @@ model identity, the prompt token ids, every sampling and penalty field, the stop
 logit bias and the explicit seed (if any) — so a different request (another seed, ``max_tokens``, stop sequence,
 system prompt) never resumes from another's checkpoint.
 
-How it plugs in: resumable requests long enough to reach a checkpoint (``max_tokens`` above the interval) are served
-one at a time by :meth:`ServeGenerations.serve` (mlx-lm's
-``_serve_single`` with :func:`~kvshelf.mlx_lm.resumable.steps_with_generation_checkpoints` as its decode loop)
-instead of joining mlx-lm's batch, whose rows cannot be checkpointed. ``counters`` is a plain dict the metrics can read.
+How it plugs in: resumable requests long enough to reach a checkpoint (``max_tokens`` above the interval) are rows of
+mlx-lm's ``BatchGenerator`` like any other request (``batch_rows.py``: a row is checkpointed at a step boundary and a
+retry re-enters the batch with its caches and pending token; a seeded row samples from a key of its own,
+``row_sampler.py``). Only where mlx-lm serves every request one at a time anyway — a model whose caches mlx-lm cannot
+batch, or ``--kv-bits`` — are they served by :meth:`ServeGenerations.serve` (mlx-lm's ``_serve_single`` with
+:func:`~kvshelf.mlx_lm.resumable.steps_with_generation_checkpoints` as its decode loop). ``counters`` is a plain dict
+the metrics can read.
 """
 
 from __future__ import annotations
@@ -115,9 +118,9 @@ class ServeGenerations:
         self._counted: dict[int, weakref.ref] = {}  # the requests already counted (``_count``), while they live
 
     def takes(self, args: Any) -> bool:
-        """Whether this server serves the request itself (checkpointed, resumable) rather than mlx-lm's batch. A
-        request whose ``max_tokens`` does not exceed the interval never writes a checkpoint (and none can exist to
-        resume it from), so it stays in mlx-lm's batch (counted in ``requests_short``)."""
+        """Whether the request is ours: checkpointed and resumable (in mlx-lm's batch where :meth:`batches`, else by
+        :meth:`serve`). A request whose ``max_tokens`` does not exceed the interval never writes a checkpoint (and
+        none can exist to resume it from), so mlx-lm serves it as it would (counted in ``requests_short``)."""
         why = self._not_ours(args)
         if why is not None and why != "off":
             self._count(why, args)
@@ -145,6 +148,31 @@ class ServeGenerations:
         except TypeError:  # arguments that cannot be weakly referenced: counted each time asked
             pass
         self.counters[name] += 1
+
+    def batches(self, provider: Any) -> bool:
+        """Whether this server's resumable requests join mlx-lm's batch: mlx-lm batches the model (no draft model,
+        caches that merge) and the KV cache is not quantized (``--kv-bits``: mlx-lm serves one at a time)."""
+        return bool(provider.is_batchable) and getattr(provider.cli_args, "kv_bits", None) is None
+
+    def open_row(self, request: Any, args: Any, prompt: list[int], provider: Any):
+        """For a request about to join the batch: ``(store, continuation key, checkpoint or None)`` when it is ours
+        (resumable, long enough, no images, a store), None when mlx-lm serves it as it is."""
+        if self._not_ours(args) is not None or provider.draft_model is not None:
+            return None
+        if any(image_parts(request.messages)):
+            return None
+        store = self._store(provider.model_key)
+        if store is None:
+            return None
+        context = getattr(request, "kvshelf_context", None)
+        key = request_key(store.identity, prompt, args, provider.cli_args, getattr(context, "scope", ""))
+        return store, key, self._find(store, key, prompt)
+
+    def counted_resume(self, found: Any, max_tokens: int) -> None:
+        """A request resumes from ``found``: counted and logged (the log line operators and tests wait on)."""
+        self.counters["resumes"] += 1
+        self.counters["resumed_tokens"] += len(found.generated)
+        self.log.info("kvshelf resume from=%d of max_tokens=%d key=%s", len(found.generated), max_tokens, found.key)
 
     def _store(self, model_key: Any):
         try:
@@ -209,9 +237,7 @@ class ServeGenerations:
         if found is not None:
             cache, cached = found.caches, len(prompt)
             ctx.prompt_cache_count = cached
-            self.counters["resumes"] += 1
-            self.counters["resumed_tokens"] += len(found.generated)
-            self.log.info("kvshelf resume from=%d of max_tokens=%d", len(found.generated), args.max_tokens)
+            self.counted_resume(found, args.max_tokens)
         else:
             if args.seed is not None:
                 mx.random.seed(args.seed)

@@ -163,6 +163,9 @@ METRICS: tuple[MetricDefinition, ...] = (
     _generation("requests_short", "Resumable requests whose max_tokens cannot reach a checkpoint, left in mlx-lm's "
                                   "batch"),
     _generation("drops_failed", "Completed requests whose checkpoints could not be dropped"),
+    _generation("requests_batched", "Checkpointed requests decoded as rows of mlx-lm's batch"),
+    MetricDefinition("kvshelf_generation_batch_rows_peak", "gauge", "The most checkpointed requests one step of "
+                     "mlx-lm's batch decoded together", read=lambda s: s.generation("batch_rows_peak")),
 )
 DEFINITIONS = {d.name: d for d in METRICS}
 

@@ -10,8 +10,9 @@ The injection point: ``mlx_lm.server.run()`` builds ``LRUPromptCache(prompt_cach
 ``main`` runs, ``mlx_lm.server.run`` is ``_run`` (below): the same steps, except that the generator is a subclass
 whose constructor gets a :class:`TieredPromptCache` wrapping that very ``LRUPromptCache`` (kept as the RAM tier),
 and the HTTP handler is a subclass adding kvshelf's routes and header. Nothing else of mlx-lm is replaced.
-Resumable requests (greedy or seeded) go to ``generations.ServeGenerations``, which writes generation checkpoints of
-them and resumes their retries (docs/RESUMING.md). Private mlx-lm names (``_run_http_server``, the generator's
+Resumable requests (greedy or seeded) are checkpointed and resumed by ``generations.ServeGenerations`` (docs/RESUMING.md):
+as rows of mlx-lm's batch, whose ``BatchGenerator`` (the name ``mlx_lm.server`` builds it by) is, while ``main``
+runs, ``checkpointed_batch.CheckpointedBatchGenerator`` bound to the server's ``batch_rows.BatchRows``. Private mlx-lm names (``_run_http_server``, the generator's
 ``_tokenize`` and the other hooks) are reached through ``kvshelf.mlx_lm.upstream`` only; the bound address is printed
 once the socket listens (``listening.py``: ``--port 0`` works).
 
@@ -67,6 +68,8 @@ from .loaded_model import settle_arrays
 from .startup import StartupError
 from .status_page import status
 from .generations import ServeGenerations, generation_checkpoint_every_arg  # generation checkpoints (RESUMING.md)
+from .batch_rows import BatchRows
+from .checkpointed_batch import batch_generator_class
 
 log = logging.getLogger("kvshelf.serve")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -327,7 +330,10 @@ class Serving:
         self.ram = ram  # the RAM tier (ram_tier.BoundedRam): its bytes and evictions are read at scrape time
         self.breakpoints = CacheBreakpoints(self.tiered.queue, self.opener, opts.cache_namespace)  # cache_control (cache_control.py)
         self._prefix_checkpoints_for: dict[int, int] = {}
-        self.generation_counters: dict[str, int] = {}  # the response generator's ServeGenerations.counters
+        # generation checkpoints (generations.py) and the batch rows they take (batch_rows.py)
+        self.generations = ServeGenerations(int(getattr(opts, "generation_checkpoint_every", 0) or 0), self.opener)
+        self.batch_rows = BatchRows(self.generations)
+        self.generation_counters: dict[str, int] = self.generations.counters  # read by /metrics at scrape time
 
     def prefix_checkpoint_every(self, model) -> int:
         """``--checkpoint-every`` (prefix checkpoints along a prompt) for this model: 0 when its caches can all be
@@ -360,8 +366,7 @@ def _generator_class(serving_of: dict) -> type:
         def __init__(self, model_provider, prompt_cache):
             self.kvshelf = serving_of["serving"]
             # generation checkpoints (generations.py): set before mlx-lm's constructor starts its thread
-            self.generations = ServeGenerations(self.kvshelf.opts.generation_checkpoint_every, self.kvshelf.opener)
-            self.kvshelf.generation_counters = self.generations.counters  # read by /metrics at scrape time
+            self.generations = self.kvshelf.generations
             super().__init__(model_provider, self.kvshelf.tiered)
 
         def generate(self, request, generation_args, progress_callback=None):
@@ -381,15 +386,21 @@ def _generator_class(serving_of: dict) -> type:
                 segments, types = split_segments(segments, types, every)
             segments, types = self.kvshelf.breakpoints.split(  # cache_control breakpoints end segments too
                 tokenizer, request, prompt, segments, types, self.model_provider.cli_args.chat_template_args)
+            # its batch insert, if one follows on this thread, may be a checkpointed row (batch_rows.py)
+            self.kvshelf.batch_rows.announce(request, args, prompt, self.model_provider)
             return (prompt, segments, types, *rest)
 
         def log_cache_stats(self):  # mlx-lm logs 1 + one per cache type at INFO per request: one line is ours
             if log.isEnabledFor(logging.DEBUG):
                 super().log_cache_stats()
 
-        # --- generation checkpoints (generations.py): resumable requests are served by us, one at a time ---
+        # --- generation checkpoints (generations.py): resumable requests are checkpointed rows of mlx-lm's batch
+        # (batch_rows.py), seeded ones included (each samples from its own key); served one at a time only where
+        # mlx-lm cannot batch (a model whose caches do not merge, --kv-bits) ---
         def is_batchable(self, args):
             taken = self.generations.takes(args)  # counts the requests that are not resumable
+            if taken and self.generations.batches(self.model_provider):
+                return True
             return super().is_batchable(args) and not taken
 
         def serve_single(self, request, stream):
@@ -422,6 +433,7 @@ def _run_function(opts: argparse.Namespace, made: list):
         ram = BoundedRam(mlx_server.LRUPromptCache(cli.prompt_cache_size, max_bytes=cli.prompt_cache_bytes),
                          cli.prompt_cache_bytes)
         serving = Serving(opts, cli, ram, distributed=model_provider.is_distributed, bind_host=host)
+        mlx_server.BatchGenerator = batch_generator_class(serving.batch_rows)  # main() puts mlx-lm's back
         warning = serving.admin.startup_warning()
         if warning:
             log.warning("%s", warning)
@@ -531,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     logging.getLogger("kvshelf.serve").setLevel(getattr(logging, opts.kvshelf_log_level))
     made: list = []  # the TieredPromptCache, then the generator that owns it
-    original = mlx_server.run
+    original, original_batch = mlx_server.run, mlx_server.BatchGenerator
     mlx_server.run = _run_function(opts, made)
     _install_signals()
     saved_argv = sys.argv
@@ -553,6 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.argv = saved_argv
         mlx_server.run = original
+        mlx_server.BatchGenerator = original_batch
     caches = [c for c in made if isinstance(c, TieredPromptCache)]
     flushed = all([cache.close(timeout=opts.flush_timeout) for cache in caches])  # noqa: C419 - close every one
     logging.shutdown()
