@@ -27,7 +27,7 @@ from test_serve_resume import CHECKPOINT, DROPPED, ask, checkpoint_sessions, req
 from tiny_model_dir import make_model_dir, words
 
 EVERY = 128
-MAX_TOKENS = 400
+MAX_TOKENS = 1536
 EXTRA = ("--generation-checkpoint-every", str(EVERY))
 RESUME = re.compile(r"kvshelf resume from=(?P<generated>\d+) of max_tokens=(?P<max>\d+) key=(?P<key>[0-9a-f]{64})")
 DIED = re.compile(r"test launcher: SIGKILL at generation checkpoint generated=(?P<generated>\d+) "
