@@ -50,6 +50,7 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "encryption": ("37",),  # encryption at rest: save and warm restore with a key vs without
     "serve_memory": ("40",),  # kvshelf serve --prompt-cache-bytes: resident memory over distinct prompts vs plain
     "agents": ("41",),  # a 20-turn agent trace: prefilled tokens and TTFT, kvshelf serve vs mlx_lm.server
+    "batched_resume": ("42",),  # a burst of 8 greedy requests with generation checkpoints vs plain mlx_lm.server
     "remote": ("21", "22", "23"),  # the shared tier: needs redis-server / redis-benchmark
 }
 KNOWN = tuple(sorted({*ALL, *(m for ms in OPTIONAL.values() for m in ms)}, key=int))
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "retried generation resuming from its checkpoint, 34, state checkpoints on a hybrid model, 35-36, "
                         "incremental saves of mlx-lm classes and long-context restarts, 37, encryption at rest, 38, the "
                         "model identity of 4 GiB of weights, 39, tenant isolation, 40, kvshelf serve's resident memory, "
-                        "41, a 20-turn agent trace)")
+                        "41, a 20-turn agent trace, 42, a burst of checkpointed greedy requests)")
     p.add_argument("--size", choices=sorted(data.SIZES), default="L",
                    help="workload: L (4096 tokens, 176 MiB; default), L-large (16,384 tokens, 704 MiB) or small "
                         "(a tiny smoke-test size)")

@@ -54,9 +54,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_SERVER, "ResponseGenerator", "_log_cache_stats", "method", ("self",),
                 "mlx-lm logs several INFO lines per request; kvshelf logs one and keeps mlx-lm's at DEBUG"),
     PrivateName(_SERVER, "ResponseGenerator", "_is_batchable", "method", ("self", "args"),
-                "resumable requests are taken out of mlx-lm's batch (no generation checkpoints of its rows)"),
+                "resumable requests join mlx-lm's batch (seeded ones too: their rows sample from their own key); "
+                "where mlx-lm cannot batch they are kvshelf's, one at a time"),
     PrivateName(_SERVER, "ResponseGenerator", "_serve_single", "method", ("self", "request", "stream"),
-                "resumable requests are served one at a time by kvshelf's decode loop with generation checkpoints"),
+                "where mlx-lm serves one at a time (caches it cannot batch, --kv-bits), resumable requests are served "
+                "by kvshelf's decode loop with generation checkpoints"),
     PrivateName(_SERVER, "ResponseGenerator", "_make_state_machine", "method",
                 ("self", "model_key", "tokenizer", "stop_words"),
                 "a resumable request stops on the same stop sequences and tool/thinking states as mlx-lm's"),
