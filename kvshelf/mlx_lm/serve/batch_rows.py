@@ -174,7 +174,11 @@ class BatchRows:
             row = self.rows.get(r.uid)
             if row is not None:
                 decoding += 1
-                self._advance(batch, r.uid, row, r)
+                try:
+                    self._advance(batch, r.uid, row, r)
+                except Exception as exc:  # noqa: BLE001 - a checkpoint is an optimisation: never fail the batch
+                    self.generations.counters["checkpoints_failed"] += 1
+                    self.log.warning("kvshelf generation checkpoint failed: %s: %s", type(exc).__name__, exc)
             out.append(r)
         counters = self.generations.counters
         counters["batch_rows_peak"] = max(counters["batch_rows_peak"], decoding)

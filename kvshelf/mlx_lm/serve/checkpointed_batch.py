@@ -11,12 +11,15 @@ rows to ``BatchRows`` (claim an insert, see each step's responses, forget remove
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from .batch_rows import BatchRows
+
+log = logging.getLogger("kvshelf.serve")
 
 
 class CheckpointedBatchGenerator(BatchGenerator):
@@ -28,7 +31,11 @@ class CheckpointedBatchGenerator(BatchGenerator):
 
     def insert_segments(self, segments, max_tokens=None, caches=None, all_tokens=None, samplers=None,
                         logits_processors=None, stop_sequences=None):
-        claimed = self.rows.claim(segments, all_tokens, samplers, stop_sequences, max_tokens, caches)
+        try:
+            claimed = self.rows.claim(segments, all_tokens, samplers, stop_sequences, max_tokens, caches)
+        except Exception as exc:  # noqa: BLE001 - mlx-lm's loop has no handler here: serve it as mlx-lm would
+            log.warning("kvshelf generation checkpoints off for a request: %s: %s", type(exc).__name__, exc)
+            claimed = None
         if claimed is None:
             return super().insert_segments(segments, max_tokens, caches, all_tokens, samplers, logits_processors,
                                            stop_sequences)
