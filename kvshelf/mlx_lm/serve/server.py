@@ -331,7 +331,9 @@ class Serving:
         self.breakpoints = CacheBreakpoints(self.tiered.queue, self.opener, opts.cache_namespace)  # cache_control (cache_control.py)
         self._prefix_checkpoints_for: dict[int, int] = {}
         # generation checkpoints (generations.py) and the batch rows they take (batch_rows.py)
-        self.generations = ServeGenerations(int(getattr(opts, "generation_checkpoint_every", 0) or 0), self.opener)
+        # rows of one batch reach a checkpoint in the same step: one write in flight per row, not a fixed 4
+        self.generations = ServeGenerations(int(getattr(opts, "generation_checkpoint_every", 0) or 0), self.opener,
+                                            max_in_flight=max(4, int(getattr(cli, "decode_concurrency", 0) or 0)))
         self.batch_rows = BatchRows(self.generations)
         self.generation_counters: dict[str, int] = self.generations.counters  # read by /metrics at scrape time
 
