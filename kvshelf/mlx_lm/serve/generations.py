@@ -9,8 +9,8 @@ has a checkpoint sends the tokens already generated at once (streaming: as the f
 pending token; its text and token ids equal an uninterrupted run's. A completed request drops its checkpoints; a
 request the client abandoned keeps them (its retry resumes).
 
-What is resumable: temperature 0, or any temperature with an explicit ``seed`` (mlx-lm's sampler draws from mlx's
-global random state, saved and restored with each checkpoint). A request with temperature > 0 and no seed has no
+What is resumable: temperature 0, or any temperature with an explicit ``seed`` (the request samples from a random key
+seeded with it — its own key in the batch, ``row_sampler.py`` — saved and restored with each checkpoint). A request with temperature > 0 and no seed has no
 determined continuation: it is served by mlx-lm as before (counted in ``requests_not_resumable``). So are requests
 asking for logprobs (a resumed answer has no logprobs for the replayed tokens), with images, or on a server with a
 draft model.
