@@ -46,14 +46,15 @@ class GenerationCheckpointWriter:
         self.queue = WriteBehindQueue(max_entries=max_in_flight, logger=self.log)
 
     def submit(self, store: Any, key: str, tokens: list[int], caches: list[Any], *, prompt_length: int,
-               pending_token: int, sampler_state: bytes | None) -> bool:
-        """Capture now, write behind; False when skipped (key still writing, queue full, or the capture failed)."""
+               pending_token: int, sampler_state: bytes | None, tenant: str = "") -> bool:
+        """Capture now, write behind; False when skipped (key still writing, queue full, or the capture failed).
+        ``tenant`` files the checkpoint in that tenant's namespace (``forget_tenant`` removes it)."""
         n, generated = len(tokens), len(tokens) - prompt_length
 
         def start():
             return store.save_generation_checkpoint(key, tokens, caches, prompt_length=prompt_length,
                                                     pending_token=pending_token, sampler_state=sampler_state,
-                                                    background=True)
+                                                    background=True, tenant=tenant)
 
         def durable(fut) -> None:
             exc = fut.exception()
@@ -79,13 +80,13 @@ class GenerationCheckpointWriter:
         self.counters["checkpoints_queued"] += 1
         return True
 
-    def complete(self, store: Any, key: str) -> None:
+    def complete(self, store: Any, key: str, tenant: str = "") -> None:
         """The generation of ``key`` completed: delete its checkpoints now, or after its write in flight."""
-        self.queue.after(key, lambda: self._drop(store, key))
+        self.queue.after(key, lambda: self._drop(store, key, tenant))
 
-    def _drop(self, store: Any, key: str) -> None:
+    def _drop(self, store: Any, key: str, tenant: str = "") -> None:
         try:
-            count = store.drop_generation_checkpoints(key)
+            count = store.drop_generation_checkpoints(key, tenant=tenant)
         except Exception as exc:  # noqa: BLE001 - left for budget eviction; never fail the answered request
             self.counters["drops_failed"] += 1
             self.log.warning("kvshelf generation checkpoints not dropped (key=%s): %s: %s", key,

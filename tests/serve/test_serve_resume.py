@@ -56,10 +56,10 @@ def request(system: str = words(120), *, seed: int | None = None, temperature: f
     return body
 
 
-def ask(server: Server, body: dict, stream: bool) -> dict:
+def ask(server: Server, body: dict, stream: bool, headers: dict | None = None) -> dict:
     """The answer as the official client assembles it: text, finish reason, completion tokens (non-streaming)."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0,
-                           timeout=600)
+                           timeout=600, default_headers=headers)
     if not stream:
         r = client.chat.completions.create(**body)
         return {"text": r.choices[0].message.content, "finish": r.choices[0].finish_reason,
@@ -84,14 +84,14 @@ def ask_and_wait_dropped(server: Server, body: dict, stream: bool) -> dict:
     return answer
 
 
-def kill_after_checkpoint(model, store, log_path, body: dict, stream: bool) -> int:
+def kill_after_checkpoint(model, store, log_path, body: dict, stream: bool, headers: dict | None = None) -> int:
     """Start the request on a fresh server and SIGKILL it once a checkpoint is durable; its generated count."""
     victim = Server(model, store, log_path)
     failed: list = []
 
     def doomed():
         try:
-            if ask(victim, body, stream)["finish"] is not None:  # a cut stream just ends, unfinished
+            if ask(victim, body, stream, headers)["finish"] is not None:  # a cut stream just ends, unfinished
                 failed.append("the request completed before the kill")
         except (openai.APIError, OSError):
             pass  # the server died under it: what a client of a crashed server sees
@@ -165,3 +165,16 @@ def test_a_different_request_never_resumes_from_that_checkpoint(model, reference
         assert checkpoint_sessions(model, store)  # still there for its own request
         assert ask_and_wait_dropped(restarted, body, False) == ask_and_wait_dropped(reference, body, False)
         assert RESUME.search(restarted.log())
+
+
+def test_a_tenants_generation_checkpoints_are_filed_as_its_own_and_go_with_forget_tenant(model, tmp_path):
+    """A tenant's running generation is its data: its checkpoints are filed in its namespace, so
+    ``forget_tenant`` removes them (and the default tenant's sessions never list them)."""
+    store = tmp_path / "store"
+    kill_after_checkpoint(model, store, tmp_path / "victim.log", request(), False, {"X-Kvshelf-Tenant": "acme"})
+    with open_store(store, identity=model_identity(model)) as s:
+        theirs = [x for x in s.sessions(tenant="acme") if NAMESPACE_PREFIX in x.namespace]
+        assert theirs, "the checkpoint is not filed under its tenant"
+        assert not [x for x in s.sessions(tenant="") if NAMESPACE_PREFIX in x.namespace]
+        assert s.forget_tenant("acme")
+    assert checkpoint_sessions(model, store) == []

@@ -84,6 +84,7 @@ class BatchRow:
     key: str
     prompt_length: int
     max_tokens: int
+    tenant: str = ""  # the request's tenant: its checkpoints are filed in its namespace
     produced: int = 0  # tokens the client got (replayed included)
     sampler: SeededRowSampler | None = None
     replay: list[int] = field(default_factory=list)
@@ -120,8 +121,9 @@ class BatchRows:
         opened = self.generations.open_row(request, args, prompt, provider)
         if opened is None:
             return None
-        store, key, found = opened
-        row = BatchRow(store=store, key=key, prompt_length=len(prompt), max_tokens=int(args.max_tokens))
+        store, key, found, tenant = opened
+        row = BatchRow(store=store, key=key, prompt_length=len(prompt), max_tokens=int(args.max_tokens),
+                       tenant=tenant)
         inputs = {"segments": segments, "max_tokens": max_tokens, "caches": caches, "all_tokens": all_tokens,
                   "samplers": samplers, "stop_sequences": stop_sequences}
         if found is not None:
@@ -192,10 +194,11 @@ class BatchRows:
             row.waiting = None
             if r.finish_reason is None:  # r.token is the pending token of the extracted state
                 writer.submit(row.store, row.key, tokens, caches, prompt_length=row.prompt_length,
-                              pending_token=int(r.token), sampler_state=None if key is None else key_bytes(key))
+                              pending_token=int(r.token), sampler_state=None if key is None else key_bytes(key),
+                              tenant=row.tenant)
         if r.finish_reason is not None:
             self.rows.pop(uid, None)
-            writer.complete(row.store, row.key)
+            writer.complete(row.store, row.key, tenant=row.tenant)
             return
         every = self.generations.every
         if every and row.produced % every == 0 and row.produced != row.max_tokens:

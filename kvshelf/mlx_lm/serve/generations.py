@@ -155,8 +155,9 @@ class ServeGenerations:
         return bool(provider.is_batchable) and getattr(provider.cli_args, "kv_bits", None) is None
 
     def open_row(self, request: Any, args: Any, prompt: list[int], provider: Any):
-        """For a request about to join the batch: ``(store, continuation key, checkpoint or None)`` when it is ours
-        (resumable, long enough, no images, a store), None when mlx-lm serves it as it is."""
+        """For a request about to join the batch: ``(store, continuation key, checkpoint or None, tenant)`` when it is
+        ours (resumable, long enough, no images, a store), None when mlx-lm serves it as it is. The tenant files the
+        row's checkpoints in its namespace, so ``forget_tenant`` removes them with the rest of its data."""
         if self._not_ours(args) is not None or provider.draft_model is not None:
             return None
         if any(image_parts(request.messages)):
@@ -166,7 +167,8 @@ class ServeGenerations:
             return None
         context = getattr(request, "kvshelf_context", None)
         key = request_key(store.identity, prompt, args, provider.cli_args, getattr(context, "scope", ""))
-        return store, key, self._find(store, key, prompt)
+        tenant = getattr(context, "tenant", "")
+        return store, key, self._find(store, key, prompt, tenant), tenant
 
     def counted_resume(self, found: Any, max_tokens: int) -> None:
         """A request resumes from ``found``: counted and logged (the log line operators and tests wait on)."""
@@ -181,9 +183,9 @@ class ServeGenerations:
             self.log.warning("kvshelf store unavailable for generation checkpoints: %s: %s", type(exc).__name__, exc)
             return None
 
-    def _find(self, store: Any, key: str, prompt: list[int]):
+    def _find(self, store: Any, key: str, prompt: list[int], tenant: str = ""):
         try:
-            return store.find_generation_checkpoint(key, prompt)
+            return store.find_generation_checkpoint(key, prompt, tenant=tenant)
         except Exception as exc:  # noqa: BLE001 - a damaged checkpoint is quarantined by the store: start over
             self.log.warning("kvshelf generation checkpoint lookup failed, starting over: %s: %s",
                              type(exc).__name__, exc)
@@ -233,7 +235,8 @@ class ServeGenerations:
         rqueue.put(ctx)
         context = getattr(req, "kvshelf_context", None)
         key = request_key(store.identity, prompt, args, cli, getattr(context, "scope", ""))
-        found = self._find(store, key, prompt)
+        tenant = getattr(context, "tenant", "")  # filed in the tenant's namespace: forget_tenant removes them
+        found = self._find(store, key, prompt, tenant)
         if found is not None:
             cache, cached = found.caches, len(prompt)
             ctx.prompt_cache_count = cached
@@ -250,7 +253,7 @@ class ServeGenerations:
 
         def on_generation_checkpoint(tokens, caches, pending, state):
             self.writer.submit(store, key, tokens, caches, prompt_length=len(prompt), pending_token=pending,
-                               sampler_state=state)
+                               sampler_state=state, tenant=tenant)
 
         steps = steps_with_generation_checkpoints(
             model, prompt, prompt_cache=cache, cached=cached, resume=found, max_tokens=args.max_tokens,
@@ -293,7 +296,7 @@ class ServeGenerations:
             steps.close()
         rqueue.put(None)
         if finished:
-            self.writer.complete(store, key)
+            self.writer.complete(store, key, tenant=tenant)
         prompt_cache.insert_cache(provider.model_key, all_tokens, cache)
 
 
