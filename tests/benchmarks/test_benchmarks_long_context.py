@@ -47,3 +47,22 @@ def test_measures_35_and_36_at_the_small_size(tmp_path):
     assert len(per_token) == 3 and all(r["ratio"] >= 1.0 for r in per_token)
     assert len(by["36"]) == 2 and all(not r.get("failed") for r in by["36"])
     assert by["36"][0]["value"]["reps"] and by["36"][0]["baseline"]["reps"]
+
+
+def test_measure_36_synthesized_session_is_restored_by_the_restarted_server(tmp_path):
+    """A length above ``KVSHELF_BENCH_LONG_PREFILL`` is stored without a prefill (the serve's identity, namespace,
+    session id and token ids): the restarted server must find it on disk (the row fails otherwise), and the row
+    says the KV was synthesized and that no cold prefill was measured."""
+    out = tmp_path / "run.json"
+    env = {**__import__("os").environ, "KVSHELF_BENCH_SCRATCH": str(tmp_path / "scratch"),
+           "KVSHELF_BENCH_LONG_PREFILL": "0"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "36", "--size", "small", "--reps", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and not any(r.get("failed") for r in rows)
+    row = rows[0]
+    assert "KV synthesized" in row["name"] and row["baseline"] is None
+    assert "NOT measured" in row["baseline_name"]
+    assert row["extra"]["kv_synthesized"] is True and row["extra"]["prompt_kv_bytes"] > 0
+    assert row["extra"]["server_peak_growth_over_kv"] is not None

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
 )
 
 from ...codecs import dtypes, validate
-from ...codecs.batch_plan import BatchPlan, right_justified
+from ...codecs.batch_plan import BatchPlan, BatchTensor, RowSource, right_justified
 from ...codecs.header import CacheEntry
 from ...codecs.kinds.kv import HEAD_KEYS, check_common, extra_dtype, extra_int
 from ...codecs.kinds.latent_common import check_prefix, make_slots, replace_entry
@@ -176,6 +176,36 @@ class PlainCodec(TokenCodec):
         if arrays:
             capacity = self._capacity(entry)
             cache.keys, cache.values = (_grown(a, capacity) for a in arrays)
+        cache.offset = entry.offset
+        return cache
+
+    # -- the direct serial path: mlx-lm's own buffer, read in place ----------------------------------------------
+    def row_plan(self, entry: CacheEntry) -> BatchPlan:
+        """One restored ``KVCache``'s buffers as mlx-lm holds them: ``[1, H, capacity, w]`` planes with the
+        ``offset`` stored positions at column 0 and zeros after. The store reads the chunks straight into them and
+        ``adopt_row`` wraps them as they are.
+
+        Why: loading through ``_build`` read ``[1, H, T, w]`` planes and then ``_grown`` concatenated them with
+        the zero columns up to the capacity: a second full copy of every restored byte (2 GiB for a 64K-token
+        session of 32 KiB per token; MLX's peak memory was twice the KV)."""
+        if not entry.tensors:
+            return BatchPlan(())
+        capacity = max(self._capacity(entry), entry.offset)
+        return BatchPlan(tuple(
+            BatchTensor(t.name, t.dtype, (1, t.shape[1], capacity, t.shape[3]), AXIS, (RowSource(j, 0),))
+            for j, t in enumerate(entry.tensors)
+        ))
+
+    def adopt_row(self, entry: CacheEntry, arrays: Sequence[mx.array]) -> KVCache:
+        """The ``KVCache`` around ``row_plan(entry)``'s filled planes, without copying them (planes at least
+        ``offset`` long, positions at column 0, as ``row_plan`` lays them out)."""
+        arrays = list(arrays)
+        cache = KVCache()
+        if arrays:
+            if len(arrays) != 2 or any(a.ndim != 4 or a.shape[0] != 1 or a.shape[AXIS] < entry.offset
+                                       for a in arrays):
+                raise InvalidCacheState(f"{self.kind}: adopt_row takes two [1, H, >= {entry.offset}, w] planes")
+            cache.keys, cache.values = arrays
         cache.offset = entry.offset
         return cache
 

@@ -139,12 +139,16 @@ class Reader:
     def _single_row_plans(self, entries: list) -> list:
         """Per layer the codec's batch plan for this one row (None: no direct path): read into it, the codec adopts
         the arrays as they are (``adopt_row``) instead of copying them into its layout (``load``). Only codecs whose
-        one-row batch is their serial cache offer ``adopt_row``."""
+        one-row batch is their serial cache offer ``adopt_row`` — or codecs with a ``row_plan(entry)``, the serial
+        cache's own buffer (mlx-lm's ``KVCache`` with its spare capacity), which is then taken instead."""
         plans = []
         for e in entries:
             codec = self.ctx.provider.for_entry(e)
             plan_of = getattr(codec, "batch_plan", None) if hasattr(codec, "adopt_row") else None
-            plan = plan_of([e]) if plan_of is not None and e.tensors else None
+            row_plan = getattr(codec, "row_plan", None) if plan_of is not None else None
+            plan = None
+            if plan_of is not None and e.tensors:
+                plan = row_plan(e) if row_plan is not None else plan_of([e])
             if plan is not None and (not plan.tensors or any(t.token_axis is None for t in plan.tensors)
                                      or len(plan.targets()) != len(e.tensors)):
                 plan = None
