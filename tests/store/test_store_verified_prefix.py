@@ -71,14 +71,19 @@ def delta(before, after) -> dict[str, int]:
     return {k: after[k] - before[k] for k in COUNTERS}
 
 
-def scratch_hashes(caches, chunk_tokens: int) -> list[str]:
-    """The chunk names of the caches' current content hashed from scratch (token chunks, then the own one)."""
+def scratch_hashes(caches, chunk_tokens: int, windows=()) -> list[str]:
+    """The chunk names of the caches' current content hashed from scratch, cut at ``windows`` (a manifest's; token
+    chunks, then the own one)."""
     from kvshelf.codecs import default_provider
 
     snaps = [default_provider.snapshot(c, checksums=False) for c in caches]
     mx.eval([a for _, arrs in snaps for a in arrs])
     return [content_hash(p.pieces) for p in plan_chunks([e for e, _ in snaps], [list(a) for _, a in snaps],
-                                                        chunk_tokens)]
+                                                        chunk_tokens, windows)]
+
+
+def windows_of(store, snapshot_id: str) -> list[tuple[int, int]]:
+    return [(r.start, r.stop) for r in store.admin.manifest(snapshot_id).chunks]
 
 
 def manifest_hashes(store, snapshot_id: str) -> list[str]:
@@ -104,7 +109,7 @@ def test_grown_mlx_lm_session_writes_only_the_new_rows(tmp_path, kind):
         assert (d["chunks_hashed"], d["bytes_hashed"], d["chunks_hash_reused"]) == (5, 5 * per_chunk, 0)
         restored = store.restore("chat").caches
         assert state_bits(restored) == state_bits(caches)
-        assert manifest_hashes(store, info.snapshot_id) == scratch_hashes(caches, 256)
+        assert manifest_hashes(store, info.snapshot_id) == scratch_hashes(caches, 256, windows_of(store, info.snapshot_id))
 
 
 # one edit: (layer, plane, position as a fraction of the stored length, seed of the bit mask)
@@ -149,7 +154,7 @@ def test_a_changed_stored_row_is_never_taken_as_unchanged(tmp_path_factory, kind
         info = store.save("s", list(range(n + more)), caches)
         d = delta(before, counts(store))
         new = manifest_hashes(store, info.snapshot_id)
-        assert new == scratch_hashes(caches, 4)  # exactly the names of the current bytes
+        assert new == scratch_hashes(caches, 4, windows_of(store, info.snapshot_id))  # the current bytes' names
         assert state_bits(store.restore("s").caches) == expected
         # a window whose bits changed names other bytes: a new chunk (written), never the stored one; the others
         # dedupe onto what was stored (their full windows; the last one may have grown)
