@@ -13,9 +13,12 @@ token's bytes about 2.3 times (every turn rewrote the partial window). Kept cuts
 rows only — the old tail chunk stays a chunk of its own — and cutting at the stored cuts, not at a save's own
 history, keeps dedupe: whatever extends a stored snapshot (the session itself, a fork restored from it, its prefix
 checkpoints) cuts the shared rows where it was cut, so they name the same chunks. Two rules bound how small chunks
-get: a kept tail chunk (one ending at a save's end, off the grid) shorter than ``chunk_tokens // 4`` is not kept but
-rewritten once with what follows (turns of ``n`` tokens write at most ``1 + (chunk_tokens // 4) / n`` times their
-bytes), and a cut that would leave less than that before the next multiple moves to the multiple after it.
+get (``min_chunk``, a quarter of ``chunk_tokens``): a stored tail chunk (one ending at a save's end) shorter than
+that is not kept but rewritten once with what follows, a cut that would leave less than that before
+the next multiple moves to the multiple after it, and a chunk starting off the grid takes in a short rest rather than
+leave it as a tail. So turns of at least a quarter chunk write their rows once (a chat of 100-token turns at
+``chunk_tokens=256``: 1.00×), shorter turns at most ``min_chunk`` rows more per save, and a session saved in one go is
+cut exactly as before (multiples of ``chunk_tokens``), so prefixes shared by one-shot saves dedupe as they did.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def min_chunk(chunk_tokens: int) -> int:
 
 def cuts(extent: int, chunk_tokens: int, stored: list[tuple[int, int]] = ()) -> list[tuple[int, int]]:
     """The token windows ``[start, stop)`` of a save of ``extent`` positions: the ``stored`` windows (sorted, from 0)
-    that still lie below ``extent`` and follow on from each other, less a short off-grid tail; then windows ending at
+    that still lie below ``extent`` and follow on from each other, less a short tail; then windows ending at
     multiples of ``chunk_tokens`` (never shorter than ``min_chunk`` unless it is the last one), the last at
     ``extent`` (see the module docstring)."""
     small = min_chunk(chunk_tokens)
@@ -120,13 +123,15 @@ def cuts(extent: int, chunk_tokens: int, stored: list[tuple[int, int]] = ()) -> 
             break
         out.append((start, stop))
         at = stop
-    while out and out[-1][1] - out[-1][0] < small and out[-1][1] % chunk_tokens:
+    while out and out[-1][1] - out[-1][0] < small:
         out.pop()  # a short tail kept would stay short for good: rewrite it once with what follows
     at = out[-1][1] if out else 0
     while at < extent:
         stop = (at // chunk_tokens + 1) * chunk_tokens
         if stop - at < small:
             stop += chunk_tokens
+        if at % chunk_tokens and extent - stop < small:
+            stop = extent  # off the grid already: no short tail that the next save would rewrite
         stop = min(stop, extent)
         out.append((at, stop))
         at = stop
