@@ -1,6 +1,7 @@
 """Incremental saves of mlx-lm's own caches (issue 32): a save of a session that extends a stored one *writes* only
 the new rows, and its stored rows are *verified* (hashed again from the live buffers and compared by name), never
-trusted: mlx-lm's ``KVCache`` and ``QuantizedKVCache`` carry no edit epoch, and a row rewritten in place keeps the
+trusted: mlx-lm's ``KVCache``, ``QuantizedKVCache`` (its three planes: packed data, scales, biases) and
+``RotatingKVCache`` before its ring wraps (stored as rows) carry no edit epoch, and a row rewritten in place keeps the
 object, the array and the buffer. These tests count the work through ``store.counters`` (bytes, not time) and drive
 random same-length edits of stored rows (a row's bits flipped in the very array the cache holds; mlx-lm's own
 ``trim`` + ``update_and_fetch`` with other values) to show a changed row is never taken as unchanged.
@@ -24,6 +25,7 @@ DIMS = dict(heads=2, dk=64, dv=64, dtype=mx.float16)
 KINDS = {
     "kv": lm.KVCache,
     "qkv8": lambda: lm.QuantizedKVCache(group_size=64, bits=8),
+    "rotating": lambda: lm.RotatingKVCache(max_size=4096),  # unwrapped (offset < max_size): stored as rows
 }
 COUNTERS = ("chunks_written", "bytes_written", "chunks_hashed", "bytes_hashed", "chunks_verified", "bytes_verified",
             "chunks_hash_reused")
@@ -186,3 +188,41 @@ def test_same_object_and_buffer_prove_nothing(tmp_path):
         assert new[:2] == old[:2] and new[2] != old[2] and new[3] != old[3]
         assert info.chunks_written == 2
         assert state_bits(store.restore("s").caches) == state_bits(caches)
+
+
+def test_rotating_cache_is_saved_as_rows_until_its_ring_wraps(tmp_path):
+    """mlx-lm's ``RotatingKVCache`` before its ring wraps holds position p at slot p: stored as rows (token axis), a
+    grown session writes only its new rows; once the ring has turned it is stored whole, and both restore bit-exact
+    and continue as the original does."""
+    caches = [lm.RotatingKVCache(max_size=32) for _ in range(2)]
+    for i, c in enumerate(caches):
+        grow(c, 20, 300 + i)
+    with open_test_store(tmp_path / "s", chunk_tokens=4) as store:
+        first = store.save("s", list(range(20)), caches)
+        per_row = first.bytes_written // 20
+        m = store.admin.manifest(first.snapshot_id)
+        assert not m.own and all(e.extra["rows"] for e in m.entries)
+        for step in range(5):  # one position at a time: mlx-lm's in-place path, up to the slot before the turn
+            for i, c in enumerate(caches):
+                grow(c, 1, 400 + 10 * step + i)
+            n = 21 + step
+            info = store.save("s", list(range(n)), caches)
+            assert info.bytes_written == per_row  # the one new row
+            assert state_bits(store.restore("s").caches) == state_bits(caches)
+        prefix = store.restore_prefix(list(range(9)) + [999]).caches  # rows cut at 9, as mlx-lm's trim leaves it
+        assert [c.offset for c in prefix] == [9, 9]
+        assert state_bits(prefix) == [raw(a[..., :9, :]).tobytes() for c in caches for a in planes(c)]
+        for i, c in enumerate(caches):  # past max_size: the ring turns; stored whole from now on
+            grow(c, 1, 500 + i)
+            for k in range(12):
+                grow(c, 1, 600 + 20 * k + i)
+        info = store.save("s", list(range(38)), caches)
+        m = store.admin.manifest(info.snapshot_id)
+        assert m.own and not any("rows" in e.extra for e in m.entries)
+        restored = store.restore("s").caches
+        for a, b in zip(restored, caches):
+            assert (a.offset, a._idx) == (b.offset, b._idx)
+            assert raw(a.keys).tobytes() == raw(b.keys).tobytes() and raw(a.values).tobytes() == raw(b.values).tobytes()
+            nxt = kv(1, 1, 999, **DIMS)
+            assert [raw(x).tobytes() for x in a.update_and_fetch(*nxt)] == \
+                [raw(x).tobytes() for x in b.update_and_fetch(*nxt)]
