@@ -13,7 +13,7 @@ session re-saved every few tokens writes its new rows only, never the window str
 A grown session's save skips the *write* of the chunks already stored and, for kvshelf's own caches, their
 *hashing* too: the handle remembers each session's last save, and a token window the cache's edit epoch proves
 unchanged since then reuses its old hash (``hash_reuse.py`` says exactly when). Everything else — mlx-lm's caches,
-a cache trimmed, rolled back or replaced since, the window straddling the old offset, the untokened chunk — is
+a cache trimmed, rolled back or replaced since, a short tail rewritten with what follows it, the untokened chunk — is
 hashed, from the very buffers that are written, on a pool of threads and new windows first, so verifying what
 mlx-lm's caches stored last time overlaps writing what they added.
 """
