@@ -43,8 +43,13 @@ def test_measures_35_and_36_at_the_small_size(tmp_path):
     # 512 tokens verified
     assert work["bytes_written"] == 2 * 2 * 2 * 256 * 64 * 2
     assert work["bytes_verified"] == 2 * 2 * 2 * 512 * 64 * 2
+    # an unwrapped RotatingKVCache is stored as rows: the same work as KVCache's
+    rotating = next(r for r in incremental if "RotatingKVCache" in r["name"])
+    assert rotating["extra"]["work"][-1] == work
     per_token = [r for r in by["35"] if r["name"].startswith("bytes written per cached token")]
     assert len(per_token) == 3 and all(r["ratio"] >= 1.0 for r in per_token)
+    # each save cuts where the last one did: every turn's rows are written once, whatever the turn's length
+    assert all(r["extra"]["bytes_written"] == r["extra"]["kv_bytes"] for r in per_token)
     assert len(by["36"]) == 2 and all(not r.get("failed") for r in by["36"])
     assert by["36"][0]["value"]["reps"] and by["36"][0]["baseline"]["reps"]
 

@@ -56,11 +56,12 @@ def test_saving_a_grown_session_writes_only_new_chunks(tmp_path):
         assert (first.bytes_written, first.bytes_reused) == (40 * PER_TOKEN, 0)
         grown = session(MLA, (40, 40))
         second = store.save("a", tokens, grown)
-        assert (second.bytes_written, second.bytes_reused) == (48 * PER_TOKEN, 32 * PER_TOKEN)
-        assert (second.chunks_written, second.chunks_reused) == (3, 2)
-        again = store.save("b", tokens, session(MLA, (40, 40)))
+        # cut where the first save cut: its tail [32, 40) stays a chunk, only the 40 new rows are written
+        assert (second.bytes_written, second.bytes_reused) == (40 * PER_TOKEN, 40 * PER_TOKEN)
+        assert (second.chunks_written, second.chunks_reused) == (3, 3)
+        again = store.save("b", tokens, session(MLA, (40, 40)))  # cut where "a" was: the same chunks
         assert (again.bytes_written, again.bytes_reused) == (0, 80 * PER_TOKEN)
-        assert len(store.sessions()) == 2 and store.stats()["chunks"] == 5  # the old partial chunk was freed
+        assert len(store.sessions()) == 2 and store.stats()["chunks"] == 6
         live = {store.admin.chunk_location(h)[0] for h, _m in store.admin.iter_chunks()}
         assert len(live) == 2 and {p.name for p in packs_on_disk(tmp_path / "s")} >= {n.split("/")[1] for n in live}
         same_caches(store.restore("a").caches, session(MLA, (40, 40)))

@@ -28,7 +28,7 @@ from kvshelf.latent_legos import AffineFormat, EncodedLatentCache, MLACache, Tur
 from kvshelf.latent_legos.contracts import EditEpoch, edit_epoch
 from kvshelf.latent_legos.kv import KVCache, QuantizedKVCache, TurboQuantKVCache
 from kvshelf.store.objects.chunkfile import content_hash
-from kvshelf.store.save.chunking import plan_chunks
+from kvshelf.store.save.chunking import cuts, plan_chunks
 from kvshelf.store.save.hash_reuse import UnchangedBook
 
 KV_DIMS = dict(heads=2, dk=64, dv=64, dtype=mx.float16)
@@ -75,9 +75,10 @@ def content(entries, arrays) -> list:
              [raw(a).tobytes() for a in arrs]) for e, arrs in zip(entries, arrays)]
 
 
-def scratch_hashes(entries, arrays, chunk_tokens: int) -> list[str]:
-    """The chunk names of this content hashed from scratch, in manifest order (token chunks, then the own one)."""
-    return [content_hash(plan.pieces) for plan in plan_chunks(entries, arrays, chunk_tokens)]
+def scratch_hashes(entries, arrays, chunk_tokens: int, windows=()) -> list[str]:
+    """The chunk names of this content hashed from scratch, cut at ``windows`` (a manifest's), in manifest order
+    (token chunks, then the own one)."""
+    return [content_hash(plan.pieces) for plan in plan_chunks(entries, arrays, chunk_tokens, windows)]
 
 
 def manifest_hashes(store, snapshot_id: str) -> list[str]:
@@ -89,7 +90,8 @@ def check_saved(store, info, expected) -> None:
     entries, arrays = expected
     got = store.restore_snapshot(info.snapshot_id)
     assert content(*snap(got.caches)) == content(entries, arrays)
-    assert manifest_hashes(store, info.snapshot_id) == scratch_hashes(entries, arrays, store.chunk_tokens)
+    windows = [(r.start, r.stop) for r in store.admin.manifest(info.snapshot_id).chunks]
+    assert manifest_hashes(store, info.snapshot_id) == scratch_hashes(entries, arrays, store.chunk_tokens, windows)
 
 
 def counts(store) -> dict[str, int]:
@@ -141,6 +143,7 @@ def test_every_kind_reuses_after_appends_only(tmp_path, kind):
     caches = session(kind, 13, 3)
     with open_test_store(tmp_path / "s") as store:  # 4-token chunks
         store.save("s", list(range(13)), caches)
+        stored = cuts(13, 4)
         for step in range(3):
             for i, c in enumerate(caches):
                 grow(c, 5, 40 + 10 * step + i)
@@ -149,7 +152,9 @@ def test_every_kind_reuses_after_appends_only(tmp_path, kind):
             n = offset_of(caches)
             info = store.save("s", list(range(n)), caches)
             d = delta(before, counts(store))
-            assert d["chunks_hash_reused"] == (n - 5) // 4, d
+            # every window the last save stored is kept (cut where it was cut) and proven unchanged
+            assert d["chunks_hash_reused"] == len(stored), d
+            stored = cuts(n, 4, stored)
             check_saved(store, info, expected)
 
 

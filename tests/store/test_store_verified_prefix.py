@@ -1,6 +1,7 @@
 """Incremental saves of mlx-lm's own caches (issue 32): a save of a session that extends a stored one *writes* only
 the new rows, and its stored rows are *verified* (hashed again from the live buffers and compared by name), never
-trusted: mlx-lm's ``KVCache`` and ``QuantizedKVCache`` carry no edit epoch, and a row rewritten in place keeps the
+trusted: mlx-lm's ``KVCache``, ``QuantizedKVCache`` (its three planes: packed data, scales, biases) and
+``RotatingKVCache`` before its ring wraps (stored as rows) carry no edit epoch, and a row rewritten in place keeps the
 object, the array and the buffer. These tests count the work through ``store.counters`` (bytes, not time) and drive
 random same-length edits of stored rows (a row's bits flipped in the very array the cache holds; mlx-lm's own
 ``trim`` + ``update_and_fetch`` with other values) to show a changed row is never taken as unchanged.
@@ -24,6 +25,7 @@ DIMS = dict(heads=2, dk=64, dv=64, dtype=mx.float16)
 KINDS = {
     "kv": lm.KVCache,
     "qkv8": lambda: lm.QuantizedKVCache(group_size=64, bits=8),
+    "rotating": lambda: lm.RotatingKVCache(max_size=4096),  # unwrapped (offset < max_size): stored as rows
 }
 COUNTERS = ("chunks_written", "bytes_written", "chunks_hashed", "bytes_hashed", "chunks_verified", "bytes_verified",
             "chunks_hash_reused")
@@ -71,14 +73,19 @@ def delta(before, after) -> dict[str, int]:
     return {k: after[k] - before[k] for k in COUNTERS}
 
 
-def scratch_hashes(caches, chunk_tokens: int) -> list[str]:
-    """The chunk names of the caches' current content hashed from scratch (token chunks, then the own one)."""
+def scratch_hashes(caches, chunk_tokens: int, windows=()) -> list[str]:
+    """The chunk names of the caches' current content hashed from scratch, cut at ``windows`` (a manifest's; token
+    chunks, then the own one)."""
     from kvshelf.codecs import default_provider
 
     snaps = [default_provider.snapshot(c, checksums=False) for c in caches]
     mx.eval([a for _, arrs in snaps for a in arrs])
     return [content_hash(p.pieces) for p in plan_chunks([e for e, _ in snaps], [list(a) for _, a in snaps],
-                                                        chunk_tokens)]
+                                                        chunk_tokens, windows)]
+
+
+def windows_of(store, snapshot_id: str) -> list[tuple[int, int]]:
+    return [(r.start, r.stop) for r in store.admin.manifest(snapshot_id).chunks]
 
 
 def manifest_hashes(store, snapshot_id: str) -> list[str]:
@@ -104,7 +111,7 @@ def test_grown_mlx_lm_session_writes_only_the_new_rows(tmp_path, kind):
         assert (d["chunks_hashed"], d["bytes_hashed"], d["chunks_hash_reused"]) == (5, 5 * per_chunk, 0)
         restored = store.restore("chat").caches
         assert state_bits(restored) == state_bits(caches)
-        assert manifest_hashes(store, info.snapshot_id) == scratch_hashes(caches, 256)
+        assert manifest_hashes(store, info.snapshot_id) == scratch_hashes(caches, 256, windows_of(store, info.snapshot_id))
 
 
 # one edit: (layer, plane, position as a fraction of the stored length, seed of the bit mask)
@@ -149,7 +156,7 @@ def test_a_changed_stored_row_is_never_taken_as_unchanged(tmp_path_factory, kind
         info = store.save("s", list(range(n + more)), caches)
         d = delta(before, counts(store))
         new = manifest_hashes(store, info.snapshot_id)
-        assert new == scratch_hashes(caches, 4)  # exactly the names of the current bytes
+        assert new == scratch_hashes(caches, 4, windows_of(store, info.snapshot_id))  # the current bytes' names
         assert state_bits(store.restore("s").caches) == expected
         # a window whose bits changed names other bytes: a new chunk (written), never the stored one; the others
         # dedupe onto what was stored (their full windows; the last one may have grown)
@@ -181,3 +188,41 @@ def test_same_object_and_buffer_prove_nothing(tmp_path):
         assert new[:2] == old[:2] and new[2] != old[2] and new[3] != old[3]
         assert info.chunks_written == 2
         assert state_bits(store.restore("s").caches) == state_bits(caches)
+
+
+def test_rotating_cache_is_saved_as_rows_until_its_ring_wraps(tmp_path):
+    """mlx-lm's ``RotatingKVCache`` before its ring wraps holds position p at slot p: stored as rows (token axis), a
+    grown session writes only its new rows; once the ring has turned it is stored whole, and both restore bit-exact
+    and continue as the original does."""
+    caches = [lm.RotatingKVCache(max_size=32) for _ in range(2)]
+    for i, c in enumerate(caches):
+        grow(c, 20, 300 + i)
+    with open_test_store(tmp_path / "s", chunk_tokens=4) as store:
+        first = store.save("s", list(range(20)), caches)
+        per_row = first.bytes_written // 20
+        m = store.admin.manifest(first.snapshot_id)
+        assert not m.own and all(e.extra["rows"] for e in m.entries)
+        for step in range(5):  # one position at a time: mlx-lm's in-place path, up to the slot before the turn
+            for i, c in enumerate(caches):
+                grow(c, 1, 400 + 10 * step + i)
+            n = 21 + step
+            info = store.save("s", list(range(n)), caches)
+            assert info.bytes_written == per_row  # the one new row
+            assert state_bits(store.restore("s").caches) == state_bits(caches)
+        prefix = store.restore_prefix(list(range(9)) + [999]).caches  # rows cut at 9, as mlx-lm's trim leaves it
+        assert [c.offset for c in prefix] == [9, 9]
+        assert state_bits(prefix) == [raw(a[..., :9, :]).tobytes() for c in caches for a in planes(c)]
+        for i, c in enumerate(caches):  # past max_size: the ring turns; stored whole from now on
+            grow(c, 1, 500 + i)
+            for k in range(12):
+                grow(c, 1, 600 + 20 * k + i)
+        info = store.save("s", list(range(38)), caches)
+        m = store.admin.manifest(info.snapshot_id)
+        assert m.own and not any("rows" in e.extra for e in m.entries)
+        restored = store.restore("s").caches
+        for a, b in zip(restored, caches):
+            assert (a.offset, a._idx) == (b.offset, b._idx)
+            assert raw(a.keys).tobytes() == raw(b.keys).tobytes() and raw(a.values).tobytes() == raw(b.values).tobytes()
+            nxt = kv(1, 1, 999, **DIMS)
+            assert [raw(x).tobytes() for x in a.update_and_fetch(*nxt)] == \
+                [raw(x).tobytes() for x in b.update_and_fetch(*nxt)]

@@ -41,7 +41,7 @@ from .base import MAX_CAPACITY, MlxCodec, check_planes, python_int, require_one_
 AXIS = 2
 
 
-def _grown(plane: mx.array, capacity: int) -> mx.array:
+def grown(plane: mx.array, capacity: int) -> mx.array:
     """``plane`` ``[1, H, T, w]`` followed by zero columns up to ``capacity`` (as mlx-lm's buffer holds them)."""
     extra = capacity - plane.shape[AXIS]
     if extra <= 0:
@@ -139,7 +139,7 @@ class TokenCodec(MlxCodec):
         at most the saved buffer), not the saved buffer.
 
         Why: the saved capacity is the buffer of all ``T`` positions; a prefix restored into it allocated and
-        zeroed ``T`` rows and copied the ``p`` read ones into them (``_grown``), so ``restore_prefix`` of 1,024 of
+        zeroed ``T`` rows and copied the ``p`` read ones into them (``grown``), so ``restore_prefix`` of 1,024 of
         4,096 tokens cost about twice a full restore. mlx-lm's cache grows its buffer in steps of 256 on the next
         ``update_and_fetch`` anyway."""
         out = super().prefix_entry(entry, p)
@@ -175,7 +175,7 @@ class PlainCodec(TokenCodec):
         cache = KVCache()
         if arrays:
             capacity = self._capacity(entry)
-            cache.keys, cache.values = (_grown(a, capacity) for a in arrays)
+            cache.keys, cache.values = (grown(a, capacity) for a in arrays)
         cache.offset = entry.offset
         return cache
 
@@ -328,8 +328,8 @@ class QuantizedCodec(TokenCodec):
         cache = QuantizedKVCache(group_size=entry.group_size, bits=entry.bits)
         if arrays:
             capacity = self._capacity(entry)
-            grown = [_grown(a, capacity) for a in arrays]
-            cache.keys, cache.values = tuple(grown[:3]), tuple(grown[3:])
+            planes = [grown(a, capacity) for a in arrays]
+            cache.keys, cache.values = tuple(planes[:3]), tuple(planes[3:])
         cache.offset = entry.offset
         return cache
 
@@ -404,7 +404,7 @@ class ChunkedCodec(TokenCodec):
         cache.start_position = entry.extra["start_position"]
         if arrays:
             capacity = self._capacity(entry)
-            cache.keys, cache.values = (_grown(a, capacity) for a in arrays)
+            cache.keys, cache.values = (grown(a, capacity) for a in arrays)
         cache.offset = entry.offset
         return cache
 
@@ -416,4 +416,4 @@ class ChunkedCodec(TokenCodec):
 
 TOKEN_CODECS = (PlainCodec(), ConcatCodec(), QuantizedCodec(), ChunkedCodec())
 
-__all__ = ["TOKEN_CODECS", "ChunkedCodec", "ConcatCodec", "PlainCodec", "QuantizedCodec"]
+__all__ = ["AXIS", "TOKEN_CODECS", "ChunkedCodec", "ConcatCodec", "PlainCodec", "QuantizedCodec", "grown"]

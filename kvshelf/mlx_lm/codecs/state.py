@@ -1,10 +1,19 @@
 """mlx-lm's caches without a plain token axis <-> entries: ``RotatingKVCache`` (and one-row
 ``BatchRotatingKVCache``) as ``mlx-lm.rotating``, ``ArraysCache`` as ``mlx-lm.arrays``.
 
-* ``mlx-lm.rotating``: the ring buffers ``[1, H, S, D]`` exactly as laid out (ring slot s is not position s, so no
-  token axis), with ``max_size``, ``keep``, ``idx`` (mlx-lm's ``_idx``) and ``buffer`` in ``extra`` — kvshelf's
-  rotating slot layout. A prefix exists only before the ring wraps (``offset < max_size``, mlx-lm's
-  ``is_trimmable``) and is mlx-lm's ``trim``: offset and ``_idx`` drop, the buffers stay.
+* ``mlx-lm.rotating``: once the ring has wrapped, the ring buffers ``[1, H, S, D]`` exactly as laid out (ring slot s
+  is not position s, so no token axis), with ``max_size``, ``keep``, ``idx`` (mlx-lm's ``_idx``) and ``buffer`` in
+  ``extra`` — kvshelf's rotating slot layout. A prefix exists only before the ring wraps (``offset < max_size``,
+  mlx-lm's ``is_trimmable``) and is mlx-lm's ``trim``: offset and ``_idx`` drop, the buffers stay.
+  Before it wraps (``rows`` in ``extra``): ``offset < max_size`` and ``_idx == offset`` — mlx-lm writes position p
+  at slot p until the ring first turns (``_update_in_place`` grows the buffer and writes at ``_idx``;
+  ``_update_concat`` appends after the live slots; ``trim`` moves both back) and, once it has turned or dropped a
+  slot, ``offset - _idx`` never returns to 0 — so slot p *is* position p, and the planes are stored cut to the
+  offset on token axis 2 like ``KVCache``'s (same names: the same rows are the same chunks). Why: stored whole, a
+  grown session's save hashed and wrote the whole ring every time (1.6× mlx-lm's own re-save); with rows, it
+  writes only the new rows, like the other classes. Restored, the buffer is ``buffer`` slots long again, zeros past
+  the offset (mlx-lm never reads a slot at or past the offset before writing it). Snapshots stored whole still
+  load: the layout is told by ``rows``, so no format change.
 * ``mlx-lm.arrays``: one tensor per present slot (``slot.<j>``, no token axis), ``size`` and ``present`` in
   ``extra`` as kvshelf's arrays kind. mlx-lm's ``ArraysCache`` counts no positions, so its codec takes the length
   from the caller (``takes_length``: the store and ``save_snapshot`` pass ``len(tokens)``); recurrent state is
@@ -22,11 +31,12 @@ from ...codecs import dtypes, validate
 from ...codecs.header import CacheEntry
 from ...codecs.kinds.kv import HEAD_KEYS, check_common, extra_dtype, extra_int
 from ...codecs.kinds.kv_state import check_exact_prefix, present_slots
-from ...codecs.kinds.latent_common import check_prefix, make_slots, replace_entry
+from ...codecs.kinds.latent_common import check_prefix, make_slots, prefix_tensors, replace_entry
 from ...codecs.validate import SlotSpec
 from ...errors import CacheRangeError, InvalidCacheState
 from ..upstream import in_right_padded_prefill, set_write_index, write_index
 from .base import MlxCodec, check_planes, python_int, require_one_row
+from .kv import AXIS, grown
 
 
 class RotatingCodec(MlxCodec):
@@ -35,7 +45,12 @@ class RotatingCodec(MlxCodec):
     kind = "mlx-lm.rotating"
     cache_type = RotatingKVCache
     also_matches = (BatchRotatingKVCache,)
-    _keys = frozenset({"max_size", "keep", "idx", "buffer", "dtype", *HEAD_KEYS})
+    _keys = frozenset({"max_size", "keep", "idx", "buffer", "dtype", "rows", *HEAD_KEYS})
+
+    @staticmethod
+    def unwrapped(offset: int, idx: int, max_size: int, buffer: int) -> bool:
+        """Whether ring slot p holds position p for every p < offset (the module docstring says why this is exact)."""
+        return offset < max_size and idx == offset and offset <= buffer
 
     def snapshot(self, cache: Any, *, checksums: bool = True, length: int | None = None
                  ) -> tuple[CacheEntry, list[mx.array]]:
@@ -48,14 +63,20 @@ class RotatingCodec(MlxCodec):
             "idx": python_int(write_index(cache), "RotatingKVCache._idx"),
         }
         arrays: list[mx.array] = []
+        axis = None
         if cache.keys is not None:
             arrays = [cache.keys, cache.values]
             check_planes(self.kind, arrays)
-            extra.update(buffer=arrays[0].shape[2], kv_heads=arrays[0].shape[1], k_head_dim=arrays[0].shape[3],
+            buffer = arrays[0].shape[2]
+            extra.update(buffer=buffer, kv_heads=arrays[0].shape[1], k_head_dim=arrays[0].shape[3],
                          v_head_dim=arrays[1].shape[3], dtype=dtypes.dtype_name(arrays[0].dtype))
+            if self.unwrapped(offset, extra["idx"], extra["max_size"], buffer):
+                extra["rows"] = True
+                axis = AXIS
+                arrays = [a[:, :, :offset, :] if buffer != offset else a for a in arrays]
         elif offset:
             raise InvalidCacheState(f"RotatingKVCache offset {offset} but no keys or values")
-        slots = make_slots([(n, a, None) for n, a in zip(("keys", "values"), arrays)], checksums)
+        slots = make_slots([(n, a, axis) for n, a in zip(("keys", "values"), arrays)], checksums)
         entry = CacheEntry(kind=self.kind, offset=offset, tensors=slots, extra=extra)
         self.validate(entry)
         return entry, arrays
@@ -86,12 +107,21 @@ class RotatingCodec(MlxCodec):
         dtype = extra_dtype(entry, index)
         if idx > buffer:
             raise validate.corrupt(entry, index, "extra.idx", f"ring head {idx} is past the buffer of {buffer}")
+        if "rows" in entry.extra:
+            if entry.extra["rows"] is not True or not self.unwrapped(entry.offset, idx, max_size, buffer):
+                raise validate.corrupt(entry, index, "extra.rows", f"rows of a ring that wrapped (offset "
+                                       f"{entry.offset}, idx {idx}, max_size {max_size}, buffer {buffer})")
+            validate.check_slots(entry, index, [SlotSpec("keys", dtype, (1, heads, entry.offset, dk), AXIS),
+                                                SlotSpec("values", dtype, (1, heads, entry.offset, dv), AXIS)])
+            return
         validate.check_slots(entry, index, [SlotSpec("keys", dtype, (1, heads, buffer, dk), None),
                                             SlotSpec("values", dtype, (1, heads, buffer, dv), None)])
 
     def _build(self, entry: CacheEntry, arrays: list[mx.array], index: int | None) -> RotatingKVCache:
         cache = RotatingKVCache(entry.extra["max_size"], keep=entry.extra["keep"])
-        if arrays:
+        if arrays and entry.extra.get("rows"):
+            cache.keys, cache.values = (grown(a, entry.extra["buffer"]) for a in arrays)
+        elif arrays:
             cache.keys, cache.values = arrays
         cache.offset = entry.offset
         set_write_index(cache, entry.extra["idx"])
@@ -110,6 +140,8 @@ class RotatingCodec(MlxCodec):
         idx = entry.extra["idx"] - (entry.offset - p)
         if idx < 0:
             raise CacheRangeError(f"ring head {entry.extra['idx']} cannot move back {entry.offset - p} positions")
+        if entry.extra.get("rows"):  # the first p rows, the buffer as it was (mlx-lm's trim keeps it)
+            return replace_entry(entry, offset=p, tensors=prefix_tensors(entry, p), extra={**entry.extra, "idx": idx})
         return replace_entry(entry, offset=p, extra={**entry.extra, "idx": idx})
 
 

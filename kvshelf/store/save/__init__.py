@@ -2,7 +2,8 @@
 
 Belongs here: the save calls as users make them (``session_saves.py``: ``SessionSaves``: checked, written,
 published), prefix checkpoints (``checkpoints.py``: states along a stored session, docs/CHECKPOINTS.md), the saver
-(``saver.py``: ``Saver``), cutting tensors into chunk windows (``chunking.py``), reusing the hashes
+(``saver.py``: ``Saver``), cutting tensors into chunk windows (``chunking.py``) at the cuts of the stored snapshot a save extends
+(``alignment.py``), reusing the hashes
 of windows a cache proves unchanged (``hash_reuse.py``) and the background writer behind ``save_async``
 (``background.py``), and the one write-behind queue every writer behind a caller's back composes (``write_behind.py``:
 ``WriteBehindQueue``; its worker is a ``BackgroundWriter``).

@@ -5,6 +5,20 @@ token range form one chunk (tensor names ``"<cache>.<slot>.<slot name>"``). Tens
 chunk. Pieces are zero-copy numpy views of the evaluated MLX arrays (bf16 through a uint16 view), cut into their
 contiguous runs only when a chunk is hashed or written (a grown session's save reuses most hashes and writes few
 chunks, and the run views of a 512 MiB cache cost more than its reused hashes).
+
+Where the cuts fall (``cuts``): a save first keeps the cuts of the stored snapshot it extends (``alignment.py`` says
+which), then cuts at the next multiples of ``chunk_tokens``. Why: with cuts only at multiples of ``chunk_tokens``, the
+window straddling a session's old end was a new chunk at every save, so a chat re-saved every 100 tokens wrote each
+token's bytes about 2.3 times (every turn rewrote the partial window). Kept cuts make a grown session write its new
+rows only — the old tail chunk stays a chunk of its own — and cutting at the stored cuts, not at a save's own
+history, keeps dedupe: whatever extends a stored snapshot (the session itself, a fork restored from it, its prefix
+checkpoints) cuts the shared rows where it was cut, so they name the same chunks. Two rules bound how small chunks
+get (``min_chunk``, a quarter of ``chunk_tokens``): a stored tail chunk (one ending at a save's end) shorter than
+that is not kept but rewritten once with what follows, a cut that would leave less than that before
+the next multiple moves to the multiple after it, and a chunk starting off the grid takes in a short rest rather than
+leave it as a tail. So turns of at least a quarter chunk write their rows once (a chat of 100-token turns at
+``chunk_tokens=256``: 1.00×), shorter turns at most ``min_chunk`` rows more per save, and a session saved in one go is
+cut exactly as before (multiples of ``chunk_tokens``), so prefixes shared by one-shot saves dedupe as they did.
 """
 
 from __future__ import annotations
@@ -91,8 +105,43 @@ class ChunkPlan:
         return descriptor(self.regions)
 
 
-def plan_chunks(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_tokens: int) -> list[ChunkPlan]:
-    """Chunk chunks in token order, then (if any) the chunk of tensors without a token axis."""
+def min_chunk(chunk_tokens: int) -> int:
+    """The shortest chunk ``cuts`` makes on purpose (a session's tail may be shorter until it grows)."""
+    return max(1, chunk_tokens // 4)
+
+
+def cuts(extent: int, chunk_tokens: int, stored: list[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """The token windows ``[start, stop)`` of a save of ``extent`` positions: the ``stored`` windows (sorted, from 0)
+    that still lie below ``extent`` and follow on from each other, less a short tail; then windows ending at
+    multiples of ``chunk_tokens`` (never shorter than ``min_chunk`` unless it is the last one), the last at
+    ``extent`` (see the module docstring)."""
+    small = min_chunk(chunk_tokens)
+    out: list[tuple[int, int]] = []
+    at = 0
+    for start, stop in stored:
+        if start != at or stop > extent or stop <= start:
+            break
+        out.append((start, stop))
+        at = stop
+    while out and out[-1][1] - out[-1][0] < small:
+        out.pop()  # a short tail kept would stay short for good: rewrite it once with what follows
+    at = out[-1][1] if out else 0
+    while at < extent:
+        stop = (at // chunk_tokens + 1) * chunk_tokens
+        if stop - at < small:
+            stop += chunk_tokens
+        if at % chunk_tokens and extent - stop < small:
+            stop = extent  # off the grid already: no short tail that the next save would rewrite
+        stop = min(stop, extent)
+        out.append((at, stop))
+        at = stop
+    return out
+
+
+def plan_chunks(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_tokens: int,
+                stored: list[tuple[int, int]] = ()) -> list[ChunkPlan]:
+    """Token chunks in token order (cut by ``cuts``, keeping ``stored``'s windows), then (if any) the chunk of
+    tensors without a token axis."""
     hosts = [[host_view(a) for a in row] for row in arrays]
     extent = 0
     for entry, row in zip(entries, hosts):
@@ -100,8 +149,7 @@ def plan_chunks(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_t
             if slot.token_axis is not None:
                 extent = max(extent, host.shape[slot.token_axis])
     plans = []
-    for start in range(0, extent, chunk_tokens):
-        stop = min(start + chunk_tokens, extent)
+    for start, stop in cuts(extent, chunk_tokens, stored):
         pieces = []
         for i, (entry, row) in enumerate(zip(entries, hosts)):
             for j, (slot, host) in enumerate(zip(entry.tensors, row)):
@@ -121,4 +169,4 @@ def plan_chunks(entries: list[CacheEntry], arrays: list[list[mx.array]], chunk_t
     return plans
 
 
-__all__ = ["ChunkPlan", "Region", "host_view", "plan_chunks", "runs"]
+__all__ = ["ChunkPlan", "Region", "cuts", "host_view", "min_chunk", "plan_chunks", "runs"]

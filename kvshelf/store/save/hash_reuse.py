@@ -25,7 +25,8 @@ read at capture, before the snapshot, and checked again after it is evaluated, s
 captures, never a capture with a later state. ``store.counters`` counts ``chunks_hashed`` / ``bytes_hashed`` and
 ``chunks_hash_reused`` / ``bytes_hash_reused`` so tests count the work.
 
-mlx-lm's classes (``KVCache``, ``QuantizedKVCache``; any cache without the epoch): their stored windows are
+mlx-lm's classes (``KVCache``, ``QuantizedKVCache`` — packed data, scales and biases alike — and ``RotatingKVCache``
+before its ring wraps, stored as rows; any cache without the epoch): their stored windows are
 *verified*, never trusted. Nothing short of the bytes can prove a window of such a cache unchanged: the object, its
 arrays and even the data pointer stay the same across ``trim`` + ``update_and_fetch`` (MLX donates the buffer to
 the slice update, so a rewritten row lands in the very memory that was saved), and a sample of rows misses the row

@@ -7,10 +7,13 @@ no manifest file to sync. Chunks are content-addressed (xxh3-128 over the logica
 buffers that are written) and deduplicated against every indexed chunk, v1 chunk files included — except a chunk marked
 bad (``index/bad_chunks.py``): its fresh copy is written and takes the name back in the commit.
 
+A save cuts its chunks where the stored snapshot it extends cut them (``alignment.py``, ``chunking.cuts``), so a
+session re-saved every few tokens writes its new rows only, never the window straddling its old end again.
+
 A grown session's save skips the *write* of the chunks already stored and, for kvshelf's own caches, their
 *hashing* too: the handle remembers each session's last save, and a token window the cache's edit epoch proves
 unchanged since then reuses its old hash (``hash_reuse.py`` says exactly when). Everything else — mlx-lm's caches,
-a cache trimmed, rolled back or replaced since, the window straddling the old offset, the untokened chunk — is
+a cache trimmed, rolled back or replaced since, a short tail rewritten with what follows it, the untokened chunk — is
 hashed, from the very buffers that are written, on a pool of threads and new windows first, so verifying what
 mlx-lm's caches stored last time overlaps writing what they added.
 """
@@ -31,7 +34,7 @@ from ..context import StoreContext
 from ..index import bad_chunks
 from ..liveness import ledger
 from ..index import schema
-from . import hash_reuse
+from . import alignment, hash_reuse
 from ..objects.chunkfile import raw_buffers
 from .checkpoints import Checkpoints
 from .chunking import ChunkPlan, plan_chunks
@@ -161,7 +164,8 @@ class Saver:
     def write(self, cap: Capture) -> SnapshotInfo:
         ctx = self.ctx
         t0 = time.perf_counter()
-        plans = plan_chunks(cap.entries, cap.arrays, ctx.chunk_tokens)
+        stored = alignment.stored_windows(ctx, self.book, (cap.namespace, cap.session_id), cap.tokens)
+        plans = plan_chunks(cap.entries, cap.arrays, ctx.chunk_tokens, stored)
         sid = uuid.uuid4().hex
         stream = ctx.max_bytes is None and capability(ctx.bytes, "supports_streaming")
         hashes: list[str] = []
