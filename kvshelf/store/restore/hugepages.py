@@ -5,11 +5,8 @@ faulted (and zeroed by the kernel) as ``preadv`` first writes it: 131,072 faults
 third of the restore's CPU time here. ``madvise(MADV_HUGEPAGE)`` on the (still untouched) destination, right
 after MLX allocated it and before the first byte is read into it, lets the kernel fault it in 2 MiB pages instead
 (measured: restore CPU 371 → 301 ms for 512 MiB on this machine, THP mode ``madvise``). Only the 2 MiB-aligned
-interior of a buffer is advised, so any buffer that holds one aligned 2 MiB page gains (``MIN_BYTES``): a prefix
-restore's planes are small (1,024 tokens of 8 heads × 128 bf16 is 2.5 MiB with its headroom), and the former floor
-of 8 MiB left every one of them to 4 KiB faults (restore_prefix 1,024 of 4,096, KV bf16: 35,873 → 28,724 page
-faults a restore, counted with ``getrusage``). Elsewhere (other systems, THP ``never``, a refused call) this is a
-no-op, and ``KVSHELF_NO_HUGEPAGES=1`` turns it off.
+interior of a buffer of at least ``MIN_BYTES`` is advised; elsewhere (other systems, THP ``never``, a refused call)
+this is a no-op, and ``KVSHELF_NO_HUGEPAGES=1`` turns it off.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import sys
 import numpy as np
 
 HUGE = 2 << 20
-MIN_BYTES = HUGE  # smaller buffers cannot hold an aligned huge page
+MIN_BYTES = 4 * HUGE
 MADV_HUGEPAGE = 14  # Linux
 
 
