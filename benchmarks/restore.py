@@ -1,4 +1,5 @@
-"""Measures 4, 5, 6 and 11: restores from the page cache (full, prefix, batched, with and without checksums).
+"""Measures 4, 5, 6 and 11: restores from the page cache (full, prefix, batched, with and without checksums), and
+the MLA latent's restore against a memcpy of its bytes and, cold, against mlx-lm's cold load (issue 32's targets).
 
 Every restore is followed by ``mx.eval`` of every array it returns, because MLX (and ``mx.load``, which mlx-lm
 uses) is lazy: a restore that has not produced its bytes has not restored anything. Files are read from the page
@@ -33,6 +34,10 @@ def run(ctx: Context, only: set[str]) -> list[Row]:
         if "4" in only:
             mlx_lm_save_fsync(mlx_path, data.mlx_lm_caches(ctx.data()))
             rows += guarded("4", f"restore + eval ({w.name})", _restores, ctx, store, variants, mlx_path)
+            rows += guarded("4", f"warm restore vs memcpy, mla-f32 ({w.name})", _vs_memcpy, ctx, store)
+            store.close()
+            rows += guarded("4", f"cold restore, mla-f32 ({w.name})", _cold, ctx, store_path, mlx_path)
+            store = ctx.open_store(store_path)
         if "5" in only:
             rows += guarded("5", f"restore_prefix ({w.name})", _prefix, ctx, store, tokens)
         if "11" in only:
@@ -86,6 +91,33 @@ def _with_cache_limit(ctx: Context, store, mlx_path) -> Row:
         mx.clear_cache()
     return Row("4", f"… mla-f32 again with mx.set_cache_limit(2 GiB) on both sides ({ctx.workload.name})",
                s["kvshelf"], s["mlx-lm"], "mlx-lm load_prompt_cache + eval, same limit", "(report)", check="none")
+
+
+def _vs_memcpy(ctx: Context, store) -> list[Row]:
+    """Issue 32: the warm MLA restore against a copy of the same bytes into prefaulted buffers (≤ 2×)."""
+    from .kv_targets import memcpy_case  # kv_targets imports this module: imported when used
+
+    s = time_interleaved({"warm": _restore_case(store, "s-mla-f32"),
+                          "memcpy": memcpy_case(ctx.caches("mla-f32"))}, ctx.reps)
+    return [Row("4", f"warm restore + eval vs memcpy of the same bytes, mla-f32 ({ctx.workload.name})", s["warm"],
+                s["memcpy"], "np.copyto into prefaulted buffers", "≤ 2× memcpy", 2.0)]
+
+
+def _cold(ctx: Context, store_path, mlx_path) -> list[Row]:
+    """Issue 32: the MLA restore with the page cache dropped over every store file (and the store opened cold)
+    against mlx-lm's ``load_prompt_cache`` of its file, dropped the same way (≤ 1.0×). The handle is opened inside
+    the timed call: LMDB allows one per process, so the caller closes its own first."""
+    from .kv_targets import drop_page_cache, store_files
+
+    def cold_store(_):
+        with ctx.open_store(store_path) as st:
+            eval_caches(st.restore("s-mla-f32").caches)
+
+    s = time_interleaved({"kvshelf": Timed(cold_store, lambda: drop_page_cache(store_files(store_path))),
+                          "mlx-lm": Timed(lambda _: _mlx_lm_load(mlx_path), lambda: drop_page_cache([mlx_path]))},
+                         ctx.reps)
+    return [Row("4", f"cold restore + eval (posix_fadvise DONTNEED, store opened cold), mla-f32 ({ctx.workload.name})",
+                s["kvshelf"], s["mlx-lm"], "mlx-lm load_prompt_cache + eval, cold", "≤ 1.0×", 1.0)]
 
 
 def _prefix(ctx: Context, store, tokens) -> list[Row]:
