@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import InvalidCacheState
+from ..errors import CacheRangeError, InvalidCacheState
 from ..latent_legos.contracts import LatentAttentionState
 from ..latent_legos.latent.geometry import LatentGeometry
 
@@ -211,7 +211,13 @@ class SyntheticMLAModel:
             raise InvalidCacheState(f"tokens must be [B, L] (got {list(tokens.shape)})")
         if len(caches) != self.num_layers:
             raise InvalidCacheState(f"expected {self.num_layers} caches, got {len(caches)}")
-        h = self.embed[tokens.astype(mx.int32)]
+        ids = tokens.astype(mx.int32)
+        if ids.size:  # an id outside the vocabulary would make the gather read past the embedding table (a crash)
+            low, high = mx.min(ids).item(), mx.max(ids).item()
+            if low < 0 or high >= self.vocab:
+                raise CacheRangeError(f"token ids must lie in [0, {self.vocab}) for this model's vocabulary "
+                                      f"(got {low}..{high})")
+        h = self.embed[ids]
         for layer, cache in zip(self.layers, caches):
             h = h + self._attend(layer, _rms_norm(h), cache)
         return _rms_norm(h) @ self.lm_head
