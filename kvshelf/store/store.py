@@ -13,6 +13,7 @@ write transaction that re-checks the ledger and the live leases, so a crash leav
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..codecs import CodecProvider, default_provider
-from ..errors import InvalidCacheState, WrongArgumentType
+from ..errors import InvalidCacheState, KvShelfError, WrongArgumentType
 from .assembly import assemble, bind_remote
 from .generations import GenerationCheckpoint, GenerationCheckpoints
 from .identity import Identity
@@ -32,6 +33,8 @@ from .prefix.hashing import BLOCK_TOKENS
 from .results import PrefixHit, Restored, RestoredBatch, SessionInfo, SnapshotInfo
 from .save.checkpoints import CheckpointInfo
 from .space.budget import tenant_limits
+
+log = logging.getLogger("kvshelf.store")
 
 # Names that were ``Store`` methods before the offline tools' calls moved to ``store.admin`` (and before "blob"
 # became "chunk"): deprecated, kept for one release, each warning and answering with the ``store.admin`` call.
@@ -82,6 +85,11 @@ class Store:
         self.provider, self.chunk_tokens, self.max_bytes = ctx.provider, chunk_tokens, max_bytes
         self.verify_reads, self.lease_seconds = verify, lease_seconds
         self.admin, self.pins, self.checkpoints = parts.admin, parts.pins, parts.checkpoints
+        if not admin and ctx.tenant_max_bytes and not ctx.read_only:
+            try:  # a tenant left over its quota by a killed writer (space/budget.py): evicted now, not at its next save
+                parts.budget.enforce_tenants()
+            except KvShelfError as exc:  # the store still opens; the tenant's next save evicts again
+                log.warning("kvshelf store %s: could not enforce the tenant quotas at open: %s", ctx.root, exc)
 
     # the context's fields that change after open: read through, never copied
     index = property(lambda self: self._ctx.index, doc="the index (``IndexStore``); an index swap replaces it")

@@ -76,3 +76,20 @@ def test_a_tenant_flooding_the_store_evicts_only_its_own_sessions(tmp_path):
         assert len(store.sessions(tenant="a")) == 3  # a's own quota still applies to a alone
         with pytest.raises(InvalidCacheState, match="quota"):
             store.set_tenant_limit("a", -1)
+
+
+def test_opening_with_a_quota_evicts_a_tenant_left_over_it(tmp_path):
+    """A writer killed between a save's commit and its eviction leaves its tenant over quota (the same state as a
+    store filled before the quota was set): the next open with the quota evicts that tenant's least recently used
+    snapshots down to it at once, never another tenant's, never a pinned one — not only at that tenant's next save,
+    which an idle tenant never makes."""
+    with open_test_store(tmp_path / "s", chunk_tokens=16) as store:
+        store.save("a-pinned", token_ids(48, seed=50), mla(48, seed=50), tenant="a")
+        store.pin("a-pinned", tenant="a")
+        for i in range(4):
+            store.save(f"a-{i}", token_ids(48, seed=i), mla(48, seed=i), tenant="a")
+            store.save(f"b-{i}", token_ids(48, seed=100 + i), mla(48, seed=100 + i), tenant="b")
+    with open_test_store(tmp_path / "s", chunk_tokens=16, tenant_max_bytes={"a": 3 * SNAP}) as store:
+        assert {s.session_id for s in store.sessions(tenant="a")} == {"a-pinned", "a-2", "a-3"}
+        assert len(store.sessions(tenant="b")) == 4  # b has no quota of its own and no "*"
+        assert store.counters["evicted"] == 2

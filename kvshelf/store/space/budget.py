@@ -8,7 +8,8 @@ unleased snapshot is evicted — never another tenant's, so a tenant that floods
 tenant's usage is the sum of its snapshots' bytes (``Summary.nbytes``: chunks shared between its own snapshots count
 once per snapshot, so the quota is conservative); pins count against their tenant but are never victims. The usage
 is counted from the index at each eviction (one scan of the identity's LRU), not kept in a counter that a crash or
-a concurrent handle could leave wrong."""
+a concurrent handle could leave wrong. Opening a writable store with quotas also evicts every tenant found over its
+quota (``enforce_tenants``): what a writer killed between a save's commit and its eviction left behind."""
 
 from __future__ import annotations
 
@@ -60,7 +61,25 @@ class Budget:
             s = tables.summary(txn, protect)
         if s is None:
             return 0
-        token = tenant_of(s.namespace)
+        return self._evict_to_quota(tenant_of(s.namespace), protect)
+
+    def enforce_tenants(self) -> int:
+        """Evict every tenant of this identity that is over its quota down to it (nothing protected); how many
+        snapshots went. Why: the quota is otherwise enforced only after that tenant's own saves, so a writer killed
+        between a save's commit and its eviction (or a quota lowered since) would leave the tenant over its quota
+        until it saves again — which an idle or departed tenant never does. Opening a store with quotas runs it."""
+        if not self.ctx.tenant_max_bytes:
+            return 0
+        with self.ctx.index.read() as txn:
+            tokens = set()
+            for key, _ in txn.range("lru", self.ctx.id_key, keys.after_prefix(self.ctx.id_key)):
+                s = tables.summary(txn, keys.lru_sid(key))
+                if s is not None:
+                    tokens.add(tenant_of(s.namespace))
+        return sum(self._evict_to_quota(token, None) for token in sorted(tokens))
+
+    def _evict_to_quota(self, token: str, protect: bytes | None) -> int:
+        limits = self.ctx.tenant_max_bytes
         limit = limits.get(token, limits.get("*"))
         if limit is None:
             return 0
