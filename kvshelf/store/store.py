@@ -85,7 +85,7 @@ class Store:
         self.provider, self.chunk_tokens, self.max_bytes = ctx.provider, chunk_tokens, max_bytes
         self.verify_reads, self.lease_seconds = verify, lease_seconds
         self.admin, self.pins, self.checkpoints = parts.admin, parts.pins, parts.checkpoints
-        if not admin and ctx.tenant_max_bytes and not ctx.read_only:
+        if not admin and not ctx.read_only:
             try:  # a tenant left over its quota by a killed writer (space/budget.py): evicted now, not at its next save
                 parts.budget.enforce_tenants()
             except KvShelfError as exc:  # the store still opens; the tenant's next save evicts again

@@ -213,7 +213,7 @@ class SyntheticMLAModel:
             raise InvalidCacheState(f"expected {self.num_layers} caches, got {len(caches)}")
         ids = tokens.astype(mx.int32)
         if ids.size:  # an id outside the vocabulary would make the gather read past the embedding table (a crash)
-            low, high = mx.min(ids).item(), mx.max(ids).item()
+            low, high = mx.stack([mx.min(ids), mx.max(ids)]).tolist()  # one host sync, not two
             if low < 0 or high >= self.vocab:
                 raise CacheRangeError(f"token ids must lie in [0, {self.vocab}) for this model's vocabulary "
                                       f"(got {low}..{high})")

@@ -44,13 +44,19 @@ class Budget:
     def usage(self, txn, token: str) -> tuple[int, list[bytes]]:
         """Tenant ``token``'s bytes in this identity, and its snapshots least recently used first."""
         used, sids = 0, []
-        for key, _ in txn.range("lru", self.ctx.id_key, keys.after_prefix(self.ctx.id_key)):
-            sid = keys.lru_sid(key)
-            s = tables.summary(txn, sid)
-            if s is not None and tenant_of(s.namespace) == token:
+        for sid, s in self._by_use(txn):
+            if tenant_of(s.namespace) == token:
                 used += s.nbytes
                 sids.append(sid)
         return used, sids
+
+    def _by_use(self, txn):
+        """(snapshot id, summary) of this identity's snapshots, least recently used first."""
+        for key, _ in txn.range("lru", self.ctx.id_key, keys.after_prefix(self.ctx.id_key)):
+            sid = keys.lru_sid(key)
+            s = tables.summary(txn, sid)
+            if s is not None:
+                yield sid, s
 
     def evict_tenant(self, protect: bytes | None) -> int:
         """Evict ``protect``'s tenant's LRU snapshots (never ``protect``, a leased or a pinned one) to its quota."""
@@ -70,17 +76,20 @@ class Budget:
         until it saves again — which an idle or departed tenant never does. Opening a store with quotas runs it."""
         if not self.ctx.tenant_max_bytes:
             return 0
-        with self.ctx.index.read() as txn:
-            tokens = set()
-            for key, _ in txn.range("lru", self.ctx.id_key, keys.after_prefix(self.ctx.id_key)):
-                s = tables.summary(txn, keys.lru_sid(key))
-                if s is not None:
-                    tokens.add(tenant_of(s.namespace))
-        return sum(self._evict_to_quota(token, None) for token in sorted(tokens))
+        used: dict[str, int] = {}
+        with self.ctx.index.read() as txn:  # one scan; only a tenant found over its quota is scanned again
+            for _sid, s in self._by_use(txn):
+                token = tenant_of(s.namespace)
+                used[token] = used.get(token, 0) + s.nbytes
+        over = [t for t, n in sorted(used.items()) if (limit := self._limit(t)) is not None and n > limit]
+        return sum(self._evict_to_quota(token, None) for token in over)
+
+    def _limit(self, token: str) -> int | None:
+        limits = self.ctx.tenant_max_bytes
+        return limits.get(token, limits.get("*"))
 
     def _evict_to_quota(self, token: str, protect: bytes | None) -> int:
-        limits = self.ctx.tenant_max_bytes
-        limit = limits.get(token, limits.get("*"))
+        limit = self._limit(token)
         if limit is None:
             return 0
 
